@@ -1,0 +1,5 @@
+"""Attention backends over the paged KV layout. ``torch`` is the reference (CPU and GPU)."""
+
+from engine.attention.base import AttentionBackend, get_backend
+
+__all__ = ["AttentionBackend", "get_backend"]

@@ -1,0 +1,34 @@
+"""Reference attention in plain torch over the paged cache (CPU and GPU; slow but exact)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention.base import AttentionBackend
+from engine.forward_context import AttentionMetadata
+
+
+class TorchAttentionBackend(AttentionBackend):
+    name = "torch"
+
+    def forward(self, q: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        out = torch.empty_like(q)
+        bs = meta.block_size
+        qsl = meta.query_start_loc
+        for i, ctx in enumerate(meta.context_lens):
+            start, end = qsl[i], qsl[i + 1]
+            n_q = end - start
+            blocks = meta.block_tables[i, : (ctx + bs - 1) // bs]
+            kv = kv_cache[blocks]  # [nb, 2, H, bs, D]
+            k = kv[:, 0].transpose(0, 1).reshape(self.num_kv_heads, -1, self.head_dim)[:, :ctx]
+            v = kv[:, 1].transpose(0, 1).reshape(self.num_kv_heads, -1, self.head_dim)[:, :ctx]
+            qi = q[start:end].transpose(0, 1)  # [Hq, n_q, D]
+            q_pos = torch.arange(ctx - n_q, ctx, device=q.device)
+            mask = torch.arange(ctx, device=q.device)[None, :] <= q_pos[:, None]
+            o = F.scaled_dot_product_attention(
+                qi.unsqueeze(0), k.unsqueeze(0).to(q.dtype), v.unsqueeze(0).to(q.dtype),
+                attn_mask=mask, scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads)
+            out[start:end] = o[0].transpose(0, 1)
+        return out

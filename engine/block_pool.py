@@ -1,0 +1,155 @@
+"""KV block pool with prefix caching.
+
+Every block has a reference count. A full block gets a chained hash (xxhash of the parent
+block's hash and the block's token ids) and is registered in the prefix cache. A block whose count
+falls to zero goes to the tail of an LRU free queue *keeping its hash*: it stays a cache hit until
+it is handed out again, at which point its hash is dropped (evicted). Freed blocks without a hash
+go to the head of the queue, since they are worth nothing to keep. Block 0 is the null block:
+never handed out, it pads block tables.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import xxhash
+
+NULL_BLOCK = 0
+
+
+def hash_block(parent: int | None, token_ids: Sequence[int]) -> int:
+    """xxh3-64 of the parent block's hash (or a root marker) and this block's token ids."""
+    h = xxhash.xxh3_64()
+    h.update(b"\x00" * 9 if parent is None else b"\x01" + parent.to_bytes(8, "little"))
+    h.update(array("q", token_ids).tobytes())
+    return h.intdigest()
+
+
+def hash_blocks(token_ids: Sequence[int], block_size: int, parent: int | None = None,
+                start_block: int = 0) -> list[int]:
+    """Chained hashes of the full blocks of ``token_ids`` from ``start_block`` on."""
+    hashes = []
+    for b in range(start_block, len(token_ids) // block_size):
+        parent = hash_block(parent, token_ids[b * block_size:(b + 1) * block_size])
+        hashes.append(parent)
+    return hashes
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: int | None = None
+
+
+class NoFreeBlocksError(RuntimeError):
+    pass
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, enable_prefix_caching: bool = True):
+        if num_blocks < 2:
+            raise ValueError("num_blocks must be at least 2 (one is the null block)")
+        self.num_blocks = num_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.blocks[NULL_BLOCK].ref_cnt = 1  # pinned forever
+        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(1, num_blocks))
+        self._cached: dict[int, int] = {}  # block hash -> block id
+        self.hit_tokens = 0
+        self.query_tokens = 0
+
+    # -- capacity ---------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_usable_blocks(self) -> int:
+        return self.num_blocks - 1
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_usable_blocks - self.num_free_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
+
+    # -- prefix cache -----------------------------------------------------------------------
+    def match_prefix(self, block_hashes: Sequence[int]) -> list[int]:
+        """Block ids of the longest cached prefix (not yet referenced: call :meth:`touch`)."""
+        hits = []
+        if self.enable_prefix_caching:
+            for h in block_hashes:
+                block_id = self._cached.get(h)
+                if block_id is None:
+                    break
+                hits.append(block_id)
+        return hits
+
+    def record_lookup(self, queried_tokens: int, hit_tokens: int) -> None:
+        self.query_tokens += queried_tokens
+        self.hit_tokens += hit_tokens
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
+
+    def cache_block(self, block_id: int, block_hash: int) -> None:
+        """Register a full block under its hash (a no-op if that hash is already cached)."""
+        if not self.enable_prefix_caching:
+            return
+        block = self.blocks[block_id]
+        if block.block_hash is not None or block_hash in self._cached:
+            return
+        block.block_hash = block_hash
+        self._cached[block_hash] = block_id
+
+    # -- references -------------------------------------------------------------------------
+    def num_blocks_to_touch(self, block_ids: Sequence[int]) -> int:
+        """How many free blocks touching ``block_ids`` would take out of the free queue."""
+        return sum(1 for b in block_ids if self.blocks[b].ref_cnt == 0)
+
+    def touch(self, block_ids: Sequence[int]) -> None:
+        for b in block_ids:
+            block = self.blocks[b]
+            if block.ref_cnt == 0:
+                del self._free[b]
+            block.ref_cnt += 1
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise NoFreeBlocksError(f"asked for {n} blocks, {len(self._free)} free")
+        out = []
+        for _ in range(n):
+            block_id, _ = self._free.popitem(last=False)  # least recently freed first
+            block = self.blocks[block_id]
+            if block.block_hash is not None:  # evict from the prefix cache
+                del self._cached[block.block_hash]
+                block.block_hash = None
+            block.ref_cnt = 1
+            out.append(block_id)
+        return out
+
+    def free(self, block_ids: Sequence[int]) -> None:
+        """Drop one reference from each block. Pass a request's blocks tail first, so that its
+        last blocks (the least shared) are evicted before its first ones."""
+        for b in block_ids:
+            block = self.blocks[b]
+            if block.ref_cnt <= 0 or b == NULL_BLOCK:
+                raise RuntimeError(f"block {b} freed more often than referenced")
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self._free[b] = None
+                if block.block_hash is None:  # no cache value: hand it out first
+                    self._free.move_to_end(b, last=False)
+
+    def reset_prefix_cache(self) -> None:
+        for block_hash, block_id in list(self._cached.items()):
+            if self.blocks[block_id].ref_cnt == 0:
+                self.blocks[block_id].block_hash = None
+                del self._cached[block_hash]

@@ -1,0 +1,117 @@
+"""Engine configuration (pydantic) and the Qwen3 model description read from ``config.json``."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+}
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    try:
+        return _DTYPES[name.removeprefix("torch.")]
+    except KeyError:
+        raise ValueError(f"dtype: unknown dtype {name!r}; use one of {sorted(_DTYPES)}") from None
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The parts of a Qwen3 ``config.json`` the engine uses."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    torch_dtype: str = "bfloat16"
+    eos_token_id: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+
+    @classmethod
+    def from_dict(cls, raw: dict, source: str = "config") -> "ModelConfig":
+        model_type = raw.get("model_type")
+        archs = raw.get("architectures") or []
+        if model_type != "qwen3" and "Qwen3ForCausalLM" not in archs:
+            raise ValueError(
+                f"{source}: not a Qwen3 dense model (model_type={model_type!r}, "
+                f"architectures={archs}); Baton serves Qwen3ForCausalLM only")
+        rope = raw.get("rope_parameters") or {}
+        if raw.get("rope_scaling") or rope.get("rope_type", "default") != "default":
+            raise ValueError(f"{source}: RoPE scaling ({raw.get('rope_scaling') or rope}) "
+                             "is not supported")
+        eos = raw.get("eos_token_id")
+        eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
+        heads = int(raw["num_attention_heads"])
+        return cls(
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=int(raw["hidden_size"]),
+            intermediate_size=int(raw["intermediate_size"]),
+            num_hidden_layers=int(raw["num_hidden_layers"]),
+            num_attention_heads=heads,
+            num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
+            head_dim=int(raw.get("head_dim") or raw["hidden_size"] // heads),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(raw.get("rope_theta", rope.get("rope_theta", 1e6))),
+            max_position_embeddings=int(raw.get("max_position_embeddings", 40960)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"),
+            eos_token_id=eos,
+            bos_token_id=raw.get("bos_token_id"),
+        )
+
+    @classmethod
+    def from_file(cls, path: Path) -> "ModelConfig":
+        return cls.from_dict(json.loads(Path(path).read_text()), source=str(path))
+
+
+class EngineConfig(BaseModel):
+    """Everything that shapes one engine instance. Validated when built."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = "tiny"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: str | None = None  # None: float32 on CPU, the checkpoint's dtype (bf16) on CUDA
+    seed: int = 0
+    block_size: int = Field(16, ge=1, le=1024)
+    num_blocks: int | None = Field(None, ge=2)  # None: sized from the memory budget
+    kv_cache_memory_gb: float | None = Field(None, gt=0)
+    gpu_memory_utilization: float = Field(0.90, gt=0, le=1)
+    max_model_len: int | None = Field(None, ge=1)
+    max_num_seqs: int = Field(256, ge=1)
+    max_num_batched_tokens: int = Field(8192, ge=1)  # the per-step token budget (chunked prefill)
+    enable_prefix_caching: bool = True
+    attention_backend: Literal["auto", "torch", "flashinfer"] = "auto"
+    enforce_eager: bool = False
+    show_progress: bool = True
+
+    @model_validator(mode="after")
+    def _check(self) -> "EngineConfig":
+        if self.dtype is not None:
+            parse_dtype(self.dtype)
+        return self
+
+    def resolved_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device: 'cuda' asked for but no CUDA device is available")
+        return torch.device(self.device)

@@ -1,0 +1,185 @@
+"""The engine: requests in, tokens out. ``step()`` is schedule → run → postprocess."""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from collections.abc import Sequence as Seq
+
+import torch
+
+from engine.block_pool import BlockPool
+from engine.config import EngineConfig, parse_dtype
+from engine.loader import load_model, load_tokenizer, resolve_model
+from engine.model_runner import ModelRunner
+from engine.outputs import RequestOutput
+from engine.sampler import Sampler
+from engine.sampling_params import SamplingParams
+from engine.scheduler import ScheduledBatch, Scheduler
+from engine.sequence import FinishReason, Sequence
+
+log = logging.getLogger(__name__)
+
+Prompt = str | Seq[int]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.device = config.resolved_device()
+        self.source = resolve_model(config.model)
+        mcfg = self.source.config
+        if config.dtype is not None:
+            self.dtype = parse_dtype(config.dtype)
+        else:
+            self.dtype = parse_dtype(mcfg.torch_dtype) if self.device.type == "cuda" else torch.float32
+        self.max_model_len = min(config.max_model_len or mcfg.max_position_embeddings,
+                                 mcfg.max_position_embeddings)
+        self.model = load_model(self.source, self.device, self.dtype, seed=config.seed)
+        self.tokenizer = load_tokenizer(self.source)
+        self.eos_token_ids = self._eos_ids()
+        self.runner = ModelRunner(self.model, config, self.device, self.dtype, self.max_model_len)
+        self.pool = BlockPool(self.runner.num_blocks, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.pool, config.block_size, config.max_num_seqs,
+                                   config.max_num_batched_tokens)
+        self.sampler = Sampler(self.device, config.seed)
+        self._stop_offsets: dict[str, int] = {}
+
+    @property
+    def vocab_size(self) -> int:
+        return self.source.config.vocab_size
+
+    def _eos_ids(self) -> frozenset[int]:
+        ids = set(self.source.config.eos_token_id)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        gen_cfg = self.source.path / "generation_config.json" if self.source.path else None
+        if gen_cfg is not None and gen_cfg.is_file():
+            eos = json.loads(gen_cfg.read_text()).get("eos_token_id")
+            ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        return frozenset(ids)
+
+    # -- requests ---------------------------------------------------------------------------
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"prompt: model {self.source.name!r} has no tokenizer; "
+                                 "pass token ids instead of text")
+            ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+        else:
+            ids = list(prompt)
+        self.validate_prompt(ids)
+        return ids
+
+    def validate_prompt(self, ids: list[int]) -> None:
+        if not ids:
+            raise ValueError("prompt: must not be empty")
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise ValueError("prompt: token ids must be integers")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt: token ids {bad[:5]} are outside the vocabulary "
+                             f"[0, {self.vocab_size})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt: {len(ids)} tokens leave no room to generate within the "
+                             f"model's context of {self.max_model_len} tokens")
+        blocks = -(-(len(ids) + 1) // self.config.block_size)
+        if blocks > self.pool.num_usable_blocks:
+            raise ValueError(f"prompt: {len(ids)} tokens need {blocks} KV blocks; the cache has "
+                             f"{self.pool.num_usable_blocks}")
+
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        params = params or SamplingParams()
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop: stop strings need a tokenizer; use stop_token_ids")
+        ids = self.tokenize(prompt)
+        request_id = request_id or uuid.uuid4().hex
+        seq = Sequence(request_id, ids, params)
+        if params.seed is not None:
+            seq.generator = self.sampler.new_generator(params.seed)
+        self.scheduler.add(seq)
+        return request_id
+
+    def abort_request(self, request_id: str) -> bool:
+        seq = self.scheduler.find(request_id)
+        if seq is None:
+            return False
+        self.scheduler.finish(seq, FinishReason.ABORT)
+        self._stop_offsets.pop(request_id, None)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the loop ---------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        outputs = [self._output(s, []) for s in batch.finished]
+        if batch:
+            outputs += self._postprocess(batch, self.runner.execute(batch))
+        return outputs
+
+    def _postprocess(self, batch: ScheduledBatch, logits: torch.Tensor | None) -> list[RequestOutput]:
+        due = self.scheduler.advance(batch)
+        if not due:
+            return []
+        tokens, logprobs = self.sampler(logits, [s.params for s in due],
+                                        [s.generator for s in due])
+        tokens = tokens.tolist()
+        logprobs = logprobs.tolist() if logprobs is not None else None
+        outputs = []
+        for i, (seq, token) in enumerate(zip(due, tokens)):
+            seq.token_ids.append(token)
+            if seq.params.logprobs:
+                seq.output_logprobs.append(logprobs[i])
+            self._check_stop(seq, token)
+            outputs.append(self._output(seq, [token]))
+        return outputs
+
+    def _check_stop(self, seq: Sequence, token: int) -> None:
+        p = seq.params
+        reason = None
+        if not p.ignore_eos and token in self.eos_token_ids:
+            reason, seq.stop_reason = FinishReason.STOP, token
+        elif token in p.stop_token_ids:
+            reason, seq.stop_reason = FinishReason.STOP, token
+        elif p.stop and self._find_stop_string(seq) is not None:
+            reason = FinishReason.STOP
+        elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            reason = FinishReason.LENGTH
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+
+    def _find_stop_string(self, seq: Sequence) -> str | None:
+        text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+        longest = max(len(s) for s in seq.params.stop)
+        start = max(0, self._stop_offsets.get(seq.request_id, 0) - longest + 1)
+        self._stop_offsets[seq.request_id] = len(text)
+        found = [(i, s) for s in seq.params.stop if (i := text.find(s, start)) >= 0]
+        if not found:
+            return None
+        seq.stop_reason = min(found)[1]
+        return seq.stop_reason
+
+    def _output(self, seq: Sequence, new_tokens: list[int]) -> RequestOutput:
+        out = RequestOutput(
+            request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids,
+            token_ids=seq.output_token_ids, new_token_ids=new_tokens, finished=seq.is_finished,
+            finish_reason=seq.finish_reason.value if seq.finish_reason else None,
+            stop_reason=seq.stop_reason,
+            logprobs=list(seq.output_logprobs) if seq.params.logprobs else None,
+            num_cached_tokens=seq.num_cached_tokens)
+        if seq.is_finished:
+            self._stop_offsets.pop(seq.request_id, None)
+            out.text = self.detokenize(seq)
+        return out
+
+    def detokenize(self, seq: Sequence) -> str | None:
+        if self.tokenizer is None:
+            return None
+        text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+        if isinstance(seq.stop_reason, str):
+            text = text[: text.find(seq.stop_reason)]
+        return text

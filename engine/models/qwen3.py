@@ -1,0 +1,117 @@
+"""Qwen3 dense decoder with packed QKV and gate/up projections over the paged KV cache."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.attention.base import AttentionBackend
+from engine.config import ModelConfig
+from engine.forward_context import get_forward_context
+from engine.models.layers import RMSNorm, RotaryEmbedding, silu_and_mul
+from kernels import store_kv
+
+# checkpoint name fragment -> (our packed parameter fragment, shard index)
+PACKED_MODULES = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+class Qwen3Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.rope = rope
+        self.shard_sizes = (self.q_size, self.kv_size, self.kv_size)
+        # Set by the model runner once the cache and backend exist.
+        self.kv_cache: torch.Tensor | None = None
+        self.backend: AttentionBackend | None = None
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split(self.shard_sizes, dim=-1)
+        q = self.q_norm(q.view(-1, self.num_heads, self.head_dim))
+        k = self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim))
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = self.rope(positions, q, k)
+        meta = get_forward_context()
+        store_kv(k, v, self.kv_cache, meta.slot_mapping)
+        o = self.backend.forward(q, self.kv_cache, meta)
+        return self.o_proj(o.reshape(-1, self.q_size))
+
+
+class Qwen3MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.shard_sizes = (cfg.intermediate_size, cfg.intermediate_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class Qwen3DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding):
+        super().__init__()
+        self.self_attn = Qwen3Attention(cfg, rope)
+        self.mlp = Qwen3MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, positions, x, residual):
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class Qwen3Model(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(
+            [Qwen3DecoderLayer(cfg, self.rope) for _ in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class Qwen3ForCausalLM(nn.Module):
+    """``forward(input_ids, positions)`` → final hidden states; ``compute_logits`` → float32."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = Qwen3Model(cfg)
+        self.lm_head = (None if cfg.tie_word_embeddings
+                        else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.nn.functional.linear(hidden, weight).float()
+
+    def attention_layers(self) -> list[Qwen3Attention]:
+        return [layer.self_attn for layer in self.model.layers]

@@ -1,0 +1,168 @@
+"""Continuous batching with chunked prefill under a token budget and preemption by recompute.
+
+Queues: ``waiting`` (FIFO; preempted sequences go back to its front) → ``running`` (admission
+order, which is also priority: the most recently admitted is preempted first).
+
+Each step spends ``max_num_batched_tokens``: running sequences first (one token each when
+decoding, the next chunk when still prefilling), then waiting sequences are admitted while
+budget, ``max_num_seqs`` and free blocks allow. Admission matches the prefix cache; a full hit
+still recomputes the last prompt token (its KV is not stored again). When a running sequence
+needs a block and none is free, the last-admitted sequence is preempted: its blocks are freed
+(and stay prefix-cache hits) and it is recomputed later.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.block_pool import BlockPool, hash_blocks
+from engine.sequence import FinishReason, Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    finished: list[Sequence] = field(default_factory=list)  # ended by the scheduler itself
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def __bool__(self) -> bool:
+        return bool(self.seqs)
+
+
+class Scheduler:
+    def __init__(self, pool: BlockPool, block_size: int, max_num_seqs: int,
+                 max_num_batched_tokens: int):
+        self.pool = pool
+        self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    # -- queue management -------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def find(self, request_id: str) -> Sequence | None:
+        for seq in (*self.running, *self.waiting):
+            if seq.request_id == request_id:
+                return seq
+        return None
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """End a sequence wherever it is and give its blocks back."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self._release(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+
+    def _release(self, seq: Sequence) -> None:
+        self.pool.free(seq.block_ids[::-1])
+        seq.block_ids = []
+
+    # -- one step ---------------------------------------------------------------------------
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if self._blocks_needed(seq, n) > self.pool.num_usable_blocks:
+                self.finish(seq, FinishReason.LENGTH)  # can never fit in this cache
+                batch.finished.append(seq)
+                continue
+            if not self._reserve_running(seq, n, batch):
+                break  # ``seq`` itself was preempted; everything after it already was
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(n)
+            budget -= n
+            i += 1
+        if not batch.preempted:
+            self._admit_waiting(batch, budget)
+        return batch
+
+    def _reserve_running(self, seq: Sequence, n: int, batch: ScheduledBatch) -> bool:
+        while True:
+            extra = self._blocks_needed(seq, n) - len(seq.block_ids)
+            if extra <= self.pool.num_free_blocks:
+                seq.block_ids += self.pool.allocate(max(extra, 0))
+                return True
+            victim = self.running.pop()
+            self._preempt(victim)
+            batch.preempted.append(victim)
+            if victim is seq:
+                return False
+
+    def _preempt(self, seq: Sequence) -> None:
+        self._release(seq)
+        seq.reset_for_recompute()
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            self._update_hashes(seq)
+            hits = self.pool.match_prefix(seq.block_hashes)
+            hit_tokens = min(len(hits) * self.block_size, seq.num_tokens)
+            computed = min(hit_tokens, seq.num_tokens - 1)
+            n = min(seq.num_tokens - computed, budget)
+            need = -(-(computed + n) // self.block_size) - len(hits)
+            if need + self.pool.num_blocks_to_touch(hits) > self.pool.num_free_blocks:
+                break
+            self.pool.touch(hits)
+            self.pool.record_lookup(seq.num_tokens, hit_tokens)
+            seq.block_ids = hits + self.pool.allocate(max(need, 0))
+            seq.num_computed_tokens = computed
+            seq.num_present_tokens = hit_tokens
+            seq.num_cached_tokens = hit_tokens
+            seq.num_registered_blocks = len(hits)
+            seq.status = SequenceStatus.RUNNING
+            self.waiting.popleft()
+            self.running.append(seq)
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(n)
+            budget -= n
+
+    def _blocks_needed(self, seq: Sequence, n: int) -> int:
+        return -(-(seq.num_computed_tokens + n) // self.block_size)
+
+    # -- after the forward pass -------------------------------------------------------------
+    def advance(self, batch: ScheduledBatch) -> list[Sequence]:
+        """Account the computed chunks; return the sequences that are due a sampled token."""
+        due = []
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += n
+            self._cache_full_blocks(seq)
+            if seq.num_computed_tokens == seq.num_tokens:
+                due.append(seq)
+        return due
+
+    def _update_hashes(self, seq: Sequence) -> None:
+        have = len(seq.block_hashes)
+        if seq.num_tokens // self.block_size > have:
+            parent = seq.block_hashes[-1] if have else None
+            seq.block_hashes += hash_blocks(seq.token_ids, self.block_size, parent, have)
+
+    def _cache_full_blocks(self, seq: Sequence) -> None:
+        num_full = seq.num_computed_tokens // self.block_size
+        if num_full <= seq.num_registered_blocks or not self.pool.enable_prefix_caching:
+            return
+        self._update_hashes(seq)
+        for b in range(seq.num_registered_blocks, num_full):
+            self.pool.cache_block(seq.block_ids[b], seq.block_hashes[b])
+        seq.num_registered_blocks = num_full

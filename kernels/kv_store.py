@@ -1,0 +1,37 @@
+"""Write new K/V rows into the paged cache by slot mapping; slots < 0 are skipped.
+
+Cache layout per layer (HND): ``[num_blocks, 2, num_kv_heads, block_size, head_dim]``; index 0 of
+dim 1 is K, 1 is V. A slot is ``block_id * block_size + offset``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def store_kv_reference(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                       slot_mapping: torch.Tensor) -> None:
+    """``k``, ``v``: ``[num_tokens, num_kv_heads, head_dim]``; ``kv_cache``: one layer's cache."""
+    block_size = kv_cache.shape[3]
+    keep = slot_mapping >= 0
+    if not bool(keep.all()):
+        k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
+    blocks = torch.div(slot_mapping, block_size, rounding_mode="floor")
+    offsets = slot_mapping - blocks * block_size
+    # Advanced indices around a slice: the result is [num_tokens, num_kv_heads, head_dim].
+    kv_cache[blocks, 0, :, offsets, :] = k.to(kv_cache.dtype)
+    kv_cache[blocks, 1, :, offsets, :] = v.to(kv_cache.dtype)
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Dispatch: the Triton kernel on CUDA when available, else the torch reference."""
+    if kv_cache.is_cuda:
+        try:
+            from kernels.triton_kv_store import store_kv_triton
+        except ImportError:
+            pass
+        else:
+            store_kv_triton(k, v, kv_cache, slot_mapping)
+            return
+    store_kv_reference(k, v, kv_cache, slot_mapping)

@@ -23,7 +23,7 @@ test-gpu: install
 	$(BIN)/python -m pytest -q -m gpu
 
 demo: install
-	$(BIN)/python -m engine.demo
+	$(BIN)/baton demo
 
 clean:
 	rm -rf $(VENV) .pytest_cache

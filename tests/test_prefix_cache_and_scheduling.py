@@ -1,0 +1,88 @@
+"""Same greedy tokens with prefix caching on/off, on cache hits, under chunked prefill and under
+preemption; the hit counters move and no block leaks."""
+
+import pytest
+
+from engine import LLM, SamplingParams
+from tests.models import model_path, random_prompts
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+PROMPTS = random_prompts([5, 16, 33, 40, 70], vocab=512, seed=3)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    llm = LLM("tiny", enable_prefix_caching=False)
+    return [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+
+
+def _tokens(llm, prompts=PROMPTS):
+    return [o.token_ids for o in llm.generate(prompts, GREEDY)]
+
+
+def _assert_no_leak(llm):
+    assert llm.engine.pool.num_used_blocks == 0
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_prefix_caching_on_gives_same_tokens_and_hits_on_second_batch(reference):
+    llm = LLM("tiny", enable_prefix_caching=True)
+    assert _tokens(llm) == reference
+    pool = llm.engine.pool
+    hits_before = pool.hit_tokens
+    assert pool.num_cached_blocks > 0
+    # Second batch: the same prompts (full hits) and prompts extending them (partial hits).
+    extended = [p + [7, 8, 9, 10, 11] * 4 for p in PROMPTS]
+    outs = llm.generate(PROMPTS + extended, GREEDY)
+    assert [o.token_ids for o in outs[: len(PROMPTS)]] == reference
+    assert pool.hit_tokens > hits_before
+    for prompt, out in zip(PROMPTS + PROMPTS, outs):  # hits cover the original prompts' blocks
+        assert out.num_cached_tokens == (len(prompt) // 16) * 16
+    no_cache = LLM("tiny", enable_prefix_caching=False)
+    assert [o.token_ids for o in outs[len(PROMPTS):]] == _tokens(no_cache, extended)
+    _assert_no_leak(llm)
+
+
+def test_generated_blocks_are_cached_for_a_follow_up_turn():
+    llm = LLM("tiny")
+    first = llm.generate([PROMPTS[3]], GREEDY)[0]
+    follow_up = PROMPTS[3] + first.token_ids + [5, 6, 7]
+    second = llm.generate([follow_up], GREEDY)[0]
+    assert second.num_cached_tokens == (len(PROMPTS[3]) + len(first.token_ids) - 1) // 16 * 16
+    assert second.token_ids == _tokens(LLM("tiny", enable_prefix_caching=False), [follow_up])[0]
+
+
+@pytest.mark.parametrize("budget", [1, 7, 16, 33])
+def test_chunked_prefill_gives_same_tokens(reference, budget):
+    llm = LLM("tiny", max_num_batched_tokens=budget)
+    assert _tokens(llm) == reference
+    _assert_no_leak(llm)
+
+
+def test_preemption_by_recompute_gives_same_tokens(reference):
+    # 12 usable blocks of 16 tokens cannot hold five sequences of up to 94 tokens at once.
+    llm = LLM("tiny", num_blocks=13)
+    assert _tokens(llm) == reference
+    assert llm.engine.scheduler.num_preemptions > 0
+    _assert_no_leak(llm)
+
+
+def test_max_num_seqs_limits_the_running_batch(reference):
+    llm = LLM("tiny", max_num_seqs=2)
+    engine = llm.engine
+    for p in PROMPTS:
+        engine.add_request(p, GREEDY)
+    while engine.has_unfinished_requests():
+        engine.step()
+        assert len(engine.scheduler.running) <= 2
+    _assert_no_leak(llm)
+
+
+def test_sequence_larger_than_the_whole_cache_ends_with_length():
+    llm = LLM("tiny", num_blocks=3)  # two usable blocks: 32 tokens in all
+    out = llm.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=40,
+                                                    ignore_eos=True))[0]
+    assert out.finish_reason == "length"
+    # 32 tokens have KV in the two blocks; the last sampled token needs none.
+    assert len(PROMPTS[1]) + len(out.token_ids) == 33
+    _assert_no_leak(llm)

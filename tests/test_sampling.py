@@ -1,0 +1,116 @@
+"""Sampler behaviour and stop conditions, through the offline API."""
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.sampler import Sampler
+from tests.models import random_prompts
+
+PROMPTS = random_prompts([4, 12, 30], vocab=512, seed=5)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM("tiny")
+
+
+def _tokens(llm, prompts, params):
+    return [o.token_ids for o in llm.generate(prompts, params)]
+
+
+def test_same_seed_same_tokens_whatever_the_batch(llm):
+    params = SamplingParams(temperature=1.0, top_p=0.95, seed=1234, max_tokens=20, ignore_eos=True)
+    alone = _tokens(llm, PROMPTS[:1], params)[0]
+    in_batch = _tokens(llm, PROMPTS, [params] + [SamplingParams(temperature=0.8, max_tokens=30)] * 2)
+    assert in_batch[0] == alone
+    other_seed = _tokens(llm, PROMPTS[:1], params.model_copy(update={"seed": 99}))[0]
+    assert other_seed != alone
+
+
+def test_unseeded_sampling_varies(llm):
+    params = SamplingParams(temperature=1.5, max_tokens=20, ignore_eos=True)
+    runs = {tuple(_tokens(llm, PROMPTS[:1], params)[0]) for _ in range(3)}
+    assert len(runs) > 1
+
+
+def test_top_k_one_equals_greedy(llm):
+    greedy = _tokens(llm, PROMPTS, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    top1 = _tokens(llm, PROMPTS, SamplingParams(temperature=1.3, top_k=1, max_tokens=16,
+                                                ignore_eos=True))
+    assert top1 == greedy
+
+
+def test_tiny_top_p_equals_greedy(llm):
+    greedy = _tokens(llm, PROMPTS, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    assert _tokens(llm, PROMPTS, SamplingParams(top_p=1e-6, max_tokens=16,
+                                                ignore_eos=True)) == greedy
+
+
+def test_top_k_and_top_p_keep_only_allowed_tokens():
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]] * 200)
+    s = Sampler(torch.device("cpu"), seed=0)
+    tokens, _ = s(logits, [SamplingParams(top_k=2)] * 200, [None] * 200)
+    assert set(tokens.tolist()) == {0, 1}
+    # softmax([4,3,2,1,0]) ≈ [.64, .23, .09, .03, .01]: top_p=0.8 keeps the first two.
+    tokens, _ = s(logits, [SamplingParams(top_p=0.8)] * 200, [None] * 200)
+    assert set(tokens.tolist()) == {0, 1}
+
+
+def test_max_tokens(llm):
+    out = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=7, ignore_eos=True))[0]
+    assert len(out.token_ids) == 7 and out.finish_reason == "length"
+
+
+def test_stop_token_ids(llm):
+    full = _tokens(llm, PROMPTS[1:2], SamplingParams(temperature=0, max_tokens=20,
+                                                     ignore_eos=True))[0]
+    stop_id = full[5]
+    first = full.index(stop_id)
+    out = llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=20,
+                                                  stop_token_ids=[stop_id]))[0]
+    assert out.token_ids == full[: first + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_id
+
+
+def test_stop_string_cut_from_text(llm):
+    prompt = "The quick brown fox"
+    full = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))[0]
+    assert len(full.text) > 6
+    stop = full.text[3:6]
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True,
+                                              stop=[stop, "zzzz-never"]))[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == full.text[: full.text.find(stop)]
+    assert stop not in out.text
+    assert len(out.token_ids) < len(full.token_ids)
+
+
+def test_eos_stops_unless_ignored(llm):
+    engine = llm.engine
+    full = _tokens(llm, PROMPTS[2:3], SamplingParams(temperature=0, max_tokens=20,
+                                                     ignore_eos=True))[0]
+    saved = engine.eos_token_ids
+    engine.eos_token_ids = frozenset({full[4]})  # pretend that token is the model's eos
+    try:
+        stopped = llm.generate(PROMPTS[2], SamplingParams(temperature=0, max_tokens=20))[0]
+        ignored = llm.generate(PROMPTS[2], SamplingParams(temperature=0, max_tokens=20,
+                                                          ignore_eos=True))[0]
+    finally:
+        engine.eos_token_ids = saved
+    assert stopped.token_ids == full[: full.index(full[4]) + 1]
+    assert stopped.finish_reason == "stop"
+    assert ignored.token_ids == full and ignored.finish_reason == "length"
+
+
+def test_logprobs_are_log_probabilities(llm):
+    out = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=5, logprobs=True,
+                                                  ignore_eos=True))[0]
+    assert len(out.logprobs) == 5
+    assert all(lp <= 0 for lp in out.logprobs)
+
+
+def test_per_prompt_params(llm):
+    outs = llm.generate(PROMPTS[:2], [SamplingParams(max_tokens=3, ignore_eos=True),
+                                      SamplingParams(max_tokens=5, ignore_eos=True)])
+    assert [len(o.token_ids) for o in outs] == [3, 5]

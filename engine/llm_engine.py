@@ -90,17 +90,69 @@ class LLMEngine:
                              f"{self.pool.num_usable_blocks}")
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
+                    request_id: str | None = None, hold_blocks: bool = False) -> str:
+        """Queue a request. ``hold_blocks`` (prefill role): keep its KV blocks when it finishes,
+        until :meth:`release_held_blocks`; :meth:`held_blocks` lists them."""
+        seq = self._new_sequence(prompt, params, request_id)
+        seq.hold_blocks = hold_blocks
+        self.scheduler.add(seq)
+        return seq.request_id
+
+    def _new_sequence(self, prompt: Prompt, params: SamplingParams | None,
+                      request_id: str | None) -> Sequence:
         params = params or SamplingParams()
         if params.stop and self.tokenizer is None:
             raise ValueError("stop: stop strings need a tokenizer; use stop_token_ids")
         ids = self.tokenize(prompt)
-        request_id = request_id or uuid.uuid4().hex
-        seq = Sequence(request_id, ids, params)
+        if request_id is not None and self.scheduler.find(request_id) is not None:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        seq = Sequence(request_id or uuid.uuid4().hex, ids, params)
         if params.seed is not None:
             seq.generator = self.sampler.new_generator(params.seed)
-        self.scheduler.add(seq)
-        return request_id
+        return seq
+
+    # -- prefill role -----------------------------------------------------------------------
+    def held_blocks(self, request_id: str) -> list[int]:
+        """The KV blocks of a finished ``hold_blocks`` request, in token order."""
+        return list(self.scheduler.held.get(request_id, ()))
+
+    def release_held_blocks(self, request_id: str) -> None:
+        """Give the blocks back; their full blocks stay prefix-cache hits."""
+        self.scheduler.release_held(request_id)
+
+    # -- decode role ------------------------------------------------------------------------
+    def reserve(self, prompt: Prompt, params: SamplingParams | None = None,
+                request_id: str | None = None) -> tuple[str, list[int], int] | None:
+        """Reserve KV blocks for a prompt whose KV another engine will push.
+
+        Returns ``(request_id, block ids to fill, tokens already present)``: the blocks start at
+        the first block the local prefix cache does not hold. None when blocks or sequence
+        slots are short right now (nothing is taken). Then :meth:`admit` or
+        :meth:`abort_request`."""
+        seq = self._new_sequence(prompt, params, request_id)
+        if not self.scheduler.reserve(seq):
+            return None
+        skip = seq.num_present_tokens // self.config.block_size
+        return seq.request_id, seq.block_ids[skip:], seq.num_present_tokens
+
+    def admit(self, request_id: str, first_token: int,
+              first_logprob: float | None = None) -> RequestOutput:
+        """The pushed KV has landed and the prefill engine sampled ``first_token``: join the
+        running batch (or finish at once if that token ends the request)."""
+        seq = self.scheduler.transferring.get(request_id)
+        if seq is None:
+            raise KeyError(f"request {request_id!r} has no reserved blocks")
+        if not 0 <= first_token < self.vocab_size:
+            raise ValueError(f"first_token: {first_token} is outside the vocabulary")
+        self.scheduler.admit_transferred(seq)
+        if seq.generator is not None and not seq.params.greedy:
+            self.sampler.skip_draw(seq.generator, self.vocab_size)  # the draw prefill made
+        self._append_token(seq, first_token, first_logprob)
+        return self._output(seq, [first_token])
+
+    @property
+    def num_transferring(self) -> int:
+        return len(self.scheduler.transferring)
 
     def abort_request(self, request_id: str) -> bool:
         seq = self.scheduler.find(request_id)
@@ -131,12 +183,15 @@ class LLMEngine:
         logprobs = logprobs.tolist() if logprobs is not None else None
         outputs = []
         for i, (seq, token) in enumerate(zip(due, tokens)):
-            seq.token_ids.append(token)
-            if seq.params.logprobs:
-                seq.output_logprobs.append(logprobs[i])
-            self._check_stop(seq, token)
+            self._append_token(seq, token, logprobs[i] if logprobs else None)
             outputs.append(self._output(seq, [token]))
         return outputs
+
+    def _append_token(self, seq: Sequence, token: int, logprob: float | None) -> None:
+        seq.token_ids.append(token)
+        if seq.params.logprobs:
+            seq.output_logprobs.append(logprob)
+        self._check_stop(seq, token)
 
     def _check_stop(self, seq: Sequence, token: int) -> None:
         p = seq.params

@@ -30,6 +30,11 @@ class ModelSource:
     path: Path | None  # None for dummy models
 
     @property
+    def model_id(self) -> str:
+        """A name that is the same wherever the model's folder sits."""
+        return self.name if self.path is None else self.path.name
+
+    @property
     def is_dummy(self) -> bool:
         return self.path is None
 

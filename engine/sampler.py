@@ -22,6 +22,11 @@ class Sampler:
     def new_generator(self, seed: int) -> torch.Generator:
         return torch.Generator(device=self.device).manual_seed(seed)
 
+    def skip_draw(self, generator: torch.Generator, vocab_size: int) -> None:
+        """Advance a request's generator past one sampled row (taken by another engine), so a
+        seeded request continues exactly as it would have on one engine."""
+        torch.empty(vocab_size, device=self.device).exponential_(generator=generator)
+
     def __call__(self, logits: torch.Tensor, params: Seq[SamplingParams],
                  generators: Seq[torch.Generator | None]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``logits``: ``[B, V]`` float32 → (token ids ``[B]``, logprobs ``[B]`` or None)."""

@@ -44,6 +44,8 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.transferring: dict[str, Sequence] = {}  # decode role: awaiting pushed KV
+        self.held: dict[str, list[int]] = {}  # prefill role: finished, blocks kept for a push
         self.num_preemptions = 0
 
     # -- queue management -------------------------------------------------------------------
@@ -54,20 +56,57 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def find(self, request_id: str) -> Sequence | None:
+        if request_id in self.transferring:
+            return self.transferring[request_id]
         for seq in (*self.running, *self.waiting):
             if seq.request_id == request_id:
                 return seq
         return None
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
-        """End a sequence wherever it is and give its blocks back."""
+        """End a sequence wherever it is and give its blocks back (or, for a prefill-role
+        sequence that finished normally, keep them in ``held`` until :meth:`release_held`)."""
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self._release(seq)
+        self.transferring.pop(seq.request_id, None)
+        if seq.hold_blocks and reason is not FinishReason.ABORT and seq.block_ids:
+            self.held[seq.request_id] = seq.block_ids
+            seq.block_ids = []
+        else:
+            self._release(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+
+    def release_held(self, request_id: str) -> None:
+        blocks = self.held.pop(request_id, None)
+        if blocks:
+            self.pool.free(blocks[::-1])
+
+    # -- decode role: KV arrives by transfer ----------------------------------------------------
+    def reserve(self, seq: Sequence) -> bool:
+        """Match the prefix cache and reserve blocks for the rest of ``seq``'s prompt, outside
+        the running batch. False (nothing taken) when blocks or sequence slots are short."""
+        if len(self.running) + len(self.transferring) >= self.max_num_seqs:
+            return False
+        hits, hit_tokens = self._match(seq)
+        need = -(-seq.num_tokens // self.block_size) - len(hits)
+        if need + self.pool.num_blocks_to_touch(hits) > self.pool.num_free_blocks:
+            return False
+        self._take(seq, hits, hit_tokens, need)
+        seq.num_computed_tokens = seq.num_present_tokens
+        seq.status = SequenceStatus.TRANSFERRING
+        self.transferring[seq.request_id] = seq
+        return True
+
+    def admit_transferred(self, seq: Sequence) -> None:
+        """The KV of every prompt token is in ``seq``'s blocks: join the running batch."""
+        del self.transferring[seq.request_id]
+        seq.num_computed_tokens = seq.num_tokens
+        self._cache_full_blocks(seq)
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
 
     def _release(self, seq: Sequence) -> None:
         self.pool.free(seq.block_ids[::-1])
@@ -116,27 +155,34 @@ class Scheduler:
     def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            self._update_hashes(seq)
-            hits = self.pool.match_prefix(seq.block_hashes)
-            hit_tokens = min(len(hits) * self.block_size, seq.num_tokens)
+            hits, hit_tokens = self._match(seq)
             computed = min(hit_tokens, seq.num_tokens - 1)
             n = min(seq.num_tokens - computed, budget)
             need = -(-(computed + n) // self.block_size) - len(hits)
             if need + self.pool.num_blocks_to_touch(hits) > self.pool.num_free_blocks:
                 break
-            self.pool.touch(hits)
-            self.pool.record_lookup(seq.num_tokens, hit_tokens)
-            seq.block_ids = hits + self.pool.allocate(max(need, 0))
+            self._take(seq, hits, hit_tokens, need)
             seq.num_computed_tokens = computed
-            seq.num_present_tokens = hit_tokens
-            seq.num_cached_tokens = hit_tokens
-            seq.num_registered_blocks = len(hits)
             seq.status = SequenceStatus.RUNNING
             self.waiting.popleft()
             self.running.append(seq)
             batch.seqs.append(seq)
             batch.num_new_tokens.append(n)
             budget -= n
+
+    def _match(self, seq: Sequence) -> tuple[list[int], int]:
+        self._update_hashes(seq)
+        hits = self.pool.match_prefix(seq.block_hashes)
+        return hits, min(len(hits) * self.block_size, seq.num_tokens)
+
+    def _take(self, seq: Sequence, hits: list[int], hit_tokens: int, need: int) -> None:
+        """Reference the prefix hits and allocate ``need`` more blocks for ``seq``."""
+        self.pool.touch(hits)
+        self.pool.record_lookup(seq.num_tokens, hit_tokens)
+        seq.block_ids = hits + self.pool.allocate(max(need, 0))
+        seq.num_present_tokens = hit_tokens
+        seq.num_cached_tokens = hit_tokens
+        seq.num_registered_blocks = len(hits)
 
     def _blocks_needed(self, seq: Sequence, n: int) -> int:
         return -(-(seq.num_computed_tokens + n) // self.block_size)

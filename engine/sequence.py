@@ -18,6 +18,7 @@ from engine.sampling_params import SamplingParams
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
+    TRANSFERRING = "transferring"  # decode role: blocks reserved, KV being pushed by a prefill
     RUNNING = "running"
     FINISHED = "finished"
 
@@ -48,6 +49,7 @@ class Sequence:
     stop_reason: int | str | None = None
     output_logprobs: list[float] = field(default_factory=list)
     generator: torch.Generator | None = None
+    hold_blocks: bool = False  # prefill role: keep the KV blocks after finishing, for a push
     arrival_order: int = field(default_factory=lambda: next(_ids))
 
     def __post_init__(self):

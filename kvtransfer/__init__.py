@@ -1,1 +1,31 @@
-"""kvtransfer package."""
+"""Moving KV blocks between engines: push only what the receiver lacks.
+
+``KVEndpoint`` registers an engine's cache with a transport (``local``, ``nixl``, ``nccl``,
+``cuda_ipc``); ``KVLayout``, ``KVDestination``, ``EndpointInfo``, ``TransferStats`` and
+``PrefillResult`` are the typed contracts between prefill and decode.
+"""
+
+from kvtransfer.backends import BACKENDS, default_backend
+from kvtransfer.endpoint import KVEndpoint, Transfer
+from kvtransfer.types import (PROTOCOL_VERSION, EndpointInfo, KVDestination, KVLayout,
+                              LayoutMismatchError, PrefillResult, TransferError, TransferState,
+                              TransferStats)
+
+__all__ = [
+    "BACKENDS", "PROTOCOL_VERSION", "EndpointInfo", "KVDestination", "KVEndpoint", "KVLayout",
+    "LayoutMismatchError", "PrefillResult", "Transfer", "TransferError", "TransferState",
+    "TransferStats", "default_backend", "layout_of", "endpoint_for",
+]
+
+
+def layout_of(engine) -> KVLayout:
+    """The KV layout of an :class:`engine.LLMEngine`."""
+    cfg = engine.source.config
+    return KVLayout(model=engine.source.model_id, dtype=str(engine.dtype).removeprefix("torch."),
+                    num_layers=cfg.num_hidden_layers, num_kv_heads=cfg.num_key_value_heads,
+                    head_dim=cfg.head_dim, block_size=engine.config.block_size)
+
+
+def endpoint_for(engine, backend: str = "local", **kwargs) -> KVEndpoint:
+    """Register an engine's KV cache as a transfer endpoint."""
+    return KVEndpoint(engine.runner.kv_cache, layout_of(engine), backend, **kwargs)

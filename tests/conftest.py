@@ -16,3 +16,18 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One local Ray instance for every test that needs it (started on first use)."""
+    import ray
+
+    root = Path(__file__).resolve().parents[1]
+    os.environ.setdefault("RAY_TMPDIR", "/tmp/ray-baton")
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": str(root),
+                                       "BATON_CACHE": os.environ["BATON_CACHE"],
+                                       "RAY_USAGE_STATS_ENABLED": "0"}})
+    yield ray
+    ray.shutdown()

@@ -1,0 +1,88 @@
+"""The transport interface: the mechanics of moving blocks, driven by :class:`KVEndpoint`.
+
+A backend writes source blocks of its own cache into a peer's cache (push; the receiver never
+pulls) and, where the transport can, tells the receiver which transfers have landed.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from kvtransfer.types import EndpointInfo, KVLayout, TransferState
+
+
+class TransportBackend(ABC):
+    name: str
+    #: True when the receiver learns of completion from the transport itself (a notification);
+    #: otherwise the sender's completion reaches it through the control plane.
+    native_notify: bool = True
+
+    def __init__(self, endpoint_id: str, kv_cache: torch.Tensor, layout: KVLayout):
+        self.endpoint_id = endpoint_id
+        self.kv_cache = kv_cache
+        self.layout = layout
+        self.landing_guard = _always_expected  # the endpoint installs its own
+
+
+    def connection_info(self) -> bytes:
+        """What a peer needs to reach this endpoint (goes into ``EndpointInfo.connection``)."""
+        return b""
+
+    def connect(self, peer: EndpointInfo) -> None:  # noqa: B027 - optional hook
+        """Prepare to write into ``peer`` (idempotent; called before each push)."""
+
+    @abstractmethod
+    def start_write(self, peer: EndpointInfo, transfer_id: str, src_blocks: Sequence[int],
+                    dst_blocks: Sequence[int]) -> Any:
+        """Start writing ``src_blocks`` of the local cache into ``dst_blocks`` of the peer's;
+        returns a handle for :meth:`check_write`."""
+
+    @abstractmethod
+    def check_write(self, handle: Any) -> TransferState:
+        """IN_FLIGHT, DONE or FAILED."""
+
+    def release_write(self, handle: Any) -> None:  # noqa: B027 - optional hook
+        """Free the handle's resources (called once the write is terminal or abandoned)."""
+
+    def poll_notifications(self) -> list[str]:
+        """Transfer ids whose data has fully landed in this endpoint's cache since last call."""
+        return []
+
+    def disconnect(self, peer_id: str) -> None:  # noqa: B027 - optional hook
+        """Forget a peer (after it failed)."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release transport resources."""
+
+
+@contextmanager
+def _always_expected(transfer_id: str):
+    yield True
+
+
+def block_runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]]:
+    """Coalesce paired block ids into ``(src_start, dst_start, count)`` runs, so that
+    consecutive blocks on both sides move as one region per layer."""
+    runs: list[tuple[int, int, int]] = []
+    for s, d in zip(src, dst):
+        if runs and s == runs[-1][0] + runs[-1][2] and d == runs[-1][1] + runs[-1][2]:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((s, d, 1))
+    return runs
+
+
+def region_offsets(layout: KVLayout, num_blocks: int, runs, side: int):
+    """``(byte offset, length)`` of every per-layer region of ``runs`` (side 0: src, 1: dst)
+    within a cache of ``num_blocks`` blocks in Baton's layer-major layout."""
+    per_block = layout.block_bytes_per_layer
+    out = []
+    for layer in range(layout.num_layers):
+        for run in runs:
+            out.append(((layer * num_blocks + run[side]) * per_block, run[2] * per_block))
+    return out

@@ -1,0 +1,92 @@
+"""NIXL transport: UCX one-sided WRITE plus a notification carrying the transfer id.
+
+The whole KV cache is registered once (VRAM on GPUs, DRAM on CPU). ``connection_info`` is the
+agent's metadata plus the cache's base address; a sender adds the peer agent once and then writes
+each push as one descriptor list (a region per layer per run of consecutive blocks). On CPU the
+UCX backend runs with shared memory (``UCX_TLS=sm,self`` unless set) and no peer error handling,
+the configuration that works without network devices.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+from collections.abc import Sequence
+
+from kvtransfer.backends.base import TransportBackend, block_runs, region_offsets
+from kvtransfer.types import EndpointInfo, TransferError, TransferState
+
+log = logging.getLogger(__name__)
+_HEADER = struct.Struct("<QqI")  # base address, device id, number of blocks
+
+
+class NixlBackend(TransportBackend):
+    name = "nixl"
+
+    def __init__(self, endpoint_id, kv_cache, layout, ucx_params: dict | None = None):
+        super().__init__(endpoint_id, kv_cache, layout)
+        on_gpu = kv_cache.is_cuda
+        if not on_gpu:
+            os.environ.setdefault("UCX_TLS", "sm,self")
+        from nixl._api import nixl_agent, nixl_agent_config
+
+        self.agent = nixl_agent(endpoint_id, nixl_agent_config(backends=[]))
+        params = dict(ucx_params or ({} if on_gpu else {"ucx_error_handling_mode": "none"}))
+        self.agent.create_backend("UCX", params)
+        self.mem_type = "VRAM" if on_gpu else "DRAM"
+        self.device_id = (kv_cache.device.index or 0) if on_gpu else 0
+        self._reg = self.agent.register_memory(kv_cache)
+        self._peers: dict[str, str] = {}  # endpoint id -> remote agent name
+
+    def connection_info(self) -> bytes:
+        head = _HEADER.pack(self.kv_cache.data_ptr(), self.device_id, self.kv_cache.shape[1])
+        return head + self.agent.get_agent_metadata()
+
+    def connect(self, peer: EndpointInfo) -> None:
+        if peer.endpoint_id not in self._peers:
+            name = self.agent.add_remote_agent(peer.connection[_HEADER.size:])
+            self._peers[peer.endpoint_id] = name.decode() if isinstance(name, bytes) else name
+
+    def start_write(self, peer: EndpointInfo, transfer_id: str, src_blocks: Sequence[int],
+                    dst_blocks: Sequence[int]):
+        remote_base, remote_dev, remote_blocks = _HEADER.unpack_from(peer.connection)
+        runs = block_runs(src_blocks, dst_blocks)
+        local_base = self.kv_cache.data_ptr()
+        src = [(local_base + off, n, self.device_id)
+               for off, n in region_offsets(self.layout, self.kv_cache.shape[1], runs, 0)]
+        dst = [(remote_base + off, n, remote_dev)
+               for off, n in region_offsets(self.layout, remote_blocks, runs, 1)]
+        agent = self.agent
+        handle = agent.initialize_xfer("WRITE", agent.get_xfer_descs(src, self.mem_type),
+                                       agent.get_xfer_descs(dst, self.mem_type),
+                                       self._peers[peer.endpoint_id], transfer_id.encode())
+        if agent.transfer(handle) == "ERR":
+            agent.release_xfer_handle(handle)
+            raise TransferError(f"nixl: transfer {transfer_id} was refused")
+        return handle
+
+    def check_write(self, handle) -> TransferState:
+        state = self.agent.check_xfer_state(handle)
+        if state == "DONE":
+            return TransferState.DONE
+        if state == "ERR":
+            return TransferState.FAILED
+        return TransferState.IN_FLIGHT
+
+    def release_write(self, handle) -> None:
+        self.agent.release_xfer_handle(handle)
+
+    def poll_notifications(self) -> list[str]:
+        notifs = self.agent.get_new_notifs()
+        return [m.decode() for msgs in notifs.values() for m in msgs]
+
+    def disconnect(self, peer_id: str) -> None:
+        name = self._peers.pop(peer_id, None)
+        if name is not None:
+            self.agent.remove_remote_agent(name)
+
+    def close(self) -> None:
+        for peer_id in list(self._peers):
+            self.disconnect(peer_id)
+        self.agent.deregister_memory(self._reg)

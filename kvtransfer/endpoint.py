@@ -1,0 +1,235 @@
+"""A KV endpoint: one engine's cache registered with a transport, in both roles.
+
+Sender side (prefill): :meth:`KVEndpoint.push` checks the peer's layout, then starts writing
+only the blocks the receiver lacks. Receiver side (decode): :meth:`KVEndpoint.expect` leases
+the destination blocks until the data lands (DONE), the deadline passes or the transfer is
+aborted (FAILED). :meth:`KVEndpoint.poll` moves every transfer forward; each transfer's
+``on_finish`` callback runs exactly once, when it first becomes terminal, and is where the owner
+returns or hands over its leased blocks. ``held_blocks`` counts blocks under lease.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvtransfer.backends import create_backend
+from kvtransfer.backends.base import TransportBackend
+from kvtransfer.types import (PROTOCOL_VERSION, EndpointInfo, KVDestination, KVLayout,
+                              TransferError, TransferState, TransferStats, advance,
+                              check_compatible)
+
+log = logging.getLogger(__name__)
+POLL_INTERVAL_S = 0.0005
+# A receiver gives up a little after the deadline, so that the sender (which stops writing at
+# the deadline) has given up first: a one-sided write can then never land in released blocks.
+RECV_GRACE_S = 0.25
+
+
+@dataclass
+class Transfer:
+    transfer_id: str
+    role: str  # "send" or "recv"
+    blocks: tuple[int, ...]  # the local blocks under lease
+    deadline: float
+    stats: TransferStats
+    on_finish: Callable[["Transfer"], None] | None = None
+    peer_id: str = ""
+    handle: Any = None
+    state: TransferState = TransferState.PENDING
+    error: str | None = None
+    started: float = field(default_factory=time.perf_counter)
+
+    def update(self, new: TransferState, error: str | None = None) -> bool:
+        """Move forward; return True when this call made the transfer terminal."""
+        was_terminal = self.state.is_terminal
+        self.state = advance(self.state, new)
+        if new is TransferState.FAILED and self.error is None:
+            self.error = error or "failed"
+        if self.state.is_terminal and not was_terminal:
+            self.stats.seconds = time.perf_counter() - self.started
+            if self.on_finish is not None:
+                self.on_finish(self)
+            return True
+        return False
+
+
+class KVEndpoint:
+    def __init__(self, kv_cache: torch.Tensor, layout: KVLayout, backend: str = "local",
+                 node_id: str = "", endpoint_id: str | None = None, **backend_kwargs):
+        self.endpoint_id = endpoint_id or uuid.uuid4().hex[:12]
+        self.kv_cache = kv_cache
+        self.layout = layout
+        self.node_id = node_id
+        self.backend: TransportBackend = create_backend(backend, self.endpoint_id, kv_cache,
+                                                        layout, **backend_kwargs)
+        self._lock = threading.RLock()
+        self._sending: dict[str, Transfer] = {}
+        self._receiving: dict[str, Transfer] = {}
+        self._landed_early: set[str] = set()
+        self.backend.landing_guard = self._landing
+
+    @property
+    def num_blocks(self) -> int:
+        return self.kv_cache.shape[1]
+
+    def info(self) -> EndpointInfo:
+        return EndpointInfo(
+            endpoint_id=self.endpoint_id, backend=self.backend.name, layout=self.layout,
+            layout_hash=self.layout.compat_hash(), protocol_version=PROTOCOL_VERSION,
+            num_blocks=self.num_blocks, connection=self.backend.connection_info(),
+            node_id=self.node_id, device=str(self.kv_cache.device))
+
+    @property
+    def held_blocks(self) -> int:
+        with self._lock:
+            return sum(len(t.blocks) for t in (*self._sending.values(), *self._receiving.values()))
+
+    # -- sender -----------------------------------------------------------------------------
+    def push(self, peer: EndpointInfo, dest: KVDestination, src_block_ids: Sequence[int],
+             on_finish: Callable[[Transfer], None] | None = None) -> Transfer:
+        """Write the blocks ``dest`` lacks from ``src_block_ids`` (the request's blocks from its
+        first one) into ``dest.block_ids``. The source blocks are leased until the transfer is
+        terminal. Raises :class:`LayoutMismatchError` before moving any byte if the layouts
+        differ."""
+        check_compatible(self.layout, peer.layout, PROTOCOL_VERSION, peer.protocol_version)
+        if peer.backend != self.backend.name:
+            raise TransferError(f"backend: local {self.backend.name!r} != peer {peer.backend!r}")
+        skip = dest.num_present_tokens // self.layout.block_size
+        src = tuple(src_block_ids[skip:skip + len(dest.block_ids)])
+        if len(src) != len(dest.block_ids):
+            raise TransferError(f"request {dest.request_id}: {len(dest.block_ids)} destination "
+                                f"blocks but {len(src)} source blocks after skipping {skip}")
+        stats = TransferStats(bytes=len(src) * self.layout.block_bytes, blocks_sent=len(src),
+                              blocks_skipped=skip, backend=self.backend.name)
+        t = Transfer(dest.transfer_id, "send", src, dest.deadline, stats, on_finish, peer.endpoint_id)
+        with self._lock:
+            self._sending[t.transfer_id] = t
+        if dest.expired():
+            self._finish(t, TransferState.FAILED, "deadline passed before the push started")
+            return t
+        try:
+            self.backend.connect(peer)
+            stats.descriptors = _descriptor_count(self.layout, src, dest.block_ids)
+            t.handle = self.backend.start_write(peer, t.transfer_id, src, dest.block_ids)
+        except Exception as exc:  # noqa: BLE001 - any transport error fails the transfer
+            log.warning("push %s failed to start: %s", t.transfer_id, exc)
+            self._finish(t, TransferState.FAILED, f"{type(exc).__name__}: {exc}")
+            return t
+        t.update(TransferState.IN_FLIGHT)
+        self._poll_send(t)
+        return t
+
+    # -- receiver ---------------------------------------------------------------------------
+    def expect(self, dest: KVDestination,
+               on_finish: Callable[[Transfer], None] | None = None) -> Transfer:
+        """Lease ``dest.block_ids`` until their data lands, the deadline passes or an abort."""
+        stats = TransferStats(blocks_sent=len(dest.block_ids),
+                              blocks_skipped=dest.num_present_tokens // self.layout.block_size,
+                              bytes=len(dest.block_ids) * self.layout.block_bytes,
+                              backend=self.backend.name)
+        t = Transfer(dest.transfer_id, "recv", tuple(dest.block_ids), dest.deadline, stats,
+                     on_finish)
+        with self._lock:
+            self._receiving[t.transfer_id] = t
+            early = t.transfer_id in self._landed_early
+            self._landed_early.discard(t.transfer_id)
+        t.update(TransferState.IN_FLIGHT)
+        if early:
+            self._finish(t, TransferState.DONE)
+        return t
+
+    def mark_landed(self, transfer_id: str) -> None:
+        """The control plane's word that a transfer has landed (backends without notifications)."""
+        self._on_landed(transfer_id)
+
+    def abort(self, transfer_id: str, reason: str = "aborted") -> None:
+        with self._lock:
+            t = self._sending.get(transfer_id) or self._receiving.get(transfer_id)
+        if t is not None:
+            self._finish(t, TransferState.FAILED, reason)
+
+    # -- progress ---------------------------------------------------------------------------
+    def poll(self) -> None:
+        for tid in self.backend.poll_notifications():
+            self._on_landed(tid)
+        now = time.time()
+        with self._lock:
+            sending, receiving = list(self._sending.values()), list(self._receiving.values())
+        for t in sending:
+            self._poll_send(t, now)
+        for t in receiving:
+            if now >= t.deadline + RECV_GRACE_S:
+                self._finish(t, TransferState.FAILED, "deadline passed before the data landed")
+
+    def wait(self, t: Transfer, timeout: float | None = None) -> TransferState:
+        """Poll until ``t`` is terminal (at the latest just after its deadline) or ``timeout``
+        seconds elapse."""
+        end = None if timeout is None else time.time() + timeout
+        while True:
+            self.poll()
+            if t.state.is_terminal or (end is not None and time.time() >= end):
+                return t.state
+            time.sleep(POLL_INTERVAL_S)
+
+    def _poll_send(self, t: Transfer, now: float | None = None) -> None:
+        if t.state.is_terminal:
+            return
+        try:
+            state = self.backend.check_write(t.handle)
+        except Exception as exc:  # noqa: BLE001
+            state, t.error = TransferState.FAILED, f"{type(exc).__name__}: {exc}"
+        if state is TransferState.IN_FLIGHT and (now or time.time()) >= t.deadline:
+            state, t.error = TransferState.FAILED, "deadline passed before the write completed"
+        if state.is_terminal:
+            self._finish(t, state, t.error)
+
+    @contextmanager
+    def _landing(self, transfer_id: str):
+        """For transports whose receiver writes the data itself: yields whether the transfer
+        is still expected, holding the lock so it cannot fail (and release) meanwhile."""
+        with self._lock:
+            t = self._receiving.get(transfer_id)
+            yield t is not None and not t.state.is_terminal
+
+    def _on_landed(self, transfer_id: str) -> None:
+        with self._lock:
+            t = self._receiving.get(transfer_id)
+            if t is None:
+                self._landed_early.add(transfer_id)
+                return
+        self._finish(t, TransferState.DONE)
+
+    def _finish(self, t: Transfer, state: TransferState, error: str | None = None) -> None:
+        with self._lock:
+            table = self._sending if t.role == "send" else self._receiving
+            if table.get(t.transfer_id) is t:
+                del table[t.transfer_id]
+        if t.role == "send" and t.handle is not None:
+            try:
+                self.backend.release_write(t.handle)
+            except Exception:  # noqa: BLE001 - best effort
+                log.debug("release of %s failed", t.transfer_id, exc_info=True)
+        if state is TransferState.FAILED and t.peer_id:
+            log.warning("transfer %s to %s failed: %s", t.transfer_id, t.peer_id, error)
+        t.update(state, error)
+
+    def close(self) -> None:
+        with self._lock:
+            pending = [*self._sending.values(), *self._receiving.values()]
+        for t in pending:
+            self._finish(t, TransferState.FAILED, "endpoint closed")
+        self.backend.close()
+
+
+def _descriptor_count(layout: KVLayout, src, dst) -> int:
+    from kvtransfer.backends.base import block_runs
+    return layout.num_layers * len(block_runs(src, dst))

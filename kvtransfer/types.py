@@ -1,0 +1,153 @@
+"""Typed, versioned contracts of the KV-transfer layer.
+
+Nothing untyped goes on the wire: a peer learns about an endpoint from :class:`EndpointInfo`, a
+prefill replica learns where to write from :class:`KVDestination`, and every hand-over reports
+:class:`TransferStats`.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import time
+from dataclasses import asdict, dataclass, field, fields
+
+PROTOCOL_VERSION = 1
+
+
+class TransferState(enum.IntEnum):
+    """Only moves forward; FAILED is absorbing and wins over everything."""
+
+    PENDING = 0
+    IN_FLIGHT = 1
+    DONE = 2
+    FAILED = 3
+
+    @property
+    def is_terminal(self) -> bool:
+        return self in (TransferState.DONE, TransferState.FAILED)
+
+
+def advance(current: TransferState, new: TransferState) -> TransferState:
+    if current is TransferState.FAILED or new is TransferState.FAILED:
+        return TransferState.FAILED
+    return max(current, new)
+
+
+class TransferError(RuntimeError):
+    """A transfer could not be set up or did not complete."""
+
+
+class LayoutMismatchError(TransferError, ValueError):
+    """The two endpoints' KV layouts (or protocol versions) differ; no bytes were moved."""
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """How one engine's KV cache sits in memory. Two endpoints may exchange blocks only when
+    their layouts are equal (checked by :func:`check_compatible` before any bytes move).
+
+    ``memory_order`` names the dimension order of the cache tensor; Baton's is
+    ``"LNKHBD"``: layers, blocks, K/V, kv heads, block size, head dim.
+    """
+
+    model: str
+    dtype: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    memory_order: str = "LNKHBD"
+
+    def compat_hash(self) -> str:
+        text = "|".join(f"{k}={v}" for k, v in sorted(asdict(self).items()))
+        return hashlib.sha256(f"v{PROTOCOL_VERSION}|{text}".encode()).hexdigest()[:16]
+
+    @property
+    def itemsize(self) -> int:
+        return {"float32": 4, "bfloat16": 2, "float16": 2}[self.dtype]
+
+    @property
+    def block_bytes_per_layer(self) -> int:
+        return 2 * self.num_kv_heads * self.block_size * self.head_dim * self.itemsize
+
+    @property
+    def block_bytes(self) -> int:
+        return self.num_layers * self.block_bytes_per_layer
+
+
+def check_compatible(local: KVLayout, peer: KVLayout, local_version: int = PROTOCOL_VERSION,
+                     peer_version: int = PROTOCOL_VERSION) -> None:
+    """Raise :class:`LayoutMismatchError` naming the first field that differs."""
+    if local_version != peer_version:
+        raise LayoutMismatchError(f"protocol_version: local {local_version} != peer {peer_version}")
+    if local.compat_hash() == peer.compat_hash():
+        return
+    diffs = [f"{f.name}: local {getattr(local, f.name)!r} != peer {getattr(peer, f.name)!r}"
+             for f in fields(KVLayout) if getattr(local, f.name) != getattr(peer, f.name)]
+    raise LayoutMismatchError("KV layouts differ: " + "; ".join(diffs))
+
+
+@dataclass(frozen=True)
+class EndpointInfo:
+    """What a peer needs to push into an endpoint: identity, layout, backend connection data."""
+
+    endpoint_id: str
+    backend: str
+    layout: KVLayout
+    layout_hash: str
+    protocol_version: int
+    num_blocks: int
+    connection: bytes = b""  # backend-specific (agent metadata, store address, IPC handle)
+    node_id: str = ""
+    device: str = "cpu"
+
+
+@dataclass(frozen=True)
+class KVDestination:
+    """Where a prefill replica must write a request's KV.
+
+    ``block_ids`` are the receiver's blocks to fill, in order, starting at the block that holds
+    token ``num_present_tokens`` (the receiver already holds the KV of the tokens before it, so
+    those blocks are not sent). ``deadline`` is a ``time.time()`` instant.
+    """
+
+    request_id: str
+    endpoint_id: str
+    block_ids: tuple[int, ...]
+    num_present_tokens: int
+    deadline: float
+
+    @property
+    def transfer_id(self) -> str:
+        return f"{self.endpoint_id}/{self.request_id}"
+
+    def expired(self, now: float | None = None) -> bool:
+        return (time.time() if now is None else now) >= self.deadline
+
+
+@dataclass
+class TransferStats:
+    bytes: int = 0
+    blocks_sent: int = 0
+    blocks_skipped: int = 0
+    descriptors: int = 0
+    seconds: float = 0.0
+    backend: str = ""
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+@dataclass
+class PrefillResult:
+    """What a prefill replica returns once it has pushed a request's KV."""
+
+    request_id: str
+    first_token: int
+    first_logprob: float | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    stats: TransferStats = field(default_factory=TransferStats)
+    prefill_seconds: float = 0.0

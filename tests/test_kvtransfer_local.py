@@ -1,0 +1,160 @@
+"""The transfer contracts in one process: the local backend, a fake slow transport, the state
+machine, the layout handshake and lease release on every path."""
+
+import time
+
+import pytest
+import torch
+
+from decode_worker.core import DecodeCore
+from engine import LLM, EngineConfig, SamplingParams
+from kvtransfer import (KVDestination, KVEndpoint, KVLayout, LayoutMismatchError,
+                        TransferError, TransferState)
+from kvtransfer.backends.base import TransportBackend, block_runs, region_offsets
+from kvtransfer.backends.local import LocalFabric
+from kvtransfer.types import advance, check_compatible
+from prefill_worker.core import PrefillCore
+from tests.kv_peers import finish, prefill_capturing_kv
+from tests.models import random_prompts
+
+CONFIG = EngineConfig(model="tiny", num_blocks=128)
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+LAYOUT = KVLayout(model="m", dtype="float32", num_layers=2, num_kv_heads=2, head_dim=4,
+                  block_size=4)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    fabric = LocalFabric()
+    prefill, decode = PrefillCore(CONFIG, "local", fabric=fabric), DecodeCore(CONFIG, "local",
+                                                                              fabric=fabric)
+    yield prefill, decode
+    prefill.close()
+    decode.close()
+
+
+def _run(prefill, decode, prompt, params=GREEDY):
+    dest = decode.begin(prompt, params)
+    result, src_kv = prefill_capturing_kv(prefill, prompt, params, dest, decode.info())
+    first = decode.complete(result)
+    # Compare before decoding writes the next tokens' KV into the last block.
+    assert torch.equal(src_kv, decode.endpoint.kv_cache[:, list(dest.block_ids)])
+    return dest, result, finish(decode.engine, first)
+
+
+def test_local_hand_over_matches_colocated_and_copies_bytes(pair):
+    prefill, decode = pair
+    prompts = random_prompts([3, 16, 50], vocab=512, seed=21)
+    expected = [o.token_ids for o in LLM("tiny").generate(prompts, GREEDY)]
+    for prompt, tokens in zip(prompts, expected):
+        dest, result, out = _run(prefill, decode, prompt)
+        assert out.token_ids == tokens
+        assert result.stats.blocks_sent == len(dest.block_ids) == -(-len(prompt) // 16)
+    assert decode.held_blocks == prefill.endpoint.held_blocks == 0
+    assert decode.engine.pool.num_used_blocks == prefill.engine.pool.num_used_blocks == 0
+
+
+def test_full_hit_on_decode_side_moves_nothing(pair):
+    prefill, decode = pair
+    prompt = random_prompts([32], vocab=512, seed=22)[0]
+    _run(prefill, decode, prompt)
+    dest, result, out = _run(prefill, decode, prompt)  # decode's own cache now has both blocks
+    assert dest.block_ids == () and dest.num_present_tokens == 32
+    assert result.stats.blocks_sent == 0 and result.stats.blocks_skipped == 2
+    assert out.token_ids == LLM("tiny").generate([prompt], GREEDY)[0].token_ids
+
+
+def test_first_token_can_finish_the_request(pair):
+    prefill, decode = pair
+    dest, result, out = _run(prefill, decode, [5, 6, 7], SamplingParams(temperature=0,
+                                                                        max_tokens=1))
+    assert out.token_ids == [result.first_token] and out.finish_reason == "length"
+    assert decode.engine.pool.num_used_blocks == 0
+
+
+def test_abort_releases_the_receivers_lease(pair):
+    _, decode = pair
+    dest = decode.begin(random_prompts([40], vocab=512, seed=23)[0], GREEDY)
+    assert decode.held_blocks == 3
+    decode.abort(dest.request_id)
+    assert decode.held_blocks == 0 and decode.engine.pool.num_used_blocks == 0
+
+
+def test_expired_destination_fails_the_push_and_releases_the_source(pair):
+    prefill, decode = pair
+    prompt = random_prompts([20], vocab=512, seed=24)[0]
+    dest = decode.begin(prompt, GREEDY, timeout_s=0.0)
+    with pytest.raises(TransferError, match="deadline"):
+        prefill.prefill(prompt, GREEDY, dest, decode.info())
+    assert prefill.endpoint.held_blocks == 0 and prefill.engine.pool.num_used_blocks == 0
+    decode.poll()
+    time.sleep(0.3)
+    decode.poll()
+    assert decode.held_blocks == 0 and decode.engine.pool.num_used_blocks == 0
+
+
+def test_layout_mismatch_names_the_field():
+    other = KVLayout(model="m", dtype="bfloat16", num_layers=2, num_kv_heads=2, head_dim=4,
+                     block_size=4)
+    with pytest.raises(LayoutMismatchError, match="dtype: local 'float32' != peer 'bfloat16'"):
+        check_compatible(LAYOUT, other)
+    with pytest.raises(LayoutMismatchError, match="protocol_version"):
+        check_compatible(LAYOUT, LAYOUT, 1, 2)
+    assert LAYOUT.compat_hash() == KVLayout(**LAYOUT.__dict__).compat_hash()
+    assert LAYOUT.compat_hash() != other.compat_hash()
+
+
+def test_state_only_moves_forward_and_failed_wins():
+    S = TransferState
+    assert advance(S.IN_FLIGHT, S.PENDING) is S.IN_FLIGHT
+    assert advance(S.DONE, S.IN_FLIGHT) is S.DONE
+    assert advance(S.DONE, S.FAILED) is S.FAILED
+    assert advance(S.FAILED, S.DONE) is S.FAILED
+
+
+def test_block_runs_coalesce_consecutive_pairs():
+    assert block_runs([4, 5, 6, 9], [1, 2, 3, 4]) == [(4, 1, 3), (9, 4, 1)]
+    assert block_runs([1, 2], [5, 7]) == [(1, 5, 1), (2, 7, 1)]
+    offsets = region_offsets(LAYOUT, 10, [(4, 1, 3)], 0)
+    per = LAYOUT.block_bytes_per_layer
+    assert offsets == [(4 * per, 3 * per), ((10 + 4) * per, 3 * per)]
+
+
+class SlowFake(TransportBackend):
+    """Completes a write after ``polls`` checks (or never), like vLLM's fake connector."""
+    name = "fake"
+
+    def __init__(self, polls: int | None):
+        super().__init__("fake", torch.zeros(1, 4, 1), LAYOUT)
+        self.polls = polls
+
+    def start_write(self, peer, transfer_id, src, dst):
+        return {"left": self.polls}
+
+    def check_write(self, handle):
+        if handle["left"] is None:
+            return TransferState.IN_FLIGHT
+        handle["left"] -= 1
+        return TransferState.DONE if handle["left"] <= 0 else TransferState.IN_FLIGHT
+
+
+def _fake_endpoint(polls):
+    ep = KVEndpoint(torch.zeros(2, 8, 2, 2, 4, 4), LAYOUT, "local")
+    ep.backend = SlowFake(polls)
+    return ep
+
+
+@pytest.mark.parametrize("polls, expected", [(3, TransferState.DONE),
+                                             (None, TransferState.FAILED)])
+def test_send_lease_released_once_on_done_or_deadline(polls, expected):
+    ep = _fake_endpoint(polls)
+    peer = ep.info()
+    released = []
+    dest = KVDestination("r1", "peer", (1, 2), 0, time.time() + 0.2)
+    t = ep.push(peer.__class__(**{**peer.__dict__, "backend": "fake"}), dest, [3, 4],
+                on_finish=released.append)
+    assert t.state is TransferState.IN_FLIGHT and ep.held_blocks == 2
+    assert ep.wait(t, timeout=5) is expected
+    assert released == [t] and ep.held_blocks == 0
+    ep.abort(t.transfer_id)  # a late abort changes nothing and releases nothing twice
+    assert released == [t]

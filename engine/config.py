@@ -88,7 +88,7 @@ class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str = "tiny"
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    device: str = "auto"  # "auto", "cpu", "cuda" or "cuda:N"
     dtype: str | None = None  # None: float32 on CPU, the checkpoint's dtype (bf16) on CUDA
     seed: int = 0
     block_size: int = Field(16, ge=1, le=1024)
@@ -107,11 +107,19 @@ class EngineConfig(BaseModel):
     def _check(self) -> "EngineConfig":
         if self.dtype is not None:
             parse_dtype(self.dtype)
+        if self.device not in ("auto", "cpu", "cuda") and not (
+                self.device.startswith("cuda:") and self.device[5:].isdigit()):
+            raise ValueError(f"device: {self.device!r} is not 'auto', 'cpu', 'cuda' or 'cuda:N'")
         return self
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        if self.device == "cuda" and not torch.cuda.is_available():
-            raise ValueError("device: 'cuda' asked for but no CUDA device is available")
+            return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+                else torch.device("cpu")
+        if self.device.startswith("cuda"):
+            if not torch.cuda.is_available():
+                raise ValueError(f"device: {self.device!r} asked for but no CUDA device is "
+                                 "available")
+            index = int(self.device[5:]) if ":" in self.device else torch.cuda.current_device()
+            return torch.device("cuda", index)
         return torch.device(self.device)

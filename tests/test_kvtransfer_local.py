@@ -14,7 +14,7 @@ from kvtransfer.backends.base import TransportBackend, block_runs, region_offset
 from kvtransfer.backends.local import LocalFabric
 from kvtransfer.types import advance, check_compatible
 from prefill_worker.core import PrefillCore
-from tests.kv_peers import finish, prefill_capturing_kv
+from benchmarks.engine_peers import finish, prefill_capturing_kv
 from tests.models import random_prompts
 
 CONFIG = EngineConfig(model="tiny", num_blocks=128)

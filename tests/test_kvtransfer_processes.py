@@ -9,7 +9,7 @@ import torch
 from decode_worker.core import DecodeCore
 from engine import LLM, EngineConfig, SamplingParams
 from kvtransfer import TransferState
-from tests.kv_peers import Peer, finish
+from benchmarks.engine_peers import Peer, finish
 from tests.models import random_prompts
 
 CONFIG = EngineConfig(model="tiny", num_blocks=256)

@@ -20,7 +20,7 @@ class PrefillActor:
         return self.core.info()
 
     def prefill(self, prompt, params, dest, peer):
-        from tests.kv_peers import prefill_capturing_kv
+        from benchmarks.engine_peers import prefill_capturing_kv
         return prefill_capturing_kv(self.core, prompt, params, dest, peer)
 
 
@@ -36,7 +36,7 @@ class DecodeActor:
         return self.core.begin(prompt, params)
 
     def complete(self, result, dest):
-        from tests.kv_peers import finish
+        from benchmarks.engine_peers import finish
         first = self.core.complete(result)
         landed = self.core.endpoint.kv_cache[:, list(dest.block_ids)].clone()
         out = finish(self.core.engine, first)

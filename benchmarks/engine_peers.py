@@ -1,4 +1,5 @@
-"""A prefill or decode engine in a child process, driven over a pipe, for transfer tests."""
+"""A prefill or decode engine in a child process, driven over a pipe (transfer tests and
+benchmarks), and helpers that run one hand-over."""
 
 from __future__ import annotations
 
@@ -51,7 +52,7 @@ def prefill_capturing_kv(core, prompt, params, dest, peer):
     def capture_then_release(rid):
         blocks = core.engine.held_blocks(rid)
         skip = dest.num_present_tokens // core.engine.config.block_size
-        captured["kv"] = core.endpoint.kv_cache[:, blocks[skip:]].clone()
+        captured["kv"] = core.endpoint.kv_cache[:, blocks[skip:]].cpu().clone()
         original(rid)
 
     core.engine.release_held_blocks = capture_then_release

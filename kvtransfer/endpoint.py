@@ -29,6 +29,7 @@ from kvtransfer.types import (PROTOCOL_VERSION, EndpointInfo, KVDestination, KVL
 
 log = logging.getLogger(__name__)
 POLL_INTERVAL_S = 0.0005
+SPIN_S = 0.005
 # A receiver gives up a little after the deadline, so that the sender (which stops writing at
 # the deadline) has given up first: a one-sided write can then never land in released blocks.
 RECV_GRACE_S = 0.25
@@ -173,12 +174,15 @@ class KVEndpoint:
     def wait(self, t: Transfer, timeout: float | None = None) -> TransferState:
         """Poll until ``t`` is terminal (at the latest just after its deadline) or ``timeout``
         seconds elapse."""
-        end = None if timeout is None else time.time() + timeout
+        start = time.time()
+        end = None if timeout is None else start + timeout
         while True:
             self.poll()
-            if t.state.is_terminal or (end is not None and time.time() >= end):
+            now = time.time()
+            if t.state.is_terminal or (end is not None and now >= end):
                 return t.state
-            time.sleep(POLL_INTERVAL_S)
+            # Spin through the first milliseconds (hand-overs are that short), then back off.
+            time.sleep(0 if now - start < SPIN_S else POLL_INTERVAL_S)
 
     def _poll_send(self, t: Transfer, now: float | None = None) -> None:
         if t.state.is_terminal:

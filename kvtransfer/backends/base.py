@@ -60,6 +60,10 @@ class TransportBackend(ABC):
         """Release transport resources."""
 
 
+def block_ids_tensor(ids: Sequence[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(list(ids), dtype=torch.int64, device=device)
+
+
 @contextmanager
 def _always_expected(transfer_id: str):
     yield True

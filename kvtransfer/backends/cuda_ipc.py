@@ -1,6 +1,6 @@
 """CUDA IPC transport for engines on one node (processes that see the peer's GPU under the same
 index, e.g. two replicas sharing one GPU): the receiver's KV tensor is opened once through
-its IPC handle, and pushes are async gather/scatter copies on a dedicated stream.
+its IPC handle, and pushes are one block-copy kernel on a dedicated stream (each byte read and written once).
 
 The receiver has no notification from the transport: the sender completes a push once its copy
 event has fired, and the control plane (the prefill call returning) tells the receiver.
@@ -14,7 +14,8 @@ from collections.abc import Sequence
 import torch
 from torch.multiprocessing.reductions import reduce_tensor
 
-from kvtransfer.backends.base import TransportBackend
+from kernels import copy_blocks
+from kvtransfer.backends.base import TransportBackend, block_ids_tensor
 from kvtransfer.types import EndpointInfo, TransferError, TransferState
 
 
@@ -44,11 +45,9 @@ class CudaIpcBackend(TransportBackend):
         event = torch.cuda.Event()
         self.stream.wait_stream(torch.cuda.current_stream(self.kv_cache.device))
         with torch.cuda.stream(self.stream):
-            if src_blocks:
-                dev = self.kv_cache.device
-                src = torch.tensor(list(src_blocks), device=dev)
-                dst = torch.tensor(list(dst_blocks), device=dev)
-                target.index_copy_(1, dst, self.kv_cache.index_select(1, src))
+            dev = self.kv_cache.device
+            copy_blocks(self.kv_cache, target, block_ids_tensor(src_blocks, dev),
+                        block_ids_tensor(dst_blocks, dev))
             event.record(self.stream)
         return event
 

@@ -6,9 +6,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 
-import torch
-
-from kvtransfer.backends.base import TransportBackend
+from kernels import copy_blocks
+from kvtransfer.backends.base import TransportBackend, block_ids_tensor as _ids
 from kvtransfer.types import EndpointInfo, TransferError, TransferState
 
 
@@ -50,10 +49,7 @@ class LocalBackend(TransportBackend):
         target = self.fabric.get(peer.endpoint_id)
         if src_blocks:
             dev = self.kv_cache.device
-            src = torch.tensor(list(src_blocks), device=dev)
-            dst = torch.tensor(list(dst_blocks), device=target.kv_cache.device)
-            data = self.kv_cache.index_select(1, src).to(target.kv_cache.device)
-            target.kv_cache.index_copy_(1, dst, data)
+            copy_blocks(self.kv_cache, target.kv_cache, _ids(src_blocks, dev), _ids(dst_blocks, dev))
         target._land(transfer_id)
         return TransferState.DONE
 

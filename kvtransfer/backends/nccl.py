@@ -24,7 +24,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from kvtransfer.backends.base import TransportBackend
+from kernels import copy_blocks
+from kvtransfer.backends.base import TransportBackend, block_ids_tensor
 from kvtransfer.types import EndpointInfo, TransferError, TransferState
 
 log = logging.getLogger(__name__)
@@ -91,9 +92,16 @@ class NcclBackend(TransportBackend):
         link.store.set(f"msg/{link.next_seq}", header)
         link.next_seq += 1
         if src:
-            dev = self.kv_cache.device
-            data = self.kv_cache.index_select(1, torch.tensor(src, device=dev))
+            data = self._packed(len(src))
+            copy_blocks(self.kv_cache, data, block_ids_tensor(src, self.kv_cache.device),
+                        torch.arange(len(src), device=self.kv_cache.device))
             link.group.send([data], 1, TAG).wait(self.timeout)
+
+    def _packed(self, n: int) -> torch.Tensor:
+        """A packed buffer of ``n`` blocks (a fresh one per push: sends may overlap receives)."""
+        shape = self.kv_cache.shape
+        return torch.empty((shape[0], n, *shape[2:]), dtype=self.kv_cache.dtype,
+                           device=self.kv_cache.device)
 
     def check_write(self, handle: Future) -> TransferState:
         if not handle.done():
@@ -129,7 +137,7 @@ class NcclBackend(TransportBackend):
             thread.start()
 
     def _recv_loop(self, sender: str, group, pair_store) -> None:
-        dev, shape = self.kv_cache.device, self.kv_cache.shape
+        dev = self.kv_cache.device
         seq = 0
         try:
             while not self._closed.wait(POLL_S):
@@ -142,15 +150,17 @@ class NcclBackend(TransportBackend):
                 tid, dst = header["transfer_id"], header["dst"]
                 data = None
                 if dst:
-                    data = torch.empty((shape[0], len(dst), *shape[2:]), dtype=self.kv_cache.dtype,
-                                       device=dev)
+                    data = self._packed(len(dst))
                     group.recv([data], 0, TAG).wait(self.timeout)
                 with self.landing_guard(tid) as expected:
                     if not expected:
                         log.warning("kv nccl: dropped transfer %s (no longer expected)", tid)
                         continue
                     if data is not None:
-                        self.kv_cache.index_copy_(1, torch.tensor(dst, device=dev), data)
+                        copy_blocks(data, self.kv_cache, torch.arange(len(dst), device=dev),
+                                    block_ids_tensor(dst, dev))
+                        if data.is_cuda:  # landed means readable by any stream
+                            torch.cuda.current_stream(dev).synchronize()
                     with self._lock:
                         self._landed.append(tid)
         except Exception as exc:  # noqa: BLE001 - the sender went away

@@ -29,15 +29,17 @@ def main(argv=None) -> None:
     p.add_argument("--lengths", type=int, nargs="*", default=[2048, 700, 33, 5])
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--num-blocks", type=int, default=400)
+    p.add_argument("--dtype", default=None)
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
 
     def config(device):
         return EngineConfig(model=args.model, device=device, num_blocks=args.num_blocks,
-                            max_num_seqs=16, max_num_batched_tokens=4096)
+                            dtype=args.dtype, max_num_seqs=16, max_num_batched_tokens=4096)
 
     gen = torch.Generator().manual_seed(0)
-    colocated = LLM(args.model, **config(args.decode_device).model_dump(exclude={"model"}))
+    reference = config(args.decode_device).model_copy(update={"enable_prefix_caching": False})
+    colocated = LLM(args.model, **reference.model_dump(exclude={"model"}))
     vocab = colocated.engine.vocab_size
     prompts = [torch.randint(10, vocab - 10, (n,), generator=gen).tolist() for n in args.lengths]
     greedy = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
@@ -46,6 +48,8 @@ def main(argv=None) -> None:
     # same kernels, so bf16 results are comparable bit for bit.
     expected = [colocated.generate([p], greedy)[0].token_ids for p in prompts]
     print(f"colocated: {len(prompts)} prompts in {time.perf_counter() - t0:.2f}s")
+    again = [colocated.generate([p], greedy)[0].token_ids for p in prompts]
+    print(f"colocated reference repeats itself: {again == expected}")
     del colocated
     torch.cuda.empty_cache()
 
@@ -62,8 +66,11 @@ def main(argv=None) -> None:
                 while not out.finished:
                     out = next((o for o in decode.engine.step()
                                 if o.request_id == out.request_id and o.finished), out)
+                diverge = next((i for i, (a, b) in enumerate(zip(out.token_ids, want))
+                                if a != b), None)
                 rows.append(dict(backend=backend, prompt_tokens=len(prompt),
-                                 same_tokens=out.token_ids == want,
+                                 same_tokens=out.token_ids == want, first_difference=diverge,
+                                 tokens=out.token_ids, expected=want,
                                  prefill_ms=result.prefill_seconds * 1e3,
                                  handover_ms=result.stats.seconds * 1e3,
                                  mbytes=result.stats.bytes / 1e6,
@@ -75,10 +82,11 @@ def main(argv=None) -> None:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)
-    print(f"\n{'backend':9} {'prompt':>6} {'same':>5} {'prefill ms':>10} {'push ms':>8} {'MB':>7} "
+    print(f"\n{'backend':9} {'prompt':>6} {'same':>5} {'diff@':>5} {'prefill ms':>10} {'push ms':>8} {'MB':>7} "
           f"{'push/prefill':>12}")
     for r in rows:
         print(f"{r['backend']:9} {r['prompt_tokens']:6d} {str(r['same_tokens']):>5} "
+              f"{'-' if r['first_difference'] is None else r['first_difference']:>5} "
               f"{r['prefill_ms']:10.1f} {r['handover_ms']:8.3f} {r['mbytes']:7.1f} "
               f"{r['handover_ms'] / r['prefill_ms']:12.4f}")
     if not all(r["same_tokens"] for r in rows):

@@ -35,10 +35,13 @@ PLACEMENTS = {
 
 
 def make_cache(device: str, num_blocks: int, layout: KVLayout) -> torch.Tensor:
+    """A random cache in ``layout.memory_order``, indexed [layer, block, ...] either way."""
     dtype = torch.bfloat16 if layout.dtype == "bfloat16" else torch.float32
-    shape = (layout.num_layers, num_blocks, 2, layout.num_kv_heads, layout.block_size,
-             layout.head_dim)
-    return torch.randn(shape, dtype=dtype, device=device)
+    inner = (2, layout.num_kv_heads, layout.block_size, layout.head_dim)
+    if layout.memory_order == "LNKHBD":
+        return torch.randn((layout.num_layers, num_blocks, *inner), dtype=dtype, device=device)
+    storage = torch.randn((num_blocks, layout.num_layers, *inner), dtype=dtype, device=device)
+    return storage.transpose(0, 1)
 
 
 def receiver(conn, device: str, backend: str, num_blocks: int, layout: KVLayout) -> None:
@@ -158,6 +161,8 @@ def main(argv=None) -> None:
     p.add_argument("--backends", nargs="*", default=None)
     p.add_argument("--sizes", type=int, nargs="*", default=[1, 4, 16, 64, 128, 256])
     p.add_argument("--patterns", nargs="*", default=["contiguous", "random"])
+    p.add_argument("--memory-orders", nargs="*", default=["NLKHBD", "LNKHBD"],
+                   help="block-major (Baton's) and layer-major cache layouts")
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--num-blocks", type=int, default=600)
     p.add_argument("--dtype", default=None)
@@ -166,7 +171,7 @@ def main(argv=None) -> None:
     devices, backends = PLACEMENTS[args.placement]
     backends = args.backends or backends
     dtype = args.dtype or ("float32" if devices[0] == "cpu" else "bfloat16")
-    layout = KVLayout(dtype=dtype, **LAYOUT_8B)
+    layout = KVLayout(dtype=dtype, **LAYOUT_8B)  # the ceiling does not depend on the order
     handover_bytes = 128 * layout.block_bytes  # a 2048-token prompt
     ceiling = copy_ceiling(devices, handover_bytes)
     raw_copy_ms = handover_bytes / ceiling * 1e3
@@ -175,13 +180,16 @@ def main(argv=None) -> None:
           f"= {ceiling / 1e9:.0f} GB/s (ceiling)")
     rows = []
     for backend in backends:
-        for pattern in args.patterns:
-            try:
-                rows += run_backend(backend, devices, args.sizes, pattern, args.reps,
-                                    args.num_blocks, layout)
-            except Exception as exc:  # noqa: BLE001 - report and go on with the next backend
-                print(f"{backend}/{pattern}: FAILED: {type(exc).__name__}: {exc}")
-                rows.append(dict(backend=backend, pattern=pattern, error=str(exc)))
+        for order in args.memory_orders:
+            ordered = KVLayout(dtype=dtype, memory_order=order, **LAYOUT_8B)
+            for pattern in args.patterns:
+                try:
+                    got = run_backend(backend, devices, args.sizes, pattern, args.reps,
+                                      args.num_blocks, ordered)
+                except Exception as exc:  # noqa: BLE001 - report, go on with the next one
+                    print(f"{backend}/{order}/{pattern}: FAILED: {type(exc).__name__}: {exc}")
+                    got = [dict(backend=backend, pattern=pattern, error=str(exc))]
+                rows += [dict(r, order=order) for r in got]
     for r in rows:
         if "gbps" in r:
             r["pct_ceiling"] = 100 * r["gbps"] * 1e9 / ceiling
@@ -190,13 +198,13 @@ def main(argv=None) -> None:
         with open(args.out, "w") as f:
             json.dump(dict(placement=args.placement, devices=devices, ceiling_gbps=ceiling / 1e9,
                            raw_copy_2048_ms=raw_copy_ms, rows=rows), f, indent=1)
-    print(f"\n{'backend':9} {'pattern':10} {'blocks':>6} {'MB':>7} {'desc':>5} {'hand-over ms':>12} "
+    print(f"\n{'backend':9} {'order':6} {'pattern':10} {'blocks':>6} {'MB':>7} {'desc':>5} {'hand-over ms':>12} "
           f"{'sender ms':>9} {'GB/s':>7} {'% ceil':>6} {'>copy ms':>8} ok")
     for r in rows:
         if "error" in r:
-            print(f"{r['backend']:9} {r['pattern']:10} error: {r['error'][:60]}")
+            print(f"{r['backend']:9} {r['order']:6} {r['pattern']:10} error: {r['error'][:60]}")
             continue
-        print(f"{r['backend']:9} {r['pattern']:10} {r['blocks']:6d} {r['mbytes']:7.1f} "
+        print(f"{r['backend']:9} {r['order']:6} {r['pattern']:10} {r['blocks']:6d} {r['mbytes']:7.1f} "
               f"{r['descriptors']:5d} {r['handover_ms']:12.3f} {r['sender_ms']:9.3f} "
               f"{r['gbps']:7.1f} {r['pct_ceiling']:6.1f} {r['beyond_copy_ms']:8.3f} "
               f"{'yes' if r['checksum_ok'] else 'NO'}")

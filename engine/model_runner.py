@@ -34,10 +34,14 @@ class ModelRunner:
                                    num_kv_heads=cfg.num_key_value_heads,
                                    head_dim=cfg.head_dim, scale=cfg.head_dim ** -0.5)
         self.num_blocks = self._num_blocks()
-        # [layers, blocks, K/V, kv heads, block size, head dim]: each layer's slice is contiguous.
-        self.kv_cache = torch.zeros(
-            cfg.num_hidden_layers, self.num_blocks, 2, cfg.num_key_value_heads, self.block_size,
+        # Memory is block-major, [blocks, layers, K/V, kv heads, block size, head dim], so one
+        # block of every layer is one contiguous region (one descriptor per transfer run); the
+        # engine and the transfer layer see it as [layers, blocks, ...] (``kv_cache``), where each
+        # layer's slice is FlashInfer's HND paged layout with a page stride of all layers.
+        self.kv_storage = torch.zeros(
+            self.num_blocks, cfg.num_hidden_layers, 2, cfg.num_key_value_heads, self.block_size,
             cfg.head_dim, dtype=dtype, device=device)
+        self.kv_cache = self.kv_storage.transpose(0, 1)
         for i, attn in enumerate(model.attention_layers()):
             attn.kv_cache = self.kv_cache[i]
             attn.backend = self.backend

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from kernels import copy_blocks
 from kvtransfer.backends import create_backend
 from kvtransfer.backends.base import TransportBackend
 from kvtransfer.types import (PROTOCOL_VERSION, EndpointInfo, KVDestination, KVLayout,
@@ -77,6 +78,9 @@ class KVEndpoint:
         self._receiving: dict[str, Transfer] = {}
         self._landed_early: set[str] = set()
         self.backend.landing_guard = self._landing
+        if kv_cache.is_cuda:  # compile the block-copy kernel now, not during the first push
+            zero = torch.zeros(1, dtype=torch.int64, device=kv_cache.device)
+            copy_blocks(kv_cache, kv_cache, zero, zero)  # the null block onto itself
 
     @property
     def num_blocks(self) -> int:
@@ -235,5 +239,5 @@ class KVEndpoint:
 
 
 def _descriptor_count(layout: KVLayout, src, dst) -> int:
-    from kvtransfer.backends.base import block_runs
-    return layout.num_layers * len(block_runs(src, dst))
+    from kvtransfer.backends.base import block_runs, region_offsets
+    return len(region_offsets(layout, 0, block_runs(src, dst), 0))

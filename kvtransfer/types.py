@@ -47,8 +47,10 @@ class KVLayout:
     """How one engine's KV cache sits in memory. Two endpoints may exchange blocks only when
     their layouts are equal (checked by :func:`check_compatible` before any bytes move).
 
-    ``memory_order`` names the dimension order of the cache tensor; Baton's is
-    ``"LNKHBD"``: layers, blocks, K/V, kv heads, block size, head dim.
+    ``memory_order`` names the order of the cache in memory: Baton's is ``"NLKHBD"`` (blocks,
+    layers, K/V, kv heads, block size, head dim: one block of all layers is contiguous);
+    ``"LNKHBD"`` (layer-major) is kept for the layout benchmark. Either way the tensor the
+    endpoint holds is indexed ``[layer, block, ...]``.
     """
 
     model: str
@@ -57,7 +59,7 @@ class KVLayout:
     num_kv_heads: int
     head_dim: int
     block_size: int
-    memory_order: str = "LNKHBD"
+    memory_order: str = "NLKHBD"
 
     def compat_hash(self) -> str:
         text = "|".join(f"{k}={v}" for k, v in sorted(asdict(self).items()))

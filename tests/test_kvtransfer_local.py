@@ -115,9 +115,14 @@ def test_state_only_moves_forward_and_failed_wins():
 def test_block_runs_coalesce_consecutive_pairs():
     assert block_runs([4, 5, 6, 9], [1, 2, 3, 4]) == [(4, 1, 3), (9, 4, 1)]
     assert block_runs([1, 2], [5, 7]) == [(1, 5, 1), (2, 7, 1)]
-    offsets = region_offsets(LAYOUT, 10, [(4, 1, 3)], 0)
-    per = LAYOUT.block_bytes_per_layer
-    assert offsets == [(4 * per, 3 * per), ((10 + 4) * per, 3 * per)]
+    # Block-major (Baton's): one region per run, all layers of a block together.
+    assert region_offsets(LAYOUT, 10, [(4, 1, 3)], 0) == [(4 * LAYOUT.block_bytes,
+                                                           3 * LAYOUT.block_bytes)]
+    # Layer-major: one region per run and layer.
+    layer_major = KVLayout(**{**LAYOUT.__dict__, "memory_order": "LNKHBD"})
+    per = layer_major.block_bytes_per_layer
+    assert region_offsets(layer_major, 10, [(4, 1, 3)], 0) == [(4 * per, 3 * per),
+                                                               ((10 + 4) * per, 3 * per)]
 
 
 class SlowFake(TransportBackend):

@@ -82,11 +82,13 @@ def block_runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, i
 
 
 def region_offsets(layout: KVLayout, num_blocks: int, runs, side: int):
-    """``(byte offset, length)`` of every per-layer region of ``runs`` (side 0: src, 1: dst)
-    within a cache of ``num_blocks`` blocks in Baton's layer-major layout."""
+    """``(byte offset, length)`` of the contiguous regions that hold ``runs`` (side 0: src,
+    1: dst) in a cache of ``num_blocks`` blocks: one per run when block-major (``NLKHBD``),
+    one per run and layer when layer-major (``LNKHBD``)."""
+    if layout.memory_order == "NLKHBD":
+        return [(run[side] * layout.block_bytes, run[2] * layout.block_bytes) for run in runs]
+    if layout.memory_order != "LNKHBD":
+        raise ValueError(f"memory_order: unknown {layout.memory_order!r}")
     per_block = layout.block_bytes_per_layer
-    out = []
-    for layer in range(layout.num_layers):
-        for run in runs:
-            out.append(((layer * num_blocks + run[side]) * per_block, run[2] * per_block))
-    return out
+    return [((layer * num_blocks + run[side]) * per_block, run[2] * per_block)
+            for layer in range(layout.num_layers) for run in runs]

@@ -36,7 +36,10 @@ class NixlBackend(TransportBackend):
         self.agent.create_backend("UCX", params)
         self.mem_type = "VRAM" if on_gpu else "DRAM"
         self.device_id = (kv_cache.device.index or 0) if on_gpu else 0
-        self._reg = self.agent.register_memory(kv_cache)
+        # The whole cache, whatever view of it the endpoint holds.
+        nbytes = kv_cache.numel() * kv_cache.element_size()
+        self._reg = self.agent.register_memory([(kv_cache.data_ptr(), nbytes, self.device_id, "")],
+                                               self.mem_type)
         self._peers: dict[str, str] = {}  # endpoint id -> remote agent name
 
     def connection_info(self) -> bytes:

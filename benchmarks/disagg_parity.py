@@ -19,6 +19,25 @@ from decode_worker.core import DecodeCore
 from engine import LLM, EngineConfig, SamplingParams
 
 
+def _reference_tokens(config: EngineConfig, prompts, params, queue) -> None:
+    llm = LLM(**config.model_dump())
+    queue.put([llm.generate([p], params)[0].token_ids for p in prompts])
+
+
+def reference_in_child(config: EngineConfig, prompts, params) -> list[list[int]]:
+    """The colocated tokens computed by a fresh process (is the reference itself stable across
+    processes?)."""
+    import multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_reference_tokens, args=(config, prompts, params, queue))
+    proc.start()
+    try:
+        return queue.get(timeout=300)
+    finally:
+        proc.join(30)
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -30,6 +49,8 @@ def main(argv=None) -> None:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--num-blocks", type=int, default=400)
     p.add_argument("--dtype", default=None)
+    p.add_argument("--reference-process", action="store_true",
+                   help="also compute the colocated tokens in a second, fresh process")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
 
@@ -52,6 +73,12 @@ def main(argv=None) -> None:
     print(f"colocated reference repeats itself: {again == expected}")
     del colocated
     torch.cuda.empty_cache()
+    if args.reference_process:
+        other = reference_in_child(reference, prompts, greedy)
+        firsts = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None)
+                  for x, y in zip(other, expected)]
+        print(f"colocated reference in a second process: same={other == expected}, "
+              f"first differences per prompt: {firsts}")
 
     rows = []
     for backend in args.backends:

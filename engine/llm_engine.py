@@ -28,6 +28,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.device = config.resolved_device()
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # kernels launch on the current device
         self.source = resolve_model(config.model)
         mcfg = self.source.config
         if config.dtype is not None:

@@ -80,7 +80,7 @@ def main(argv=None) -> None:
         print(f"colocated reference in a second process: same={other == expected}, "
               f"first differences per prompt: {firsts}")
 
-    rows = []
+    rows, errors = [], {}
     for backend in args.backends:
         prefill = Peer("prefill", config(args.prefill_device), backend)
         decode = DecodeCore(config(args.decode_device), backend)
@@ -103,12 +103,15 @@ def main(argv=None) -> None:
                                  mbytes=result.stats.bytes / 1e6,
                                  blocks_sent=result.stats.blocks_sent,
                                  admit_ms=(time.perf_counter() - t_land) * 1e3))
+        except Exception as exc:  # noqa: BLE001 - report, go on with the next backend
+            errors[backend] = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+            print(f"{backend}: FAILED: {errors[backend]}")
         finally:
             prefill.stop()
             decode.close()
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(rows, f, indent=1)
+            json.dump(dict(rows=rows, errors=errors), f, indent=1)
     print(f"\n{'backend':9} {'prompt':>6} {'same':>5} {'diff@':>5} {'prefill ms':>10} {'push ms':>8} {'MB':>7} "
           f"{'push/prefill':>12}")
     for r in rows:
@@ -116,7 +119,7 @@ def main(argv=None) -> None:
               f"{'-' if r['first_difference'] is None else r['first_difference']:>5} "
               f"{r['prefill_ms']:10.1f} {r['handover_ms']:8.3f} {r['mbytes']:7.1f} "
               f"{r['handover_ms'] / r['prefill_ms']:12.4f}")
-    if not all(r["same_tokens"] for r in rows):
+    if errors or not all(r["same_tokens"] for r in rows):
         raise SystemExit("token mismatch between disaggregated and colocated")
 
 

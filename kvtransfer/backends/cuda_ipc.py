@@ -1,6 +1,7 @@
 """CUDA IPC transport for engines on one node (processes that see the peer's GPU under the same
-index, e.g. two replicas sharing one GPU): the receiver's KV tensor is opened once through
-its IPC handle, and pushes are one block-copy kernel on a dedicated stream (each byte read and written once).
+index: two replicas sharing one GPU, or processes that see all GPUs of the node): the receiver's KV tensor is opened once through
+its IPC handle, and pushes are one block-copy kernel on a dedicated stream (each byte read and written once); to
+another GPU, a pack, one peer copy and an unpack on the peer's device.
 
 The receiver has no notification from the transport: the sender completes a push once its copy
 event has fired, and the control plane (the prefill call returning) tells the receiver.
@@ -28,6 +29,7 @@ class CudaIpcBackend(TransportBackend):
             raise TransferError("cuda_ipc needs the KV cache on a CUDA device")
         super().__init__(endpoint_id, kv_cache, layout)
         self.stream = torch.cuda.Stream(device=kv_cache.device)
+        self._peer_streams: dict[torch.device, torch.cuda.Stream] = {}
         self._peers: dict[str, torch.Tensor] = {}
 
     def connection_info(self) -> bytes:
@@ -40,19 +42,39 @@ class CudaIpcBackend(TransportBackend):
             self._peers[peer.endpoint_id] = rebuild(*args)
 
     def start_write(self, peer: EndpointInfo, transfer_id: str, src_blocks: Sequence[int],
-                    dst_blocks: Sequence[int]) -> torch.cuda.Event:
+                    dst_blocks: Sequence[int]):
+        """Returns ``(event, buffers to keep alive until the event fires)``."""
         target = self._peers[peer.endpoint_id]
-        event = torch.cuda.Event()
-        self.stream.wait_stream(torch.cuda.current_stream(self.kv_cache.device))
+        dev = self.kv_cache.device
+        self.stream.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(self.stream):
-            dev = self.kv_cache.device
-            copy_blocks(self.kv_cache, target, block_ids_tensor(src_blocks, dev),
-                        block_ids_tensor(dst_blocks, dev))
-            event.record(self.stream)
-        return event
+            src_ids = block_ids_tensor(src_blocks, dev)
+            if target.device == dev:
+                copy_blocks(self.kv_cache, target, src_ids, block_ids_tensor(dst_blocks, dev))
+                return _record(self.stream), ()
+            # Another GPU of this node: pack here, one peer copy, unpack there (a kernel cannot
+            # take a pointer into another device's memory).
+            n = len(src_blocks)
+            packed = torch.empty((self.kv_cache.shape[0], n, *self.kv_cache.shape[2:]),
+                                 dtype=self.kv_cache.dtype, device=dev)
+            copy_blocks(self.kv_cache, packed, src_ids, torch.arange(n, device=dev))
+        peer_stream = self._peer_streams.setdefault(target.device,
+                                                    torch.cuda.Stream(device=target.device))
+        peer_stream.wait_stream(self.stream)
+        with torch.cuda.device(target.device), torch.cuda.stream(peer_stream):
+            landed = packed.to(target.device, non_blocking=True)
+            copy_blocks(landed, target, torch.arange(n, device=target.device),
+                        block_ids_tensor(dst_blocks, target.device))
+            return _record(peer_stream), (packed, landed)
 
-    def check_write(self, handle: torch.cuda.Event) -> TransferState:
-        return TransferState.DONE if handle.query() else TransferState.IN_FLIGHT
+    def check_write(self, handle) -> TransferState:
+        return TransferState.DONE if handle[0].query() else TransferState.IN_FLIGHT
 
     def disconnect(self, peer_id: str) -> None:
         self._peers.pop(peer_id, None)
+
+
+def _record(stream: torch.cuda.Stream) -> torch.cuda.Event:
+    event = torch.cuda.Event()
+    event.record(stream)
+    return event

@@ -2,7 +2,7 @@
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
-EXTRAS ?= test
+EXTRAS ?= test,serve,transfer
 
 .PHONY: install test test-gpu demo clean
 

@@ -163,3 +163,12 @@ def test_send_lease_released_once_on_done_or_deadline(polls, expected):
     assert released == [t] and ep.held_blocks == 0
     ep.abort(t.transfer_id)  # a late abort changes nothing and releases nothing twice
     assert released == [t]
+
+
+def test_default_backend_per_placement():
+    from kvtransfer import default_backend
+    assert default_backend(same_node=True, device_type="cuda") == "cuda_ipc"
+    assert default_backend(same_node=False, device_type="cuda") == "nixl"
+    assert default_backend(same_node=True, device_type="cpu") == "nixl"
+    with pytest.raises(ValueError, match="unknown backend 'rdma'"):
+        KVEndpoint(torch.zeros(2, 4, 2, 2, 4, 4), LAYOUT, "rdma")

@@ -1,0 +1,27 @@
+"""The decode Serve deployment (defaults here; the app config overrides them)."""
+
+from __future__ import annotations
+
+from ray import serve
+
+from decode_worker.server import DecodeServer, GenerateRequest
+from engine import EngineConfig
+
+
+@serve.deployment(name="DecodeServer", ray_actor_options={"num_cpus": 0.5},
+                  max_ongoing_requests=256, health_check_period_s=10)
+class DecodeDeployment:
+    def __init__(self, engine: dict, backend: str, prefill=None,
+                 transfer_timeout_s: float = 30.0):
+        self.server = DecodeServer(EngineConfig(**engine), backend, prefill, transfer_timeout_s)
+
+    async def generate(self, req: GenerateRequest):
+        async for delta in self.server.generate(req):
+            yield delta
+
+    async def kv_load(self) -> dict:
+        return self.server.kv_load()
+
+    def check_health(self) -> None:
+        if self.server.aengine.error is not None:
+            raise RuntimeError(f"engine thread died: {self.server.aengine.error!r}")

@@ -1,0 +1,44 @@
+"""The app builder: ``serve deploy`` / ``serve run deploy.app:build_app`` call ``build_app`` with
+the config's ``args``; it validates them (``BatonConfig``) and returns the bound application:
+Router → DecodeServer (→ PrefillServer in disaggregated mode)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ray.serve import Application
+
+from deploy.config import BatonConfig, RoleConfig
+
+
+def resolve_backend(cfg: BatonConfig) -> str:
+    """``auto``: CUDA IPC when the replicas have GPUs (one node assumed: set ``nixl`` for
+    several), NIXL over host memory otherwise."""
+    if cfg.transfer.backend != "auto":
+        return cfg.transfer.backend
+    gpus = cfg.prefill.num_gpus > 0 and cfg.decode.num_gpus > 0
+    return "cuda_ipc" if gpus else "nixl"
+
+
+def _options(role: RoleConfig) -> dict:
+    return dict(num_replicas=role.num_replicas, max_ongoing_requests=role.max_ongoing_requests,
+                ray_actor_options={"num_cpus": role.num_cpus, "num_gpus": role.num_gpus})
+
+
+def build_app(args: dict[str, Any] | BatonConfig | None = None) -> Application:
+    from decode_worker.deployment import DecodeDeployment
+    from prefill_worker.deployment import PrefillDeployment
+    from router.app import Router
+
+    cfg = args if isinstance(args, BatonConfig) else BatonConfig(**(args or {}))
+    backend = resolve_backend(cfg)
+    prefill = None
+    if cfg.mode == "disaggregated":
+        prefill = PrefillDeployment.options(**_options(cfg.prefill)).bind(
+            cfg.engine_for("prefill").model_dump(), backend)
+    decode = DecodeDeployment.options(**_options(cfg.decode)).bind(
+        cfg.engine_for("decode").model_dump(), backend, prefill, cfg.transfer.timeout_s)
+    router = Router.options(num_replicas=cfg.router.num_replicas,
+                            ray_actor_options={"num_cpus": cfg.router.num_cpus})
+    return router.bind(decode, cfg.engine.model, cfg.served_model_name, cfg.engine.max_model_len,
+                       cfg.router.request_timeout_s, cfg.router.max_tokens_default)

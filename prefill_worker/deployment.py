@@ -1,0 +1,28 @@
+"""The prefill Serve deployment (defaults here; the app config overrides them)."""
+
+from __future__ import annotations
+
+from ray import serve
+
+from engine import EngineConfig
+from prefill_worker.server import PrefillRequest, PrefillServer
+
+
+@serve.deployment(name="PrefillServer", ray_actor_options={"num_cpus": 0.5},
+                  max_ongoing_requests=64, health_check_period_s=10)
+class PrefillDeployment:
+    def __init__(self, engine: dict, backend: str):
+        self.server = PrefillServer(EngineConfig(**engine), backend)
+
+    async def info(self):
+        return self.server.info()
+
+    async def kv_load(self) -> dict:
+        return self.server.kv_load()
+
+    async def prefill(self, req: PrefillRequest):
+        return await self.server.prefill(req)
+
+    def check_health(self) -> None:
+        if self.server.aengine.error is not None:
+            raise RuntimeError(f"engine thread died: {self.server.aengine.error!r}")

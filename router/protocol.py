@@ -1,0 +1,98 @@
+"""OpenAI-compatible request bodies, validated with pydantic; unknown or unsupported fields are
+refused with a message that names them."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from engine import SamplingParams
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = True
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    n: int = 1
+    user: str | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+    @model_validator(mode="after")
+    def _unsupported(self):
+        if self.n != 1:
+            raise ValueError(f"n: only n=1 is supported, got {self.n}")
+        if self.presence_penalty or self.frequency_penalty:
+            raise ValueError("presence_penalty/frequency_penalty: penalties are not supported")
+        return self
+
+    def sampling_params(self, default_max_tokens: int, logprobs: bool) -> SamplingParams:
+        return SamplingParams(
+            max_tokens=self.max_tokens if self.max_tokens is not None else default_max_tokens,
+            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
+            stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
+            logprobs=logprobs)
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _single_prompt(cls, v):
+        if isinstance(v, list) and v and isinstance(v[0], (str, list)):
+            if len(v) != 1:
+                raise ValueError("prompt: one prompt per request is supported")
+            return v[0]
+        return v
+
+    @model_validator(mode="after")
+    def _unsupported_completion(self):
+        if self.echo:
+            raise ValueError("echo: not supported")
+        if self.best_of not in (None, 1):
+            raise ValueError("best_of: not supported")
+        if self.suffix:
+            raise ValueError("suffix: not supported")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 1:
+            raise ValueError("logprobs: only the sampled token's logprob (0 or 1) is supported")
+        return self
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str
+    name: str | None = None
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    @model_validator(mode="after")
+    def _unsupported_chat(self):
+        if self.top_logprobs:
+            raise ValueError("top_logprobs: not supported")
+        return self

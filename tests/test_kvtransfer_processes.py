@@ -72,6 +72,16 @@ def test_only_missing_blocks_move_when_receiver_holds_a_prefix(pair, colocated):
     _assert_idle(decode)
 
 
+def test_full_hit_on_the_receiver_moves_nothing_but_still_lands(pair, colocated):
+    prefill, decode = pair
+    prompt = random_prompts([32], vocab=512, seed=14)[0]
+    _disaggregated(prefill, decode, prompt)
+    out, result, _, _ = _disaggregated(prefill, decode, prompt)  # both blocks cached in decode
+    assert result.stats.blocks_sent == 0 and result.stats.blocks_skipped == 2
+    assert out.token_ids == colocated.generate([prompt], GREEDY)[0].token_ids
+    _assert_idle(decode)
+
+
 def test_seeded_sampling_continues_across_the_hand_over(pair, colocated):
     prefill, decode = pair
     params = SamplingParams(temperature=0.9, top_k=50, seed=7, max_tokens=12, ignore_eos=True)

@@ -19,6 +19,7 @@ from kvtransfer.types import EndpointInfo, TransferError, TransferState
 
 log = logging.getLogger(__name__)
 _HEADER = struct.Struct("<QqI")  # base address, device id, number of blocks
+_NOTHING_TO_WRITE = object()
 
 
 class NixlBackend(TransportBackend):
@@ -53,6 +54,9 @@ class NixlBackend(TransportBackend):
 
     def start_write(self, peer: EndpointInfo, transfer_id: str, src_blocks: Sequence[int],
                     dst_blocks: Sequence[int]):
+        if not src_blocks:  # the receiver holds everything: only tell it so
+            self.agent.send_notif(self._peers[peer.endpoint_id], transfer_id.encode())
+            return _NOTHING_TO_WRITE
         remote_base, remote_dev, remote_blocks = _HEADER.unpack_from(peer.connection)
         runs = block_runs(src_blocks, dst_blocks)
         local_base = self.kv_cache.data_ptr()
@@ -70,6 +74,8 @@ class NixlBackend(TransportBackend):
         return handle
 
     def check_write(self, handle) -> TransferState:
+        if handle is _NOTHING_TO_WRITE:
+            return TransferState.DONE
         state = self.agent.check_xfer_state(handle)
         if state == "DONE":
             return TransferState.DONE
@@ -78,7 +84,8 @@ class NixlBackend(TransportBackend):
         return TransferState.IN_FLIGHT
 
     def release_write(self, handle) -> None:
-        self.agent.release_xfer_handle(handle)
+        if handle is not _NOTHING_TO_WRITE:
+            self.agent.release_xfer_handle(handle)
 
     def poll_notifications(self) -> list[str]:
         notifs = self.agent.get_new_notifs()

@@ -241,10 +241,11 @@ class Router:
         final = None
         try:
             async for delta in self.run(ids, params, rid):
-                text = detok.feed(delta.token_ids) if detok else ""
-                if delta.finished:
+                if delta.finished:  # the engine's final text has its stop string cut
                     final = delta
-                    text += detok.finish(delta.text or "") if detok else ""
+                    text = detok.finish(delta.text or "") if detok else ""
+                else:
+                    text = detok.feed(delta.token_ids) if detok else ""
                 yield chunk(text, delta.token_ids, delta.finish_reason if delta.finished else None,
                             delta.logprobs)
         except Exception as exc:  # noqa: BLE001 - the stream is open: report in-band

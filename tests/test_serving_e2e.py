@@ -1,0 +1,180 @@
+"""The app on local Ray with the tiny model: HTTP answers carry the offline engine's greedy
+tokens, disaggregated (NIXL over host memory) and colocated alike; bad input is a 400; a
+cancelled stream leaves no KV block held."""
+
+import json
+import socket
+import time
+
+import pytest
+import requests
+
+from engine import LLM, SamplingParams
+from tests.models import random_prompts
+
+pytestmark = pytest.mark.e2e
+ENGINE = {"model": "tiny", "num_blocks": 256, "max_num_seqs": 16}
+GREEDY = dict(temperature=0, max_tokens=12, ignore_eos=True)
+PROMPTS = ["The quick brown fox", "Hello world! Hello there, how are you today?", "a"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def offline():
+    return LLM("tiny")
+
+
+@pytest.fixture(scope="module", params=["disaggregated", "colocated"])
+def server(request, ray_cluster):
+    from ray import serve
+
+    from deploy.app import build_app
+
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build_app({"mode": request.param, "engine": ENGINE,
+                         "router": {"request_timeout_s": 60}}), name="baton", route_prefix="/")
+    yield request.param, f"http://127.0.0.1:{port}"
+    serve.shutdown()
+
+
+def _post(url, body, **kw):
+    return requests.post(url, json=body, timeout=60, **kw)
+
+
+def _events(resp):
+    for line in resp.iter_lines():
+        if line.startswith(b"data: "):
+            payload = line[len(b"data: "):]
+            yield None if payload == b"[DONE]" else json.loads(payload)
+
+
+def test_completions_match_offline_engine(server, offline):
+    _, url = server
+    expected = offline.generate(PROMPTS, SamplingParams(**GREEDY))
+    for prompt, want in zip(PROMPTS, expected):
+        body = _post(f"{url}/v1/completions", {"prompt": prompt, **GREEDY}).json()
+        choice = body["choices"][0]
+        assert choice["token_ids"] == want.token_ids
+        assert choice["text"] == want.text
+        assert choice["finish_reason"] == "length"
+        assert body["usage"]["completion_tokens"] == 12
+    ids = random_prompts([40], vocab=512, seed=51)[0]
+    body = _post(f"{url}/v1/completions", {"prompt": ids, **GREEDY}).json()
+    assert body["choices"][0]["token_ids"] == offline.generate([ids], SamplingParams(**GREEDY))[0].token_ids
+
+
+def test_streaming_matches_and_ends_with_usage(server, offline):
+    _, url = server
+    want = offline.generate(PROMPTS[1], SamplingParams(**GREEDY))[0]
+    resp = _post(f"{url}/v1/completions", {"prompt": PROMPTS[1], "stream": True, **GREEDY},
+                 stream=True)
+    events = list(_events(resp))
+    assert events[-1] is None  # [DONE]
+    usage = events[-2]
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 12
+    chunks = events[:-2]
+    assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == want.token_ids
+    assert "".join(c["choices"][0]["text"] for c in chunks) == want.text
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_stop_string_in_a_stream_is_never_sent(server, offline):
+    _, url = server
+    full = offline.generate(PROMPTS[0], SamplingParams(**GREEDY))[0].text
+    stop = full[4:7]
+    resp = _post(f"{url}/v1/completions", {"prompt": PROMPTS[0], "stream": True, "stop": [stop],
+                                           **GREEDY}, stream=True)
+    text = "".join(e["choices"][0]["text"] for e in _events(resp) if e and e["choices"])
+    assert text == full[: full.find(stop)]
+
+
+def test_chat_uses_the_template(server, offline):
+    _, url = server
+    messages = [{"role": "user", "content": "What is two plus two?"}]
+    ids = offline.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                tokenize=True)
+    ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+    want = offline.generate([list(ids)], SamplingParams(**GREEDY))[0]
+    body = _post(f"{url}/v1/chat/completions", {"messages": messages, **GREEDY}).json()
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": want.text}
+    assert body["choices"][0]["token_ids"] == want.token_ids
+    resp = _post(f"{url}/v1/chat/completions", {"messages": messages, "stream": True, **GREEDY},
+                 stream=True)
+    deltas = [e["choices"][0]["delta"] for e in _events(resp) if e and e["choices"]]
+    assert deltas[0]["role"] == "assistant"
+    assert "".join(d.get("content", "") for d in deltas) == want.text
+
+
+def test_shared_prefix_moves_fewer_blocks(server):
+    mode, url = server
+    prefix = random_prompts([64], vocab=512, seed=52)[0]
+    first = _post(f"{url}/v1/completions", {"prompt": prefix + [7, 8], **GREEDY}).json()
+    second = _post(f"{url}/v1/completions", {"prompt": prefix + [9, 10, 11], **GREEDY}).json()
+    if mode == "colocated":
+        assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == 64
+        return
+    t1, t2 = first["usage"]["kv_transfer"], second["usage"]["kv_transfer"]
+    assert t1["blocks_skipped"] == 0 and t1["blocks_sent"] == 5
+    assert t2["blocks_skipped"] == 4 and t2["blocks_sent"] == 1
+    assert t2["bytes"] < t1["bytes"]
+
+
+@pytest.mark.parametrize("body, fragment", [
+    ({"prompt": ""}, "prompt: must not be empty"),
+    ({"prompt": [1, 2, 99999]}, "outside the vocabulary"),
+    ({"prompt": "hi", "temperature": -1}, "temperature"),
+    ({"prompt": "hi", "top_p": 0}, "top_p"),
+    ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "hi", "n": 2}, "n: only n=1"),
+    ({"prompt": "hi", "best_of": 3}, "best_of"),
+    ({"prompt": "hi", "frobnicate": 1}, "frobnicate"),
+    ({"prompt": [1] * 5000}, "leave no room"),
+    ({}, "prompt"),
+])
+def test_bad_input_is_a_400_with_a_message(server, body, fragment):
+    _, url = server
+    resp = _post(f"{url}/v1/completions", body)
+    assert resp.status_code == 400
+    assert fragment in resp.json()["error"]["message"]
+
+
+def test_models_health_metrics(server):
+    _, url = server
+    assert requests.get(f"{url}/health", timeout=10).json() == {"status": "ok"}
+    assert requests.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"] == "tiny"
+    metrics = requests.get(f"{url}/metrics", timeout=10).text
+    for name in ("baton_time_to_first_token_seconds", "baton_inter_token_latency_seconds",
+                 "baton_e2e_latency_seconds", "baton_requests_in_flight", "baton_kv_blocks_used",
+                 "baton_kv_blocks_free", "baton_prefix_cache_hit_rate", "baton_kv_transfer_bytes",
+                 "baton_requests_total"):
+        assert name in metrics
+
+
+def _gauge(url, name) -> float:
+    for line in requests.get(f"{url}/metrics", timeout=10).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} missing")
+
+
+def test_cancelled_stream_frees_every_block(server):
+    _, url = server
+    resp = _post(f"{url}/v1/completions", {"prompt": PROMPTS[1], "stream": True,
+                                           "max_tokens": 1500, "ignore_eos": True}, stream=True)
+    events = _events(resp)
+    next(events), next(events)
+    resp.close()  # the client goes away mid-stream
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        if _gauge(url, "baton_kv_blocks_used") == 0 and \
+                _gauge(url, "baton_kv_blocks_held_by_transfers") == 0:
+            break
+        time.sleep(0.2)
+    assert _gauge(url, "baton_kv_blocks_used") == 0
+    assert _gauge(url, "baton_kv_blocks_held_by_transfers") == 0

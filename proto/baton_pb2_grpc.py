@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from proto import baton_pb2 as baton__pb2
+from proto import baton_pb2 as proto_dot_baton__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in baton_pb2_grpc.py depends on'
+        + ' but the generated code in proto/baton_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -37,18 +37,18 @@ class BatonStub:
         """
         self.Generate = channel.unary_unary(
                 '/baton.v1.Baton/Generate',
-                request_serializer=baton__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=baton__pb2.GenerateResponse.FromString,
+                request_serializer=proto_dot_baton__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=proto_dot_baton__pb2.GenerateResponse.FromString,
                 _registered_method=True)
         self.GenerateStream = channel.unary_stream(
                 '/baton.v1.Baton/GenerateStream',
-                request_serializer=baton__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=baton__pb2.GenerateResponse.FromString,
+                request_serializer=proto_dot_baton__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=proto_dot_baton__pb2.GenerateResponse.FromString,
                 _registered_method=True)
         self.Health = channel.unary_unary(
                 '/baton.v1.Baton/Health',
-                request_serializer=baton__pb2.HealthRequest.SerializeToString,
-                response_deserializer=baton__pb2.HealthResponse.FromString,
+                request_serializer=proto_dot_baton__pb2.HealthRequest.SerializeToString,
+                response_deserializer=proto_dot_baton__pb2.HealthResponse.FromString,
                 _registered_method=True)
 
 
@@ -82,18 +82,18 @@ def add_BatonServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_unary_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=baton__pb2.GenerateRequest.FromString,
-                    response_serializer=baton__pb2.GenerateResponse.SerializeToString,
+                    request_deserializer=proto_dot_baton__pb2.GenerateRequest.FromString,
+                    response_serializer=proto_dot_baton__pb2.GenerateResponse.SerializeToString,
             ),
             'GenerateStream': grpc.unary_stream_rpc_method_handler(
                     servicer.GenerateStream,
-                    request_deserializer=baton__pb2.GenerateRequest.FromString,
-                    response_serializer=baton__pb2.GenerateResponse.SerializeToString,
+                    request_deserializer=proto_dot_baton__pb2.GenerateRequest.FromString,
+                    response_serializer=proto_dot_baton__pb2.GenerateResponse.SerializeToString,
             ),
             'Health': grpc.unary_unary_rpc_method_handler(
                     servicer.Health,
-                    request_deserializer=baton__pb2.HealthRequest.FromString,
-                    response_serializer=baton__pb2.HealthResponse.SerializeToString,
+                    request_deserializer=proto_dot_baton__pb2.HealthRequest.FromString,
+                    response_serializer=proto_dot_baton__pb2.HealthResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -122,8 +122,8 @@ class Baton:
             request,
             target,
             '/baton.v1.Baton/Generate',
-            baton__pb2.GenerateRequest.SerializeToString,
-            baton__pb2.GenerateResponse.FromString,
+            proto_dot_baton__pb2.GenerateRequest.SerializeToString,
+            proto_dot_baton__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -149,8 +149,8 @@ class Baton:
             request,
             target,
             '/baton.v1.Baton/GenerateStream',
-            baton__pb2.GenerateRequest.SerializeToString,
-            baton__pb2.GenerateResponse.FromString,
+            proto_dot_baton__pb2.GenerateRequest.SerializeToString,
+            proto_dot_baton__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -176,8 +176,8 @@ class Baton:
             request,
             target,
             '/baton.v1.Baton/Health',
-            baton__pb2.HealthRequest.SerializeToString,
-            baton__pb2.HealthResponse.FromString,
+            proto_dot_baton__pb2.HealthRequest.SerializeToString,
+            proto_dot_baton__pb2.HealthResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -13,14 +13,17 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
+import grpc
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
+from ray.serve.grpc_util import RayServegRPCContext
 
 from decode_worker.server import GenerateRequest, TokenDelta
 from engine import SamplingParams
 from engine.loader import load_tokenizer, resolve_model
+from proto import baton_pb2
 from router.detok import IncrementalText
 from router.metrics import RouterMetrics
 from router.protocol import ChatCompletionRequest, CompletionRequest
@@ -53,6 +56,19 @@ def _usage(final: TokenDelta) -> dict:
             "total_tokens": final.num_prompt_tokens + final.num_output_tokens,
             "prompt_tokens_details": {"cached_tokens": final.num_cached_tokens},
             "kv_transfer": final.transfer}
+
+
+def _fail(grpc_context, code, exc: Exception):
+    """Set the status the client sees, then raise (the proxy keeps a status set before)."""
+    grpc_context.set_code(code)
+    grpc_context.set_details(str(exc))
+    raise exc
+
+
+def _grpc_usage(final: TokenDelta):
+    return baton_pb2.Usage(prompt_tokens=final.num_prompt_tokens,
+                           completion_tokens=final.num_output_tokens,
+                           cached_tokens=final.num_cached_tokens)
 
 
 class RequestTimeout(Exception):
@@ -260,3 +276,67 @@ class Router:
                           "choices": [], "usage": _usage(final)})
         yield "data: [DONE]\n\n"
 
+
+    # -- gRPC (Serve's gRPC proxy calls these by RPC name) ------------------------------------
+    def _grpc_inputs(self, req) -> tuple[list[int], SamplingParams]:
+        if req.prompt and req.prompt_token_ids:
+            raise ValueError("prompt: give either prompt or prompt_token_ids, not both")
+        ids = self.tokenize(req.prompt if req.prompt else list(req.prompt_token_ids))
+        fields = {name: getattr(req, name) for name in ("max_tokens", "temperature", "top_p",
+                                                        "top_k", "seed") if req.HasField(name)}
+        fields.setdefault("max_tokens", self.default_max_tokens)
+        params = SamplingParams(stop=list(req.stop), stop_token_ids=list(req.stop_token_ids),
+                                ignore_eos=req.ignore_eos, logprobs=req.logprobs, **fields)
+        self.check_stop_strings(params)
+        return ids, params
+
+    async def _grpc_deltas(self, req, grpc_context):
+        """Validated deltas of one gRPC request; a bad request sets INVALID_ARGUMENT instead."""
+        try:
+            ids, params = self._grpc_inputs(req)
+        except ValueError as exc:
+            _fail(grpc_context, grpc.StatusCode.INVALID_ARGUMENT, exc)
+        detok = IncrementalText(self.tokenizer, params.stop) if self.tokenizer else None
+        start = time.perf_counter()
+        try:
+            async for delta in self.run(ids, params, req.request_id or f"grpc-{uuid.uuid4().hex}"):
+                if delta.finished:
+                    text = detok.finish(delta.text or "") if detok else ""
+                else:
+                    text = detok.feed(delta.token_ids) if detok else ""
+                yield delta, text, time.perf_counter() - start
+        except ValueError as exc:
+            _fail(grpc_context, grpc.StatusCode.INVALID_ARGUMENT, exc)
+        except RequestTimeout as exc:
+            _fail(grpc_context, grpc.StatusCode.DEADLINE_EXCEEDED, exc)
+
+    async def Generate(self, request, grpc_context: RayServegRPCContext):
+        resp = baton_pb2.GenerateResponse()
+        ttft = None
+        async for delta, text, elapsed in self._grpc_deltas(request, grpc_context):
+            ttft = elapsed if ttft is None else ttft
+            resp.request_id = delta.request_id
+            resp.token_ids.extend(delta.token_ids)
+            resp.text += text
+            resp.logprobs.extend(delta.logprobs or [])
+            if delta.finished:
+                resp.finish_reason = delta.finish_reason or ""
+                resp.usage.CopyFrom(_grpc_usage(delta))
+                resp.ttft_s = ttft
+        return resp
+
+    async def GenerateStream(self, request, grpc_context: RayServegRPCContext):
+        ttft = None
+        async for delta, text, elapsed in self._grpc_deltas(request, grpc_context):
+            ttft = elapsed if ttft is None else ttft
+            msg = baton_pb2.GenerateResponse(request_id=delta.request_id,
+                                             token_ids=delta.token_ids, text=text,
+                                             logprobs=delta.logprobs or [])
+            if delta.finished:
+                msg.finish_reason = delta.finish_reason or ""
+                msg.usage.CopyFrom(_grpc_usage(delta))
+                msg.ttft_s = ttft
+            yield msg
+
+    async def Health(self, request, grpc_context: RayServegRPCContext = None):
+        return baton_pb2.HealthResponse(status="ok", model=self.served_name)

@@ -15,6 +15,7 @@ from tests.models import random_prompts
 pytestmark = pytest.mark.e2e
 ENGINE = {"model": "tiny", "num_blocks": 256, "max_num_seqs": 16}
 GREEDY = dict(temperature=0, max_tokens=12, ignore_eos=True)
+GRPC_SERVICER = "proto.baton_pb2_grpc.add_BatonServicer_to_server"
 PROMPTS = ["The quick brown fox", "Hello world! Hello there, how are you today?", "a"]
 
 
@@ -35,11 +36,12 @@ def server(request, ray_cluster):
 
     from deploy.app import build_app
 
-    port = _free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    port, grpc_port = _free_port(), _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port},
+                grpc_options={"port": grpc_port, "grpc_servicer_functions": [GRPC_SERVICER]})
     serve.run(build_app({"mode": request.param, "engine": ENGINE,
                          "router": {"request_timeout_s": 60}}), name="baton", route_prefix="/")
-    yield request.param, f"http://127.0.0.1:{port}"
+    yield request.param, f"http://127.0.0.1:{port}", f"127.0.0.1:{grpc_port}"
     serve.shutdown()
 
 
@@ -55,7 +57,7 @@ def _events(resp):
 
 
 def test_completions_match_offline_engine(server, offline):
-    _, url = server
+    _, url, _ = server
     expected = offline.generate(PROMPTS, SamplingParams(**GREEDY))
     for prompt, want in zip(PROMPTS, expected):
         body = _post(f"{url}/v1/completions", {"prompt": prompt, **GREEDY}).json()
@@ -70,7 +72,7 @@ def test_completions_match_offline_engine(server, offline):
 
 
 def test_streaming_matches_and_ends_with_usage(server, offline):
-    _, url = server
+    _, url, _ = server
     want = offline.generate(PROMPTS[1], SamplingParams(**GREEDY))[0]
     resp = _post(f"{url}/v1/completions", {"prompt": PROMPTS[1], "stream": True, **GREEDY},
                  stream=True)
@@ -85,7 +87,7 @@ def test_streaming_matches_and_ends_with_usage(server, offline):
 
 
 def test_stop_string_in_a_stream_is_never_sent(server, offline):
-    _, url = server
+    _, url, _ = server
     full = offline.generate(PROMPTS[0], SamplingParams(**GREEDY))[0].text
     stop = full[4:7]
     resp = _post(f"{url}/v1/completions", {"prompt": PROMPTS[0], "stream": True, "stop": [stop],
@@ -95,7 +97,7 @@ def test_stop_string_in_a_stream_is_never_sent(server, offline):
 
 
 def test_chat_uses_the_template(server, offline):
-    _, url = server
+    _, url, _ = server
     messages = [{"role": "user", "content": "What is two plus two?"}]
     ids = offline.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
                                                 tokenize=True)
@@ -112,7 +114,7 @@ def test_chat_uses_the_template(server, offline):
 
 
 def test_shared_prefix_moves_fewer_blocks(server):
-    mode, url = server
+    mode, url, _ = server
     prefix = random_prompts([64], vocab=512, seed=52)[0]
     first = _post(f"{url}/v1/completions", {"prompt": prefix + [7, 8], **GREEDY}).json()
     second = _post(f"{url}/v1/completions", {"prompt": prefix + [9, 10, 11], **GREEDY}).json()
@@ -138,14 +140,14 @@ def test_shared_prefix_moves_fewer_blocks(server):
     ({}, "prompt"),
 ])
 def test_bad_input_is_a_400_with_a_message(server, body, fragment):
-    _, url = server
+    _, url, _ = server
     resp = _post(f"{url}/v1/completions", body)
     assert resp.status_code == 400
     assert fragment in resp.json()["error"]["message"]
 
 
 def test_models_health_metrics(server):
-    _, url = server
+    _, url, _ = server
     assert requests.get(f"{url}/health", timeout=10).json() == {"status": "ok"}
     assert requests.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"] == "tiny"
     metrics = requests.get(f"{url}/metrics", timeout=10).text
@@ -164,7 +166,7 @@ def _gauge(url, name) -> float:
 
 
 def test_cancelled_stream_frees_every_block(server):
-    _, url = server
+    _, url, _ = server
     resp = _post(f"{url}/v1/completions", {"prompt": PROMPTS[1], "stream": True,
                                            "max_tokens": 1500, "ignore_eos": True}, stream=True)
     events = _events(resp)
@@ -178,3 +180,54 @@ def test_cancelled_stream_frees_every_block(server):
         time.sleep(0.2)
     assert _gauge(url, "baton_kv_blocks_used") == 0
     assert _gauge(url, "baton_kv_blocks_held_by_transfers") == 0
+
+
+@pytest.fixture(scope="module")
+def stub(server):
+    import grpc
+
+    from proto import baton_pb2_grpc
+    channel = grpc.insecure_channel(server[2])
+    yield baton_pb2_grpc.BatonStub(channel)
+    channel.close()
+
+
+def test_grpc_unary_and_stream_match_offline(stub, offline):
+    from proto import baton_pb2
+    want = offline.generate(PROMPTS[0], SamplingParams(**GREEDY))[0]
+    req = baton_pb2.GenerateRequest(prompt=PROMPTS[0], max_tokens=12, temperature=0,
+                                    ignore_eos=True)
+    resp = stub.Generate(req, timeout=60)
+    assert list(resp.token_ids) == want.token_ids and resp.text == want.text
+    assert resp.finish_reason == "length" and resp.usage.completion_tokens == 12
+    assert resp.ttft_s > 0
+    msgs = list(stub.GenerateStream(req, timeout=60))
+    assert [t for m in msgs for t in m.token_ids] == want.token_ids
+    assert "".join(m.text for m in msgs) == want.text
+    assert msgs[-1].finish_reason == "length" and msgs[-1].usage.prompt_tokens > 0
+    ids = random_prompts([20], vocab=512, seed=53)[0]
+    resp = stub.Generate(baton_pb2.GenerateRequest(prompt_token_ids=ids, max_tokens=12,
+                                                   temperature=0, ignore_eos=True), timeout=60)
+    assert list(resp.token_ids) == offline.generate([ids], SamplingParams(**GREEDY))[0].token_ids
+    assert stub.Health(baton_pb2.HealthRequest(), timeout=10).status == "ok"
+
+
+@pytest.mark.parametrize("fields, fragment", [
+    (dict(prompt=""), "prompt: must not be empty"),
+    (dict(prompt="hi", temperature=-1.0), "temperature"),
+    (dict(prompt_token_ids=[1, 99999]), "outside the vocabulary"),
+    (dict(prompt="hi", prompt_token_ids=[1]), "either prompt or prompt_token_ids"),
+])
+@pytest.mark.parametrize("streaming", [False, True])
+def test_grpc_bad_input_is_invalid_argument(stub, fields, fragment, streaming):
+    import grpc
+
+    from proto import baton_pb2
+    req = baton_pb2.GenerateRequest(**fields)
+    with pytest.raises(grpc.RpcError) as err:
+        if streaming:
+            list(stub.GenerateStream(req, timeout=30))
+        else:
+            stub.Generate(req, timeout=30)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert fragment in err.value.details()

@@ -95,3 +95,15 @@ def _wait(check, timeout: float, what: str) -> None:
             pass
         time.sleep(1)
     raise TimeoutError(f"{what} not reached within {timeout}s")
+
+
+@pytest.mark.parametrize("name", ["cluster.yaml", "cluster.local.yaml"])
+def test_cluster_configs_install_baton_and_start_ray(name):
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    cluster = yaml.safe_load((ROOT / name).read_text())
+    validate_config(prepare_config(dict(cluster)))  # the cluster launcher's own schema
+    assert cluster["file_mounts"]["~/baton"] == "."
+    assert any("torch==2.13.0" in c for c in cluster["setup_commands"])
+    assert any("-e '~/baton[serve" in c for c in cluster["setup_commands"])
+    assert any("ray start --head" in c for c in cluster["head_start_ray_commands"])

@@ -22,6 +22,12 @@ class DecodeDeployment:
     async def kv_load(self) -> dict:
         return self.server.kv_load()
 
+    def record_routing_stats(self) -> dict:
+        """Read by the decode request router (least KV load first)."""
+        load = self.server.kv_load()
+        total = load["used_blocks"] + load["free_blocks"]
+        return {"kv_used_fraction": load["used_blocks"] / total if total else 0.0}
+
     def check_health(self) -> None:
         if self.server.aengine.error is not None:
             raise RuntimeError(f"engine thread died: {self.server.aengine.error!r}")

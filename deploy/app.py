@@ -20,9 +20,18 @@ def resolve_backend(cfg: BatonConfig) -> str:
     return "cuda_ipc" if gpus else "nixl"
 
 
-def _options(role: RoleConfig) -> dict:
+PREFILL_ROUTER = "router.request_routers:PrefixAwareRouter"
+DECODE_ROUTER = "router.request_routers:LeastKVLoadRouter"
+
+
+def _options(role: RoleConfig, router_class: str, **router_kwargs) -> dict:
+    from ray.serve.config import RequestRouterConfig
+
     return dict(num_replicas=role.num_replicas, max_ongoing_requests=role.max_ongoing_requests,
-                ray_actor_options={"num_cpus": role.num_cpus, "num_gpus": role.num_gpus})
+                ray_actor_options={"num_cpus": role.num_cpus, "num_gpus": role.num_gpus},
+                request_router_config=RequestRouterConfig(
+                    request_router_class=router_class, request_router_kwargs=router_kwargs,
+                    request_routing_stats_period_s=1.0))
 
 
 def build_app(args: dict[str, Any] | BatonConfig | None = None) -> Application:
@@ -34,9 +43,10 @@ def build_app(args: dict[str, Any] | BatonConfig | None = None) -> Application:
     backend = resolve_backend(cfg)
     prefill = None
     if cfg.mode == "disaggregated":
-        prefill = PrefillDeployment.options(**_options(cfg.prefill)).bind(
+        prefill = PrefillDeployment.options(**_options(
+            cfg.prefill, PREFILL_ROUTER, block_size=cfg.engine.block_size)).bind(
             cfg.engine_for("prefill").model_dump(), backend)
-    decode = DecodeDeployment.options(**_options(cfg.decode)).bind(
+    decode = DecodeDeployment.options(**_options(cfg.decode, DECODE_ROUTER)).bind(
         cfg.engine_for("decode").model_dump(), backend, prefill, cfg.transfer.timeout_s)
     router = Router.options(num_replicas=cfg.router.num_replicas,
                             ray_actor_options={"num_cpus": cfg.router.num_cpus})

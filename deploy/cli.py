@@ -134,8 +134,9 @@ def _demo_http(url: str, prompt, max_tokens: int, timeout: float, requests) -> N
         for choice in event["choices"]:
             if choice["token_ids"] and ttft is None:
                 ttft = time.perf_counter() - t0
-            print(choice["text"] or "".join(f"[{t}]" for t in choice["token_ids"]), end="",
-                  flush=True)
+            shown = choice["text"] if isinstance(prompt, str) else \
+                "".join(f"[{t}]" for t in choice["token_ids"])
+            print(shown, end="", flush=True)
     moved = usage["kv_transfer"] or {}
     print(f"\n  TTFT {ttft * 1e3:.1f} ms, {usage['completion_tokens']} tokens in "
           f"{time.perf_counter() - t0:.2f}s; KV moved: {moved.get('bytes', 0) / 1e6:.2f} MB in "
@@ -156,7 +157,8 @@ def _demo_grpc(address: str, prompt, max_tokens: int, timeout: float) -> None:
         print(f"gRPC GenerateStream > {prompt!r}\n  ", end="", flush=True)
         last = None
         for msg in stub.GenerateStream(req, timeout=timeout):
-            print(msg.text or "".join(f"[{t}]" for t in msg.token_ids), end="", flush=True)
+            shown = msg.text if isinstance(prompt, str) else "".join(f"[{t}]" for t in msg.token_ids)
+            print(shown, end="", flush=True)
             last = msg
         print(f"\n  TTFT {last.ttft_s * 1e3:.1f} ms, {last.usage.completion_tokens} tokens, "
               f"finish: {last.finish_reason}")

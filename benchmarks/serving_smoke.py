@@ -1,0 +1,117 @@
+"""Serve the app on the GPU host and measure a short run: colocated, then 1P1D.
+
+    python -m benchmarks.serving_smoke --model dummy:Qwen3-8B --gpus-per-role 0.5   # one GPU
+    python -m benchmarks.serving_smoke --model dummy:Qwen3-8B --gpus-per-role 1     # two GPUs
+
+Sends the same greedy requests (token-id prompts) to each layout one after another and prints
+TTFT, decode tokens/s per request and whether the tokens equal the colocated layout's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import time
+
+import requests
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_layout(config: dict, prompts, max_tokens: int, timeout: float) -> list[dict]:
+    from ray import serve
+
+    from deploy.app import build_app
+
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    t0 = time.perf_counter()
+    serve.run(build_app(config), name="baton", route_prefix="/", blocking=False)
+    url = f"http://127.0.0.1:{port}"
+    end = time.time() + timeout
+    while time.time() < end:
+        try:
+            if requests.get(f"{url}/health", timeout=2).ok:
+                break
+        except requests.RequestException:
+            pass
+        time.sleep(1)
+    print(f"{config['mode']}: ready in {time.perf_counter() - t0:.1f}s", flush=True)
+    rows = []
+    for prompt in prompts:
+        t0 = time.perf_counter()
+        resp = requests.post(f"{url}/v1/completions", stream=True, timeout=timeout,
+                             json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                                   "ignore_eos": True, "stream": True})
+        times, tokens, usage = [], [], None
+        for line in resp.iter_lines():
+            if not line.startswith(b"data: {"):
+                continue
+            ev = json.loads(line[6:])
+            usage = ev.get("usage") or usage
+            for c in ev.get("choices", []):
+                if c["token_ids"]:
+                    times.append(time.perf_counter() - t0)
+                    tokens += c["token_ids"]
+        decode_s = times[-1] - times[0]
+        rows.append(dict(mode=config["mode"], prompt_tokens=len(prompt), tokens=tokens,
+                         ttft_ms=times[0] * 1e3,
+                         decode_tok_s=(len(tokens) - 1) / decode_s if decode_s > 0 else 0.0,
+                         transfer=(usage or {}).get("kv_transfer")))
+    serve.shutdown()
+    return rows
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="dummy:Qwen3-8B")
+    p.add_argument("--gpus-per-role", type=float, default=0.5)
+    p.add_argument("--backend", default="auto")
+    p.add_argument("--num-blocks", type=int, default=1024)
+    p.add_argument("--lengths", type=int, nargs="*", default=[32, 32, 512, 2048])
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--timeout", type=float, default=300)
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    import ray
+    import torch
+
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    ray.init(include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(10, 150000, (n,), generator=gen).tolist() for n in args.lengths]
+    engine = {"model": args.model, "num_blocks": args.num_blocks, "max_num_seqs": 16,
+              "max_num_batched_tokens": 4096}
+    role = {"num_gpus": args.gpus_per_role, "num_cpus": 1}
+    colocated = run_layout({"mode": "colocated", "engine": engine, "decode": role},
+                           prompts, args.max_tokens, args.timeout)
+    disagg = run_layout({"mode": "disaggregated", "engine": engine, "prefill": role,
+                         "decode": role, "transfer": {"backend": args.backend}},
+                        prompts, args.max_tokens, args.timeout)
+    for a, b in zip(colocated, disagg):
+        b["same_tokens_as_colocated"] = a["tokens"] == b["tokens"]
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(colocated + disagg, f, indent=1)
+    print(f"\n{'mode':14} {'prompt':>6} {'TTFT ms':>8} {'decode tok/s':>12} {'same':>5} transfer")
+    for r in colocated + disagg:
+        t = r["transfer"]
+        moved = f"{t['bytes'] / 1e6:.0f} MB {t['seconds'] * 1e3:.2f} ms {t['backend']}" if t else "-"
+        print(f"{r['mode']:14} {r['prompt_tokens']:6d} {r['ttft_ms']:8.1f} "
+              f"{r['decode_tok_s']:12.1f} {str(r.get('same_tokens_as_colocated', '')):>5} {moved}")
+    for mode in ("colocated", "disaggregated"):
+        rs = [r for r in colocated + disagg if r["mode"] == mode]
+        print(f"{mode}: median TTFT {statistics.median(r['ttft_ms'] for r in rs):.1f} ms, median "
+              f"decode {statistics.median(r['decode_tok_s'] for r in rs):.1f} tok/s")
+
+
+if __name__ == "__main__":
+    main()

@@ -100,7 +100,9 @@ class EngineConfig(BaseModel):
     max_num_batched_tokens: int = Field(8192, ge=1)  # the per-step token budget (chunked prefill)
     enable_prefix_caching: bool = True
     attention_backend: Literal["auto", "torch", "flashinfer"] = "auto"
-    enforce_eager: bool = False
+    enforce_eager: bool = False  # True: no CUDA graphs
+    cuda_graph_max_batch: int = Field(256, ge=1)  # largest captured decode batch
+    decode_tensor_cores: bool | None = None  # FlashInfer decode; None: by GQA ratio
     show_progress: bool = True
 
     @model_validator(mode="after")

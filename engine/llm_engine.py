@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 import uuid
 from collections.abc import Sequence as Seq
 
@@ -26,6 +27,7 @@ Prompt = str | Seq[int]
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
+        t0 = time.perf_counter()
         self.config = config
         self.device = config.resolved_device()
         if self.device.type == "cuda":
@@ -42,11 +44,17 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(self.source)
         self.eos_token_ids = self._eos_ids()
         self.runner = ModelRunner(self.model, config, self.device, self.dtype, self.max_model_len)
+        if self.device.type == "cuda":
+            self.runner.warm_up(progress=config.show_progress)
         self.pool = BlockPool(self.runner.num_blocks, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.pool, config.block_size, config.max_num_seqs,
                                    config.max_num_batched_tokens)
         self.sampler = Sampler(self.device, config.seed)
         self._stop_offsets: dict[str, int] = {}
+        self.startup_s = time.perf_counter() - t0
+        log.info("engine ready in %.1fs (%s, %s, attention %s, warm-up %.1fs)", self.startup_s,
+                 self.device, str(self.dtype).removeprefix("torch."), self.runner.backend.name,
+                 self.runner.warm_up_s)
 
     @property
     def vocab_size(self) -> int:

@@ -1,19 +1,21 @@
 """Model runner: owns the model, the paged KV cache and the attention backend.
 
 One call of :meth:`ModelRunner.execute` is prepare inputs → forward context → forward → logits
-of the sequences due a token.
+of the sequences due a token. Decode-only steps replay a captured CUDA graph when there is one
+(:mod:`engine.cuda_graph`); everything else runs eagerly.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
 from engine.attention import get_backend
-from engine.block_pool import NULL_BLOCK
 from engine.config import EngineConfig
-from engine.forward_context import AttentionMetadata, set_forward_context
+from engine.cuda_graph import DecodeGraphs
+from engine.forward_context import AttentionMetadata, null_meta, set_forward_context
 from engine.models.qwen3 import Qwen3ForCausalLM
 from engine.scheduler import ScheduledBatch
 
@@ -29,10 +31,12 @@ class ModelRunner:
         cfg = model.config
         self.block_size = config.block_size
         self.max_model_len = max_model_len
-        self.backend = get_backend(config.attention_backend, device,
+        self.backend = get_backend(config.attention_backend, device, dtype,
+                                   decode_tensor_cores=config.decode_tensor_cores,
                                    num_heads=cfg.num_attention_heads,
                                    num_kv_heads=cfg.num_key_value_heads,
-                                   head_dim=cfg.head_dim, scale=cfg.head_dim ** -0.5)
+                                   head_dim=cfg.head_dim, scale=cfg.head_dim ** -0.5,
+                                   block_size=self.block_size)
         self.num_blocks = self._num_blocks()
         # Memory is block-major, [blocks, layers, K/V, kv heads, block size, head dim], so one
         # block of every layer is one contiguous region (one descriptor per transfer run); the
@@ -45,6 +49,12 @@ class ModelRunner:
         for i, attn in enumerate(model.attention_layers()):
             attn.kv_cache = self.kv_cache[i]
             attn.backend = self.backend
+        self.graphs = None
+        if device.type == "cuda" and not config.enforce_eager \
+                and self.backend.supports_cuda_graphs:
+            self.graphs = DecodeGraphs(self, min(config.max_num_seqs,
+                                                 config.cuda_graph_max_batch))
+        self.warm_up_s = 0.0
 
     # -- sizing -----------------------------------------------------------------------------
     @property
@@ -72,50 +82,95 @@ class ModelRunner:
         return num
 
     def _cuda_kv_budget(self) -> float:
+        """This engine's share (``gpu_memory_utilization`` of the whole GPU) less what this
+        process already holds (weights) and a step's activations; never more than is free, so
+        engines that share a GPU each get their own share."""
         free, total = torch.cuda.mem_get_info(self.device)
         cfg = self.model.config
         tokens = self.config.max_num_batched_tokens
         # Activations of one step: the widest intermediates, plus float32 logits of every sequence.
         act = tokens * (2 * cfg.intermediate_size + 4 * cfg.hidden_size) * self.dtype.itemsize * 2
         act += self.config.max_num_seqs * cfg.vocab_size * 4 * 3
-        return total * self.config.gpu_memory_utilization - (total - free) - act
+        share = total * self.config.gpu_memory_utilization - torch.cuda.memory_reserved(self.device)
+        return min(share, free) - act
+
+    # -- start-up ---------------------------------------------------------------------------
+    def warm_up(self, progress: bool = True) -> None:
+        """Compile every kernel variant (a full-budget prefill step, an eager decode step) and
+        capture the decode graphs, so the first request pays for none of it."""
+        t0 = time.perf_counter()
+        tokens = min(self.config.max_num_batched_tokens, self.max_model_len)
+        self._forward(torch.zeros(tokens, dtype=torch.int64, device=self.device),
+                      torch.arange(tokens, device=self.device),
+                      self._on_device(null_meta(1, tokens, self.block_size)), [tokens - 1])
+        self._forward(torch.zeros(1, dtype=torch.int64, device=self.device),
+                      torch.zeros(1, dtype=torch.int64, device=self.device),
+                      self._on_device(null_meta(1, 1, self.block_size)), [0])
+        if self.graphs is not None:
+            self.graphs.capture(progress)
+        torch.cuda.synchronize(self.device)
+        self.warm_up_s = time.perf_counter() - t0
+        log.info("warm-up %.1fs (%d decode graphs in %.1fs)", self.warm_up_s,
+                 len(self.graphs.graphs) if self.graphs else 0,
+                 self.graphs.capture_s if self.graphs else 0.0)
+
+    def _on_device(self, meta: AttentionMetadata) -> AttentionMetadata:
+        n = meta.query_start_loc[-1]
+        meta.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=self.device)
+        return meta
 
     # -- one step ---------------------------------------------------------------------------
-    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor,
-                                                      AttentionMetadata, list[int]]:
+    def prepare(self, batch: ScheduledBatch):
+        """Host-side inputs of one step: token ids, positions, slots (lists), the attention
+        metadata (without its device slot mapping) and the rows whose logits are due."""
         bs = self.block_size
         ids, positions, slots, qsl, ctx, logit_rows = [], [], [], [0], [], []
-        max_blocks = max(len(s.block_ids) for s in batch.seqs)
-        tables = []
+        indptr, indices, last = [0], [], []
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
             ids += seq.token_ids[start:end]
             positions += range(start, end)
-            table = seq.block_ids
-            slots += [-1 if p < seq.num_present_tokens else table[p // bs] * bs + p % bs
+            table, present = seq.block_ids, seq.num_present_tokens
+            slots += [-1 if p < present else table[p // bs] * bs + p % bs
                       for p in range(start, end)]
             qsl.append(qsl[-1] + n)
             ctx.append(end)
-            tables.append(table + [NULL_BLOCK] * (max_blocks - len(table)))
+            pages = -(-end // bs)
+            indices += table[:pages]
+            indptr.append(len(indices))
+            last.append(end - (pages - 1) * bs)
             if end == seq.num_tokens:
                 logit_rows.append(qsl[-1] - 1)
-        dev = self.device
+        i32 = torch.int32
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
-            query_start_loc=qsl, context_lens=ctx, block_size=bs,
+            slot_mapping=None, query_start_loc=qsl, context_lens=ctx,
+            kv_indptr=torch.tensor(indptr, dtype=i32), kv_indices=torch.tensor(indices, dtype=i32),
+            kv_last_page_len=torch.tensor(last, dtype=i32), block_size=bs,
             is_decode_only=all(n == 1 for n in batch.num_new_tokens))
-        return (torch.tensor(ids, dtype=torch.int64, device=dev),
-                torch.tensor(positions, dtype=torch.int64, device=dev), meta, logit_rows)
+        return ids, positions, slots, meta, logit_rows
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> torch.Tensor | None:
         """Run the batch; return float32 logits of the sequences due a token (or None)."""
-        input_ids, positions, meta, logit_rows = self.prepare(batch)
+        ids, positions, slots, meta, logit_rows = self.prepare(batch)
+        if (self.graphs is not None and meta.is_decode_only
+                and meta.num_seqs <= self.graphs.max_batch):
+            logits = self.graphs.run(ids, positions, slots, meta)
+            return logits if len(logit_rows) == len(ids) else logits[logit_rows]
+        host = torch.tensor((ids, positions, slots), dtype=torch.int64)
+        if self.device.type == "cuda":
+            host = host.pin_memory()
+        dev = host.to(self.device, non_blocking=True)
+        meta.slot_mapping = dev[2]
+        return self._forward(dev[0], dev[1], meta, logit_rows)
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                 logit_rows: list[int]) -> torch.Tensor | None:
         self.backend.plan(meta)
         with set_forward_context(meta):
             hidden = self.model(input_ids, positions)
         if not logit_rows:
             return None
-        rows = torch.tensor(logit_rows, dtype=torch.int64, device=self.device)
-        return self.model.compute_logits(hidden[rows])
+        if len(logit_rows) < hidden.shape[0]:
+            hidden = hidden[torch.tensor(logit_rows, dtype=torch.int64, device=self.device)]
+        return self.model.compute_logits(hidden)

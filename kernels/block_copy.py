@@ -12,11 +12,7 @@ from __future__ import annotations
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only installs: the torch reference is used
-    triton = None
+from kernels._triton import tl, triton
 
 
 def copy_blocks_reference(src: torch.Tensor, dst: torch.Tensor, src_ids: torch.Tensor,

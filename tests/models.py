@@ -40,14 +40,16 @@ def random_prompts(lengths, vocab: int = VOCAB, seed: int = 0) -> list[list[int]
     return [torch.randint(3, vocab - 1, (n,), generator=g).tolist() for n in lengths]
 
 
-def hf_greedy(path: Path, prompts: list[list[int]], max_new_tokens: int):
+def hf_greedy(path: Path, prompts: list[list[int]], max_new_tokens: int, device: str = "cpu"):
     """transformers' own greedy generate, one prompt at a time: (tokens, per-step logits)."""
     from transformers import Qwen3ForCausalLM
-    hf = Qwen3ForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    hf = Qwen3ForCausalLM.from_pretrained(str(path), dtype=torch.float32).to(device).eval()
     hf.generation_config.eos_token_id = None
     results = []
     for ids in prompts:
-        out = hf.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
+        out = hf.generate(torch.tensor([ids], device=device), max_new_tokens=max_new_tokens,
+                          do_sample=False,
                           pad_token_id=0, return_dict_in_generate=True, output_logits=True)
-        results.append((out.sequences[0, len(ids):].tolist(), torch.stack(out.logits)[:, 0]))
+        results.append((out.sequences[0, len(ids):].tolist(),
+                        torch.stack(out.logits)[:, 0].cpu()))
     return hf, results

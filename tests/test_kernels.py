@@ -3,7 +3,9 @@
 import pytest
 import torch
 
-from kernels import copy_blocks, copy_blocks_reference, store_kv, store_kv_reference
+from kernels import (copy_blocks, copy_blocks_reference, qk_norm_rope_store,
+                     qk_norm_rope_store_reference, rmsnorm, rmsnorm_reference, silu_and_mul,
+                     silu_and_mul_reference, store_kv, store_kv_reference)
 
 
 def _cache(blocks, dtype, device, layers=3):
@@ -48,6 +50,71 @@ def test_store_kv_cuda_matches_reference():
     slots = torch.tensor([0, 3, -1, 17, 40, -1, 95, 50, 64], device="cuda")
     cache = torch.zeros(6, 2, 2, 16, 8, device="cuda")
     ref = cache.clone()
+    store_kv(k, v, cache, slots)
+    store_kv_reference(k, v, ref, slots)
+    assert torch.equal(cache, ref)
+
+
+# -- Triton kernels of the model (CUDA) against their torch references ------------------------
+def _close(a, b, dtype):
+    """float32: to rounding; bf16: the fused kernels round once where the references round after
+    every op, so single elements may differ by one bf16 step (1/64 at magnitude 2-4)."""
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol)
+    assert ((a.float() - b.float()).norm() / b.float().norm()).item() < tol / 2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dim", [64, 1024, 5120])
+def test_rmsnorm_triton_matches_reference(dtype, dim):
+    x, res = (torch.randn(37, dim, device="cuda", dtype=dtype) for _ in range(2))
+    w = torch.rand(dim, device="cuda", dtype=dtype) + 0.5
+    _close(rmsnorm(x, w, 1e-6), rmsnorm_reference(x, w, 1e-6), dtype)
+    out, new_res = rmsnorm(x, w, 1e-6, res)
+    want, want_res = rmsnorm_reference(x, w, 1e-6, res)
+    _close(out, want, dtype)
+    assert torch.equal(new_res, want_res)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul_triton_matches_reference(dtype):
+    x = torch.randn(19, 2 * 3072, device="cuda", dtype=dtype)
+    _close(silu_and_mul(x), silu_and_mul_reference(x), dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads", [(16, 8), (32, 8), (4, 4)])
+def test_qk_norm_rope_store_triton_matches_reference(dtype, heads):
+    hq, hk = heads
+    d, bs, layers, blocks, t = 128, 16, 3, 10, 21
+    qkv = torch.randn(t, (hq + 2 * hk) * d, device="cuda", dtype=dtype)
+    positions = torch.randint(0, 4000, (t,), device="cuda")
+    qw, kw = (torch.rand(d, device="cuda", dtype=dtype) + 0.5 for _ in range(2))
+    inv = 1.0 / (1e6 ** (torch.arange(0, d, 2, device="cuda").float() / d))
+    freqs = torch.outer(torch.arange(4096, device="cuda").float(), inv)
+    cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+    # Block-major storage seen layer by layer, as the engine keeps it.
+    storage = torch.zeros(blocks, layers, 2, hk, bs, d, device="cuda", dtype=dtype)
+    cache, ref_cache = storage.transpose(0, 1)[1], storage.clone().transpose(0, 1)[1]
+    slots = torch.randperm(blocks * bs, device="cuda")[:t]
+    slots[[2, 7]] = -1
+    q = qk_norm_rope_store(qkv, positions, qw, kw, 1e-6, cos_sin, cache, slots, hq, hk)
+    want = qk_norm_rope_store_reference(qkv, positions, qw, kw, 1e-6, cos_sin, ref_cache, slots,
+                                        hq, hk)
+    _close(q, want, dtype)
+    _close(cache, ref_cache, dtype)
+    assert storage.transpose(0, 1)[0].abs().sum() == 0  # other layers untouched
+
+
+@pytest.mark.gpu
+def test_store_kv_triton_strided_cache():
+    storage = torch.zeros(6, 3, 2, 2, 16, 8, device="cuda", dtype=torch.bfloat16)
+    cache, ref = storage.transpose(0, 1)[2], storage.clone().transpose(0, 1)[2]
+    k, v = (torch.randn(5, 2, 8, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    slots = torch.tensor([0, 17, -1, 95, 33], device="cuda")
     store_kv(k, v, cache, slots)
     store_kv_reference(k, v, ref, slots)
     assert torch.equal(cache, ref)

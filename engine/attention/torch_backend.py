@@ -12,16 +12,19 @@ from engine.forward_context import AttentionMetadata
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
+    def plan(self, meta: AttentionMetadata) -> None:
+        meta.extras["kv_indices"] = meta.kv_indices.to(meta.slot_mapping.device, torch.int64)
+        meta.extras["kv_indptr"] = meta.kv_indptr.tolist()
+
     def forward(self, q: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         out = torch.empty_like(q)
-        bs = meta.block_size
-        qsl = meta.query_start_loc
+        qsl, indptr = meta.query_start_loc, meta.extras["kv_indptr"]
+        indices = meta.extras["kv_indices"]
         for i, ctx in enumerate(meta.context_lens):
             start, end = qsl[i], qsl[i + 1]
             n_q = end - start
-            blocks = meta.block_tables[i, : (ctx + bs - 1) // bs]
-            kv = kv_cache[blocks]  # [nb, 2, H, bs, D]
+            kv = kv_cache[indices[indptr[i]:indptr[i + 1]]]  # [pages, 2, H, bs, D]
             k = kv[:, 0].transpose(0, 1).reshape(self.num_kv_heads, -1, self.head_dim)[:, :ctx]
             v = kv[:, 1].transpose(0, 1).reshape(self.num_kv_heads, -1, self.head_dim)[:, :ctx]
             qi = q[start:end].transpose(0, 1)  # [Hq, n_q, D]

@@ -8,8 +8,8 @@ from torch import nn
 from engine.attention.base import AttentionBackend
 from engine.config import ModelConfig
 from engine.forward_context import get_forward_context
-from engine.models.layers import RMSNorm, RotaryEmbedding, silu_and_mul
-from kernels import store_kv
+from engine.models.layers import RMSNorm, RotaryEmbedding
+from kernels import qk_norm_rope_store, silu_and_mul
 
 # checkpoint name fragment -> (our packed parameter fragment, shard index)
 PACKED_MODULES = {
@@ -39,13 +39,12 @@ class Qwen3Attention(nn.Module):
         self.backend: AttentionBackend | None = None
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split(self.shard_sizes, dim=-1)
-        q = self.q_norm(q.view(-1, self.num_heads, self.head_dim))
-        k = self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim))
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rope(positions, q, k)
         meta = get_forward_context()
-        store_kv(k, v, self.kv_cache, meta.slot_mapping)
+        # q/k norm, RoPE and the K/V store in one kernel on CUDA.
+        q = qk_norm_rope_store(self.qkv_proj(x), positions, self.q_norm.weight,
+                               self.k_norm.weight, self.q_norm.eps, self.rope.cos_sin,
+                               self.kv_cache, meta.slot_mapping, self.num_heads,
+                               self.num_kv_heads)
         o = self.backend.forward(q, self.kv_cache, meta)
         return self.o_proj(o.reshape(-1, self.q_size))
 

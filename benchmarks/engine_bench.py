@@ -1,0 +1,240 @@
+"""Offline engine benchmarks on the GPU host, each against a ceiling measured in the same run.
+
+    python -m benchmarks.engine_bench --tasks ceilings decode long throughput prefill hf \
+        --json results/engine.json
+
+Tasks (models are ``dummy:`` specs: random weights, real shapes):
+- ``ceilings``: device copy GB/s (bytes read + written) and bf16 GEMM TFLOP/s.
+- ``decode``: batch 1, 128-token prompt, 1024 new tokens: ms/token p50, tok/s, % of the
+  weight-streaming floor (weights + KV read per step / copy bandwidth).
+- ``long``: batch 1, a two-token prompt, 10,000 new tokens: seconds.
+- ``throughput``: 256 sequences, input and output lengths uniform in [100, 1024] (seed 0):
+  output tok/s and the decode steps' % of their memory floor.
+- ``prefill``: batch 1, 1k/2k/8k-token prompts: ms and % of the compute floor (FLOPs / GEMM rate).
+- ``hf``: transformers ``generate`` at batch 1 (same shape, bf16) for the ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import time
+
+import torch
+
+from engine import EngineConfig, SamplingParams
+from engine.llm_engine import LLMEngine
+
+
+def _cuda_ms(fn, reps: int = 10) -> float:
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def ceilings() -> dict:
+    a = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    copy_gbs = 2 * a.numel() / _cuda_ms(lambda: b.copy_(a)) / 1e6
+    del a, b
+    n = 8192
+    x, y = (torch.randn(n, n, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    tflops = 2 * n**3 / _cuda_ms(lambda: x @ y) / 1e9
+    return {"copy_GBps": round(copy_gbs, 1), "gemm_TFLOPs": round(tflops, 1)}
+
+
+class Recorder:
+    """Times every engine step and notes what it computed (decode-only? context tokens)."""
+
+    def __init__(self, engine: LLMEngine):
+        self.engine, self.steps = engine, []
+        execute = engine.runner.execute
+
+        def recording(batch):
+            self._batch = (all(n == 1 for n in batch.num_new_tokens), len(batch.seqs),
+                           sum(s.num_computed_tokens + n for s, n in
+                               zip(batch.seqs, batch.num_new_tokens)), batch.num_tokens)
+            return execute(batch)
+        engine.runner.execute = recording
+
+    def run(self) -> float:
+        t_all = time.perf_counter()
+        while self.engine.has_unfinished_requests():
+            self._batch = None
+            t0 = time.perf_counter()
+            self.engine.step()
+            if self._batch is not None:
+                self.steps.append((*self._batch, time.perf_counter() - t0))
+        return time.perf_counter() - t_all
+
+
+def model_bytes(engine: LLMEngine) -> tuple[int, int]:
+    """(weight bytes read by one decode step, KV bytes per context token)."""
+    model, cfg = engine.model, engine.model.config
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    if model.lm_head is not None:  # untied: the embedding is only gathered, row by row
+        weights -= model.model.embed_tokens.weight.numel() * engine.dtype.itemsize
+    kv = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * engine.dtype.itemsize
+    return weights, kv
+
+
+def _engine(model: str, **kw) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=model, device="cuda", show_progress=False, **kw))
+
+
+def _prompt(engine: LLMEngine, n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(10, engine.vocab_size - 10, (n,), generator=g).tolist()
+
+
+def decode(model: str, ceil: dict, prompt_len: int = 128, new: int = 1024) -> dict:
+    engine = _engine(model, max_num_seqs=8)
+    engine.add_request(_prompt(engine, prompt_len, 0),
+                       SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    Recorder(engine).run()  # warm
+    engine.add_request(_prompt(engine, prompt_len, 1),
+                       SamplingParams(temperature=0, max_tokens=new, ignore_eos=True))
+    rec = Recorder(engine)
+    rec.run()
+    steps = [s for s in rec.steps if s[0]]
+    weights, kv_tok = model_bytes(engine)
+    ms = statistics.median(s[4] for s in steps) * 1e3
+    floor_ms = statistics.median((weights + kv_tok * s[2]) / (ceil["copy_GBps"] * 1e9) * 1e3
+                                 for s in steps)
+    total = sum(s[4] for s in steps)
+    return {"task": "decode", "model": model, "ms_per_token_p50": round(ms, 3),
+            "tok_s": round(len(steps) / total, 1), "floor_ms": round(floor_ms, 3),
+            "pct_of_floor": round(100 * floor_ms / ms, 1), "startup_s": round(engine.startup_s, 1),
+            "warm_up_s": round(engine.runner.warm_up_s, 1)}
+
+
+def long_run(model: str, new: int = 10_000) -> dict:
+    engine = _engine(model, max_num_seqs=8)
+    engine.add_request([6023, 1052], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
+    Recorder(engine).run()
+    engine.add_request([6023, 1052], SamplingParams(temperature=0, max_tokens=new,
+                                                    ignore_eos=True))
+    seconds = Recorder(engine).run()
+    return {"task": "long", "model": model, "new_tokens": new, "seconds": round(seconds, 2),
+            "ms_per_token": round(seconds / new * 1e3, 3)}
+
+
+def throughput(model: str, ceil: dict, n: int = 256, lo: int = 100, hi: int = 1024) -> dict:
+    engine = _engine(model, max_num_seqs=n)
+    g = torch.Generator().manual_seed(0)
+    ins = torch.randint(lo, hi + 1, (n,), generator=g).tolist()
+    outs = torch.randint(lo, hi + 1, (n,), generator=g).tolist()
+    engine.add_request(_prompt(engine, 64, 99),
+                       SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    Recorder(engine).run()  # warm
+    for i, (a, b) in enumerate(zip(ins, outs)):
+        engine.add_request(_prompt(engine, a, i),
+                           SamplingParams(temperature=0, max_tokens=b, ignore_eos=True))
+    rec = Recorder(engine)
+    seconds = rec.run()
+    weights, kv_tok = model_bytes(engine)
+    dec = [s for s in rec.steps if s[0]]
+    dec_s = sum(s[4] for s in dec)
+    floor_s = sum((weights + kv_tok * s[2]) / (ceil["copy_GBps"] * 1e9) for s in dec)
+    return {"task": "throughput", "model": model, "seqs": n, "seconds": round(seconds, 1),
+            "output_tok_s": round(sum(outs) / seconds, 1),
+            "decode_steps": len(dec), "decode_s": round(dec_s, 2),
+            "decode_pct_of_floor": round(100 * floor_s / dec_s, 1),
+            "preemptions": engine.scheduler.num_preemptions}
+
+
+def prefill(model: str, ceil: dict, lengths=(1024, 2048, 8192)) -> list[dict]:
+    engine = _engine(model, max_num_seqs=4, max_num_batched_tokens=max(lengths),
+                     enable_prefix_caching=False)
+    cfg = engine.model.config
+    params = sum(p.numel() for p in engine.model.parameters()) - cfg.vocab_size * cfg.hidden_size
+    rows = []
+    for n in lengths:
+        times = []
+        for rep in range(4):
+            engine.add_request(_prompt(engine, n, rep), SamplingParams(temperature=0, max_tokens=1))
+            torch.cuda.synchronize()
+            rec = Recorder(engine)
+            rec.run()
+            times.append(rec.steps[0][4])
+        ms = statistics.median(times[1:]) * 1e3
+        attn = 2 * 2 * cfg.num_attention_heads * cfg.head_dim * n * (n + 1) / 2 \
+            * cfg.num_hidden_layers
+        flops = 2 * params * n + attn + 2 * cfg.hidden_size * cfg.vocab_size
+        floor_ms = flops / (ceil["gemm_TFLOPs"] * 1e12) * 1e3
+        rows.append({"task": "prefill", "model": model, "tokens": n, "ms": round(ms, 2),
+                     "floor_ms": round(floor_ms, 2), "pct_of_floor": round(100 * floor_ms / ms, 1),
+                     "x_floor": round(ms / floor_ms, 2)})
+    return rows
+
+
+def hf_generate(model: str, prompt_len: int = 128, new: int = 128) -> dict:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from engine.loader import resolve_model
+    shape = resolve_model(model).config
+    config = Qwen3Config(
+        vocab_size=shape.vocab_size, hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size, num_hidden_layers=shape.num_hidden_layers,
+        num_attention_heads=shape.num_attention_heads,
+        num_key_value_heads=shape.num_key_value_heads, head_dim=shape.head_dim,
+        tie_word_embeddings=shape.tie_word_embeddings, max_position_embeddings=4096)
+    with torch.device("cuda"):
+        hf = Qwen3ForCausalLM(config).to(torch.bfloat16).eval()
+    ids = torch.randint(10, shape.vocab_size - 10, (1, prompt_len), device="cuda")
+    kw = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
+    hf.generate(ids, max_new_tokens=8, min_new_tokens=8, **kw)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    hf.generate(ids, max_new_tokens=new, min_new_tokens=new, **kw)
+    torch.cuda.synchronize()
+    return {"task": "hf", "model": model, "tok_s": round(new / (time.perf_counter() - t0), 1)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tasks", nargs="+", default=["ceilings", "decode", "long", "throughput",
+                                                   "prefill", "hf"])
+    ap.add_argument("--decode-models", nargs="+", default=["dummy:Qwen3-0.6B", "dummy:Qwen3-8B"])
+    ap.add_argument("--prefill-model", default="dummy:Qwen3-8B")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    ceil = ceilings()
+    rows = [{"task": "ceilings", **ceil}]
+    print(json.dumps(rows[0]), flush=True)
+
+    def emit(result):
+        for r in result if isinstance(result, list) else [result]:
+            rows.append(r)
+            print(json.dumps(r), flush=True)
+        gc.collect()
+        torch.cuda.empty_cache()
+
+    for model in args.decode_models:
+        if "decode" in args.tasks:
+            emit(decode(model, ceil))
+        if "throughput" in args.tasks:
+            emit(throughput(model, ceil))
+        if "hf" in args.tasks:
+            emit(hf_generate(model))
+    if "long" in args.tasks:
+        emit(long_run("dummy:Qwen3-0.6B"))
+    if "prefill" in args.tasks:
+        emit(prefill(args.prefill_model, ceil))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

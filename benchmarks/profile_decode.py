@@ -1,0 +1,90 @@
+"""Where one decode step's time goes: host phases timed one by one, the graph's own GPU time,
+its kernels (torch profiler over 20 replays), and the top of a cProfile of the engine loop.
+
+    python -m benchmarks.profile_decode --model dummy:Qwen3-0.6B
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import statistics
+import time
+
+import torch
+
+from engine import EngineConfig, SamplingParams
+from engine.llm_engine import LLMEngine
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="dummy:Qwen3-0.6B")
+    ap.add_argument("--steps", type=int, default=400)
+    ap.add_argument("--batch", type=int, default=1)
+    args = ap.parse_args()
+    engine = LLMEngine(EngineConfig(model=args.model, device="cuda", max_num_seqs=8,
+                                    show_progress=False))
+    params = SamplingParams(temperature=0, max_tokens=args.steps * 3, ignore_eos=True)
+    for i in range(args.batch):
+        engine.add_request([100 + i] * 128, params)
+    for _ in range(20):
+        engine.step()
+
+    graphs, size = engine.runner.graphs, engine.runner.graphs.size_for(args.batch)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(100):
+        graphs.graphs[size].replay()
+    end.record()
+    end.synchronize()
+    print(f"graph replay (GPU only, size {size}): {start.elapsed_time(end) / 100:.3f} ms")
+
+    phases = {k: [] for k in ("schedule", "prepare", "plan+replay", "sample+sync", "post")}
+    runner, sched = engine.runner, engine.scheduler
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        batch = sched.schedule()
+        t1 = time.perf_counter()
+        ids, pos, slots, meta, rows = runner.prepare(batch)
+        t2 = time.perf_counter()
+        logits = graphs.run(ids, pos, slots, meta)
+        t3 = time.perf_counter()
+        due = sched.advance(batch)
+        tokens, _ = engine.sampler(logits, [s.params for s in due], [s.generator for s in due])
+        tokens = tokens.tolist()
+        t4 = time.perf_counter()
+        for seq, tok in zip(due, tokens):
+            engine._append_token(seq, tok, None)
+            engine._output(seq, [tok])
+        t5 = time.perf_counter()
+        for k, a, b in zip(phases, (t0, t1, t2, t3, t4), (t1, t2, t3, t4, t5)):
+            phases[k].append((b - a) * 1e3)
+    for k, v in phases.items():
+        print(f"{k:>12}: {statistics.median(v):.3f} ms")
+    t0 = time.perf_counter()
+    for _ in range(100):
+        engine.step()
+    print(f"engine.step: {(time.perf_counter() - t0) * 10:.3f} ms/step")
+
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as kprof:
+        for _ in range(20):
+            graphs.graphs[size].replay()
+        torch.cuda.synchronize()
+    print(kprof.key_averages().table(sort_by="cuda_time_total", row_limit=20, max_name_column_width=70))
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(200):
+        engine.step()
+    prof.disable()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(25)
+    print(out.getvalue()[-6000:])
+
+
+if __name__ == "__main__":
+    main()

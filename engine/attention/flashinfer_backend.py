@@ -1,0 +1,86 @@
+"""FlashInfer attention over the engine's paged cache (CUDA, bf16/fp16).
+
+One step is planned once and shared by all layers: decode-only steps use the batch decode
+wrapper, every other step (prefill, chunked prefill, prompts whose first blocks are prefix-cache
+hits, mixed prefill and decode) the paged prefill wrapper with a causal mask aligned to the end
+of each context. The cache is HND per layer, ``[pages, 2, kv heads, page size, head dim]``, with
+a page stride that spans all layers (the engine stores KV block-major); FlashInfer reads the
+strides from the tensor.
+
+CUDA graphs: :meth:`graph_decode_wrapper` gives a decode wrapper over fixed index buffers for
+one batch size; a graph captured with it replays whatever :meth:`plan_decode` later writes into
+those buffers.
+"""
+
+from __future__ import annotations
+
+import flashinfer
+import torch
+
+from engine.attention.base import AttentionBackend
+from engine.forward_context import AttentionMetadata
+
+WORKSPACE_BYTES = 256 * 2**20
+_EMPTY = torch.empty(0, dtype=torch.int32)
+
+
+class FlashInferBackend(AttentionBackend):
+    name = "flashinfer"
+    supports_cuda_graphs = True
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 block_size: int, device: torch.device, dtype: torch.dtype,
+                 decode_tensor_cores: bool | None = None):
+        super().__init__(num_heads, num_kv_heads, head_dim, scale, block_size)
+        self.device, self.dtype = device, dtype
+        # Tensor-core decode pays once several query heads share a KV head (measured:
+        # benchmarks/attention_bench.py, docs/benchmarks.md).
+        self.decode_tensor_cores = (num_heads // num_kv_heads >= 8 if decode_tensor_cores is None
+                                    else decode_tensor_cores)
+        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            self.workspace, "HND")
+        self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "HND", use_tensor_cores=self.decode_tensor_cores)
+
+    def plan(self, meta: AttentionMetadata) -> None:
+        if "wrapper" in meta.extras:  # planned by the CUDA-graph runner
+            return
+        if meta.is_decode_only:
+            self.plan_decode(self.decode_wrapper, meta)
+            return
+        self.prefill_wrapper.plan(
+            torch.tensor(meta.query_start_loc, dtype=torch.int32), meta.kv_indptr,
+            meta.kv_indices, meta.kv_last_page_len, self.num_heads, self.num_kv_heads,
+            self.head_dim, self.block_size, causal=True, sm_scale=self.scale,
+            q_data_type=self.dtype, kv_data_type=self.dtype)
+        meta.extras["wrapper"] = self.prefill_wrapper
+
+    def plan_decode(self, wrapper, meta: AttentionMetadata) -> None:
+        meta.extras["wrapper"] = wrapper
+        if wrapper.is_cuda_graph_enabled and torch.equal(
+                getattr(wrapper, "_baton_indptr", _EMPTY), meta.kv_indptr):
+            # Same pages per sequence as the last plan: the split of the work is the same, only
+            # the page ids and the last pages' fill change, and the kernel reads both from the
+            # wrapper's fixed buffers at run time. Skips the host-side plan (~0.1 ms a step).
+            wrapper._paged_kv_indices_buf[: len(meta.kv_indices)].copy_(meta.kv_indices,
+                                                                         non_blocking=True)
+            wrapper._paged_kv_last_page_len_buf.copy_(meta.kv_last_page_len, non_blocking=True)
+            return
+        wrapper.plan(meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len, self.num_heads,
+                     self.num_kv_heads, self.head_dim, self.block_size, sm_scale=self.scale,
+                     q_data_type=self.dtype, kv_data_type=self.dtype)
+        wrapper._baton_indptr = meta.kv_indptr
+
+    def graph_decode_wrapper(self, batch_size: int, max_pages: int):
+        def buf(n: int) -> torch.Tensor:
+            return torch.zeros(n, dtype=torch.int32, device=self.device)
+        return flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "HND", use_cuda_graph=True,
+            use_tensor_cores=self.decode_tensor_cores,
+            paged_kv_indptr_buffer=buf(batch_size + 1), paged_kv_indices_buffer=buf(max_pages),
+            paged_kv_last_page_len_buffer=buf(batch_size))
+
+    def forward(self, q: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        return meta.extras["wrapper"].run(q, kv_cache)

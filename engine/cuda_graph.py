@@ -1,0 +1,100 @@
+"""CUDA graphs of the decode step, one per batch size in a fixed set.
+
+Each graph covers embedding → all layers → final norm → logits for ``size`` sequences of one
+query token each, reading its inputs from static buffers (token ids, positions, slot mapping)
+and writing float32 logits into a static buffer. A step of ``n`` sequences replays the smallest
+graph with ``size >= n``: rows past ``n`` are padding (token 0 at position 0, slot -1 so nothing
+is stored, one page of the null block). Graphs are captured largest first into one shared
+memory pool. Attention uses one FlashInfer decode wrapper with fixed index buffers per size,
+re-planned on the host before each replay.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from tqdm import tqdm
+
+from engine.block_pool import NULL_BLOCK
+from engine.forward_context import AttentionMetadata, null_meta, set_forward_context
+
+
+def capture_sizes(max_batch: int) -> list[int]:
+    sizes = [s for s in (1, 2, 4) if s <= max_batch]
+    sizes += list(range(8, max_batch + 1, 8))
+    if sizes[-1] != max_batch:
+        sizes.append(max_batch)
+    return sizes
+
+
+class DecodeGraphs:
+    def __init__(self, runner, max_batch: int):
+        self.runner = runner
+        self.backend = runner.backend
+        self.sizes = capture_sizes(max_batch)
+        self.max_batch = self.sizes[-1]
+        dev, vocab = runner.device, runner.model.config.vocab_size
+        self.inputs = torch.zeros(3, self.max_batch, dtype=torch.int64, device=dev)
+        self.host = torch.zeros(3, self.max_batch, dtype=torch.int64, pin_memory=True)
+        self.logits = torch.zeros(self.max_batch, vocab, dtype=torch.float32, device=dev)
+        max_pages = runner.num_blocks + self.max_batch
+        self.wrappers = {s: self.backend.graph_decode_wrapper(s, max_pages) for s in self.sizes}
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.capture_s = 0.0
+
+    def size_for(self, n: int) -> int | None:
+        return next((s for s in self.sizes if s >= n), None)
+
+    @torch.inference_mode()
+    def capture(self, progress: bool = True) -> None:
+        t0 = time.perf_counter()
+        pool = None
+        model = self.runner.model
+        for size in tqdm(sorted(self.sizes, reverse=True), desc="capturing decode graphs",
+                         disable=not progress, leave=False):
+            meta = self._padded_meta(null_meta(0, 1, self.runner.block_size), size)
+            self.backend.plan_decode(self.wrappers[size], meta)
+            ids, pos, slots = self.inputs[0, :size], self.inputs[1, :size], self.inputs[2, :size]
+            slots.fill_(-1)
+            meta.slot_mapping = slots
+            with set_forward_context(meta):
+                model(ids, pos)  # eager once: compiles kernels, settles allocations
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self.logits[:size].copy_(model.compute_logits(model(ids, pos)))
+            pool = graph.pool()
+            self.graphs[size] = graph
+        torch.cuda.synchronize()
+        self.capture_s = time.perf_counter() - t0
+
+    def run(self, ids: list[int], positions: list[int], slots: list[int],
+            meta: AttentionMetadata) -> torch.Tensor:
+        """Replay for ``n = len(ids)`` sequences; returns float32 logits ``[n, vocab]``."""
+        n = len(ids)
+        size = self.size_for(n)
+        host = self.host[:, :size]
+        host[:, :n] = torch.tensor((ids, positions, slots), dtype=torch.int64)
+        host[0:2, n:] = 0
+        host[2, n:] = -1
+        self.inputs[:, :size].copy_(host, non_blocking=True)
+        self.backend.plan_decode(self.wrappers[size], self._padded_meta(meta, size))
+        self.graphs[size].replay()
+        return self.logits[:n]
+
+    @staticmethod
+    def _padded_meta(meta: AttentionMetadata, size: int) -> AttentionMetadata:
+        pad = size - meta.num_seqs
+        if pad == 0:
+            return meta
+        i32 = torch.int32
+        last = int(meta.kv_indptr[-1])
+        return AttentionMetadata(
+            slot_mapping=meta.slot_mapping,
+            query_start_loc=list(range(size + 1)), context_lens=meta.context_lens + [1] * pad,
+            kv_indptr=torch.cat([meta.kv_indptr, torch.arange(last + 1, last + pad + 1,
+                                                              dtype=i32)]),
+            kv_indices=torch.cat([meta.kv_indices, torch.full((pad,), NULL_BLOCK, dtype=i32)]),
+            kv_last_page_len=torch.cat([meta.kv_last_page_len, torch.ones(pad, dtype=i32)]),
+            block_size=meta.block_size, is_decode_only=True)

@@ -1,0 +1,114 @@
+"""Qwen3's attention prologue in one kernel: q/k RMSNorm per head, neox RoPE, and the K/V store.
+
+Input is the packed QKV projection ``[T, (Hq + 2 Hk) * D]``. Output is the rotated query
+``[T, Hq, D]``; the rotated keys and the values go straight into the paged cache at
+``slot_mapping`` (slots < 0 skipped). The reference is the unfused torch path: the same
+RMSNorm as :mod:`kernels.norm`, RoPE in the activation dtype with cos/sin from a float32
+cache ``[max_positions, D]`` (cos in the first half, sin in the second), then
+:func:`kernels.kv_store.store_kv_reference`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels._triton import tl, triton, use_triton
+from kernels.kv_store import store_kv_reference
+from kernels.norm import rmsnorm_reference
+
+
+def rope_reference(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                   cos_sin: torch.Tensor):
+    """``q``: ``[T, Hq, D]``, ``k``: ``[T, Hk, D]``; rotated in their own dtype."""
+    cos, sin = cos_sin[positions].chunk(2, dim=-1)  # [T, D/2] each
+    cos = torch.cat([cos, cos], dim=-1).unsqueeze(1)
+    sin = torch.cat([sin, sin], dim=-1).unsqueeze(1)
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+def qk_norm_rope_store_reference(qkv, positions, q_weight, k_weight, eps, cos_sin, kv_cache,
+                                 slot_mapping, num_heads: int, num_kv_heads: int):
+    d = q_weight.numel()
+    q, k, v = qkv.split((num_heads * d, num_kv_heads * d, num_kv_heads * d), dim=-1)
+    q = rmsnorm_reference(q.reshape(-1, num_heads, d), q_weight, eps)
+    k = rmsnorm_reference(k.reshape(-1, num_kv_heads, d), k_weight, eps)
+    q, k = rope_reference(positions, q, k, cos_sin)
+    store_kv_reference(k, v.reshape(-1, num_kv_heads, d), kv_cache, slot_mapping)
+    return q
+
+
+if triton is not None:
+    @triton.jit
+    def _qk_norm_rope_store_kernel(
+            qkv_ptr, pos_ptr, qw_ptr, kw_ptr, cs_ptr, cache_ptr, slot_ptr, q_out_ptr,
+            qkv_stride, eps, block_size, c_stride_b, c_stride_kv, c_stride_h, c_stride_s,
+            NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+            HALF: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1)
+        i = tl.arange(0, HALF)
+        src = qkv_ptr + t * qkv_stride + h * HEAD_DIM
+        if h < NUM_HEADS + NUM_KV_HEADS:
+            a = tl.load(src + i)
+            dtype = a.dtype
+            x1 = a.to(tl.float32)
+            x2 = tl.load(src + HALF + i).to(tl.float32)
+            rstd = tl.rsqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / HEAD_DIM + eps)
+            if h < NUM_HEADS:
+                w1 = tl.load(qw_ptr + i).to(tl.float32)
+                w2 = tl.load(qw_ptr + HALF + i).to(tl.float32)
+            else:
+                w1 = tl.load(kw_ptr + i).to(tl.float32)
+                w2 = tl.load(kw_ptr + HALF + i).to(tl.float32)
+            n1 = ((x1 * rstd).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
+            n2 = ((x2 * rstd).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
+            pos = tl.load(pos_ptr + t).to(tl.int64)
+            cos = tl.load(cs_ptr + pos * HEAD_DIM + i).to(dtype).to(tl.float32)
+            sin = tl.load(cs_ptr + pos * HEAD_DIM + HALF + i).to(dtype).to(tl.float32)
+            o1 = (n1 * cos - n2 * sin).to(dtype)
+            o2 = (n2 * cos + n1 * sin).to(dtype)
+            if h < NUM_HEADS:
+                dst = q_out_ptr + (t * NUM_HEADS + h) * HEAD_DIM
+                tl.store(dst + i, o1)
+                tl.store(dst + HALF + i, o2)
+            else:
+                slot = tl.load(slot_ptr + t).to(tl.int64)
+                if slot >= 0:
+                    dst = cache_ptr + (slot // block_size) * c_stride_b \
+                        + (h - NUM_HEADS) * c_stride_h + (slot % block_size) * c_stride_s
+                    tl.store(dst + i, o1.to(cache_ptr.dtype.element_ty))
+                    tl.store(dst + HALF + i, o2.to(cache_ptr.dtype.element_ty))
+        else:
+            slot = tl.load(slot_ptr + t).to(tl.int64)
+            if slot >= 0:
+                d = tl.arange(0, HEAD_DIM)
+                dst = cache_ptr + (slot // block_size) * c_stride_b + c_stride_kv \
+                    + (h - NUM_HEADS - NUM_KV_HEADS) * c_stride_h + (slot % block_size) * c_stride_s
+                tl.store(dst + d, tl.load(src + d).to(cache_ptr.dtype.element_ty))
+
+
+def qk_norm_rope_store(qkv: torch.Tensor, positions: torch.Tensor, q_weight: torch.Tensor,
+                       k_weight: torch.Tensor, eps: float, cos_sin: torch.Tensor,
+                       kv_cache: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int,
+                       num_kv_heads: int) -> torch.Tensor:
+    """Returns the rotated query ``[T, Hq, D]`` and stores K/V; see the module docstring."""
+    d = q_weight.numel()
+    if (not use_triton(qkv) or d & (d - 1) or d < 2 or qkv.stride(1) != 1
+            or kv_cache.stride(4) != 1 or q_weight.dtype != qkv.dtype):
+        return qk_norm_rope_store_reference(qkv, positions, q_weight, k_weight, eps, cos_sin,
+                                            kv_cache, slot_mapping, num_heads, num_kv_heads)
+    t = qkv.shape[0]
+    q = torch.empty((t, num_heads, d), dtype=qkv.dtype, device=qkv.device)
+    if t:
+        _qk_norm_rope_store_kernel[(t, num_heads + 2 * num_kv_heads)](
+            qkv, positions, q_weight, k_weight, cos_sin, kv_cache, slot_mapping, q,
+            qkv.stride(0), eps, kv_cache.shape[3], kv_cache.stride(0), kv_cache.stride(1),
+            kv_cache.stride(2), kv_cache.stride(3), NUM_HEADS=num_heads,
+            NUM_KV_HEADS=num_kv_heads, HEAD_DIM=d, HALF=d // 2, num_warps=1)
+    return q

@@ -1,9 +1,9 @@
 """The GPU engine against its references (run on a GPU host: ``make test-gpu``).
 
-- FlashInfer attention vs the torch backend, both in bf16: every step of a run is computed twice
-  on the same inputs and the same cache (first through the torch backend, eager; then as the
-  engine runs it, FlashInfer and CUDA graphs), and the logits agree within 1e-2 relative error:
-  prefill, prefill behind a cached prefix, chunked prefill, decode at several batch sizes.
+- FlashInfer attention vs the torch backend, both in bf16, on the same inputs and cache
+  (:class:`TwoBackends`): attention outputs of every layer within 1e-2, logits of every step
+  within 2e-2; for prefill, prefill behind a cached prefix, chunked prefill, and decode at
+  several batch sizes.
 - CUDA-graph decode vs eager: identical greedy tokens.
 - Greedy tokens identical to transformers in float32 on a Qwen3-0.6B-shaped model, 64 tokens.
 """
@@ -46,44 +46,76 @@ def _run(engine: LLMEngine, prompts, max_tokens: int, prefix: str = "r") -> dict
 
 
 class TwoBackends:
-    """Runs every step through the torch backend first (eager), then as configured; keeps
-    (kind of step, torch logits, engine logits) per step."""
+    """Checks FlashInfer against the torch backend (both bf16) on a running engine, two ways.
 
-    def __init__(self, engine: LLMEngine):
+    Per layer: every attention call runs both backends on the same query and cache, and their
+    outputs must agree within 1e-2 (the backend's own error; expected ~1e-3). This runs eager.
+    Per step: the whole step runs through the torch backend first, then as the engine runs it
+    (FlashInfer, CUDA graphs), on the same inputs and cache, and the logits must agree within
+    2e-2. The logits bound is wider than the per-layer one because this model's random weights
+    amplify bf16 rounding over 28 layers: the engine's bf16 logits differ from a float32 run of
+    the same weights by ~1.3% whichever attention backend it uses.
+    """
+
+    LAYER_TOL, LOGITS_TOL = 1e-2, 2e-2
+
+    def __init__(self, engine: LLMEngine, per_layer: bool):
         runner = self.runner = engine.runner
         cfg = engine.model.config
         self.torch = TorchAttentionBackend(cfg.num_attention_heads, cfg.num_key_value_heads,
                                            cfg.head_dim, cfg.head_dim ** -0.5, runner.block_size)
-        self.steps = []
+        self.flashinfer, self.graphs, self.per_layer = runner.backend, runner.graphs, per_layer
+        self.steps, self.layers = [], []
         self.execute = runner.execute
-        runner.execute = self._both
+        if per_layer:
+            self._use(self, graphs=None)
+        else:
+            runner.execute = self._both
+
+    # -- per layer: this object stands in for the backend ----------------------------------
+    def plan(self, meta):
+        self.torch.plan(meta)
+        self.flashinfer.plan(meta)
+
+    def forward(self, q, kv_cache, meta):
+        out = self.flashinfer.forward(q, kv_cache, meta)
+        ref = self.torch.forward(q, kv_cache, meta)
+        self.layers.append(("decode" if meta.is_decode_only else "prefill", meta.num_seqs,
+                            ((out.float() - ref.float()).norm() / ref.float().norm()).item()))
+        return out
+
+    # -- per step ---------------------------------------------------------------------------
+    def _use(self, backend, graphs):
+        self.runner.backend, self.runner.graphs = backend, graphs
+        for attn in self.runner.model.attention_layers():
+            attn.backend = backend
 
     def _both(self, batch):
-        runner, layers = self.runner, self.runner.model.attention_layers()
-        graphs, backend = runner.graphs, runner.backend
-        runner.graphs, runner.backend = None, self.torch
-        for attn in layers:
-            attn.backend = self.torch
+        self._use(self.torch, None)
         try:
             ref = self.execute(batch)
         finally:
-            runner.graphs, runner.backend = graphs, backend
-            for attn in layers:
-                attn.backend = backend
+            self._use(self.flashinfer, self.graphs)
         out = self.execute(batch)
         kind = "decode" if all(n == 1 for n in batch.num_new_tokens) else "prefill"
         if out is not None:
-            # A graph's logits live in a static buffer that the next replay overwrites.
-            self.steps.append((kind, len(batch.seqs), ref.float(), out.float().clone()))
+            err = ((out.float() - ref.float()).norm(dim=-1) / ref.float().norm(dim=-1)).max()
+            self.steps.append((kind, len(batch.seqs), err.item()))
         return out
 
-    def check(self, kinds=("prefill", "decode")) -> None:
-        assert {k for k, *_ in self.steps} >= set(kinds)
-        for kind, n, ref, out in self.steps:
-            err = ((out - ref).norm(dim=-1) / ref.norm(dim=-1)).max().item()
-            print(f"{kind} step, {n} sequences: logits relative error {err:.2e}")
-            assert err < 1e-2, f"{kind} step of {n} sequences: relative error {err:.3g}"
+    def restore(self) -> None:
         self.runner.execute = self.execute
+        self._use(self.flashinfer, self.graphs)
+
+    def check(self) -> None:
+        records, tol = (self.layers, self.LAYER_TOL) if self.per_layer else (self.steps,
+                                                                              self.LOGITS_TOL)
+        assert {k for k, *_ in records} == {"prefill", "decode"}
+        for kind in ("prefill", "decode"):
+            worst = max(e for k, _, e in records if k == kind)
+            what = "attention output" if self.per_layer else "logits"
+            print(f"{kind}: worst {what} relative error {worst:.2e}")
+            assert worst < tol, f"{kind}: {what} relative error {worst:.3g}"
 
 
 @pytest.fixture(scope="module")
@@ -92,31 +124,45 @@ def flashinfer_engine():
     return _engine(attention_backend="flashinfer")
 
 
+PER = pytest.mark.parametrize("per_layer", [True, False], ids=["per-layer", "logits"])
+
+
+@PER
 @pytest.mark.parametrize("batch", [1, 3, 16])
-def test_flashinfer_matches_torch_prefill_and_decode(flashinfer_engine, batch):
-    both = TwoBackends(flashinfer_engine)
-    _run(flashinfer_engine, random_prompts([5 + 37 * i for i in range(batch)], vocab=VOCAB,
-                                           seed=batch), 8, prefix=f"b{batch}-")
+def test_flashinfer_matches_torch_prefill_and_decode(flashinfer_engine, batch, per_layer):
+    both = TwoBackends(flashinfer_engine, per_layer)
+    try:
+        _run(flashinfer_engine, random_prompts([5 + 37 * i for i in range(batch)], vocab=VOCAB,
+                                               seed=batch), 8, prefix=f"b{batch}{per_layer}-")
+    finally:
+        both.restore()
     both.check()
 
 
-def test_flashinfer_matches_torch_behind_cached_prefix(flashinfer_engine):
+@PER
+def test_flashinfer_matches_torch_behind_cached_prefix(flashinfer_engine, per_layer):
     base = random_prompts([80, 150], vocab=VOCAB, seed=7)
     ext = [p + q for p, q in zip(base, random_prompts([9, 40], vocab=VOCAB, seed=8))]
-    _run(flashinfer_engine, base, 1, prefix="warm")
+    _run(flashinfer_engine, base, 1, prefix=f"warm{per_layer}")
     hits = flashinfer_engine.pool.hit_tokens
-    both = TwoBackends(flashinfer_engine)
-    _run(flashinfer_engine, ext, 4, prefix="hit")
+    both = TwoBackends(flashinfer_engine, per_layer)
+    try:
+        _run(flashinfer_engine, ext, 4, prefix=f"hit{per_layer}")
+    finally:
+        both.restore()
     assert flashinfer_engine.pool.hit_tokens >= hits + 80 + 144  # whole blocks of both prefixes
     both.check()
 
 
-def test_flashinfer_matches_torch_chunked_prefill():
+@PER
+def test_flashinfer_matches_torch_chunked_prefill(per_layer):
     pytest.importorskip("flashinfer")
     chunked = _engine(attention_backend="flashinfer", max_num_batched_tokens=64)
-    both = TwoBackends(chunked)
-    _run(chunked, random_prompts([300, 190], vocab=VOCAB, seed=9), 4, prefix="c")
-    assert sum(k == "prefill" for k, *_ in both.steps) >= 1
+    both = TwoBackends(chunked, per_layer)
+    try:
+        _run(chunked, random_prompts([300, 190], vocab=VOCAB, seed=9), 4, prefix="c")
+    finally:
+        both.restore()
     both.check()
 
 

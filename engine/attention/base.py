@@ -38,10 +38,11 @@ class AttentionBackend(ABC):
 
 def get_backend(name: str, device: torch.device, dtype: torch.dtype,
                 decode_tensor_cores: bool | None = None, **dims) -> AttentionBackend:
-    """``auto``: FlashInfer on CUDA in 16-bit dtypes when it is installed, else torch."""
+    """``auto``: FlashInfer on CUDA in 16-bit dtypes for the head sizes it builds kernels for
+    (64, 128, 256) when it is installed, else torch."""
     if name == "auto":
         name = ("flashinfer" if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
-                and _has_flashinfer() else "torch")
+                and dims.get("head_dim") in (64, 128, 256) and _has_flashinfer() else "torch")
     if name == "torch":
         from engine.attention.torch_backend import TorchAttentionBackend
         return TorchAttentionBackend(**dims)

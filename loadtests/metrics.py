@@ -86,16 +86,19 @@ def _ms(value: float | None) -> float | None:
     return None if value is None else value * 1e3
 
 
-def summarize(records: list[RequestRecord], slo: Slo) -> dict:
-    """The figures of one run (one layout at one load) from its per-request records."""
+def summarize(records: list[RequestRecord], slo: Slo, duration_s: float | None = None) -> dict:
+    """The figures of one run (one layout at one load) from its per-request records;
+    ``duration_s``, the time requests were sent over, gives the rate actually sent and is the
+    shortest window throughput is measured over."""
     ok = [r for r in records if r.error is None]
     ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
     itl = [g for r in ok for g in r.itl_s]
     e2e = [r.e2e_s for r in ok if r.e2e_s is not None]
     tokens = sum(r.output_tokens for r in ok)
-    window = _window_s(records)
+    window = max(_window_s(records), duration_s or 0.0)
     return {
         "requests": len(records), "errors": len(records) - len(ok),
+        "sent_rps": len(records) / duration_s if duration_s else None,
         "achieved_rps": len(ok) / window if window else 0.0,
         "ttft_p50_ms": _ms(percentile(ttft, 50)), "ttft_p99_ms": _ms(percentile(ttft, 99)),
         "itl_p50_ms": _ms(percentile(itl, 50)), "itl_p99_ms": _ms(percentile(itl, 99)),
@@ -115,7 +118,8 @@ def _mean(values: list[float]) -> float | None:
 
 
 def _window_s(records: list[RequestRecord]) -> float:
-    """First send to last answer: the span the throughput is measured over."""
+    """First send to last answer. Throughput is measured over this span or the run's duration,
+    whichever is longer."""
     ends = [r.start + r.e2e_s for r in records if r.e2e_s is not None]
     if not ends:
         return 0.0

@@ -15,7 +15,8 @@ from loadtests.metrics import goodput
 
 COLUMNS = [  # (key, header, format)
     ("layout", "layout", "{}"), ("load", "load", "{:g}"), ("requests", "requests", "{}"),
-    ("errors", "errors", "{}"), ("achieved_rps", "done/s", "{:.2f}"),
+    ("errors", "errors", "{}"), ("sent_rps", "sent/s", "{:.2f}"),
+    ("achieved_rps", "done/s", "{:.2f}"),
     ("ttft_p50_ms", "TTFT p50 ms", "{:.1f}"), ("ttft_p99_ms", "TTFT p99 ms", "{:.1f}"),
     ("itl_p50_ms", "ITL p50 ms", "{:.1f}"), ("itl_p99_ms", "ITL p99 ms", "{:.1f}"),
     ("e2e_p50_ms", "E2E p50 ms", "{:.0f}"), ("output_tok_s", "output tok/s", "{:.1f}"),
@@ -74,7 +75,9 @@ def summary_markdown(cfg, points: list[dict], failures: list[dict], meta: dict) 
         f"- {meta.get('date', '')}, commit {meta.get('commit', '?')}, {meta.get('cluster', '')}",
         "", "## Results", "",
         f"Load in {unit}; latencies over successful requests; `meets SLO` counts errors as "
-        "misses; `done/s` is completed requests over the measured window; `cached prompt tok` "
+        "misses; `sent/s` is requests sent over the duration (a Poisson schedule varies "
+        "around the offered rate); `done/s` and `output tok/s` are over the duration or from "
+        "the first send to the last answer, whichever is longer; `cached prompt tok` "
         "is the mean prompt tokens served from the prefix cache.", "",
         markdown_table([h for _, h, _ in COLUMNS],
                        [[_cell(p.get(k), f) for k, _, f in COLUMNS]
@@ -177,3 +180,50 @@ def write_report(cfg, points: list[dict], failures: list[dict], meta: dict) -> l
          "goodput": goodput_rows(cfg, points, layouts)}, indent=1))
     return [out / "summary.md", out / "summary.csv", out / "summary.json",
             *write_plots(out, cfg, points)]
+
+
+def rebuild(run: Path, slo_overrides: dict | None = None) -> list[Path]:
+    """Recompute a finished sweep's report from its records, optionally under other SLOs;
+    the failures recorded by the sweep are kept."""
+    from loadtests.layouts import parse_layout
+    from loadtests.metrics import read_records, summarize
+    from loadtests.sweep import SweepConfig
+
+    run = Path(run)
+    cfg = SweepConfig.model_validate_json((run / "config.json").read_text())
+    cfg = cfg.model_copy(update={"out": run, "slo": cfg.slo.model_copy(
+        update={k: v for k, v in (slo_overrides or {}).items() if v is not None})})
+    old = json.loads((run / "summary.json").read_text()) if (run / "summary.json").exists() \
+        else {}
+    points = []
+    for folder in sorted(p for p in run.glob("*/*/requests.jsonl")):
+        layout, label = folder.parent.parent.name, folder.parent.name
+        load = next((x for x in cfg.loads() if cfg.label(x) == label), None)
+        records = read_records(folder)
+        if load is not None and records:
+            points.append({"layout": layout, "load": load, "label": label,
+                           **summarize(records, cfg.slo, cfg.duration_s)})
+    named = [parse_layout(n).name for n in cfg.layouts if n.lower() != "auto"]
+    order = list(dict.fromkeys(named + [p["layout"] for p in old.get("points", [])]))
+    points.sort(key=lambda p: (order.index(p["layout"]) if p["layout"] in order else len(order),
+                               p["layout"], p["load"]))
+    return write_report(cfg, points, old.get("failures", []), old.get("meta", {}))
+
+
+def main(argv=None) -> None:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m loadtests.report",
+                                description="Rebuild a sweep's report from its request records.")
+    p.add_argument("run", type=Path, help="the sweep's results folder")
+    p.add_argument("--slo-ttft-ms", type=float, default=None)
+    p.add_argument("--slo-itl-ms", type=float, default=None)
+    p.add_argument("--slo-attainment", type=float, default=None)
+    a = p.parse_args(argv)
+    written = rebuild(a.run, {"ttft_ms": a.slo_ttft_ms, "itl_ms": a.slo_itl_ms,
+                              "attainment": a.slo_attainment})
+    print("\n".join(str(w) for w in written))
+
+
+if __name__ == "__main__":
+    main()

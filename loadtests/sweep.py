@@ -320,7 +320,7 @@ def run_point(layout: Layout, load: float, cfg: SweepConfig, ends: Endpoints, wo
     records = read_records(run_dir / "requests.jsonl")
     if not records:
         raise LayoutError(f"no request was recorded; see {run_dir / 'locust.log'}")
-    return {"layout": layout.name, "load": load, "label": label, **summarize(records, cfg.slo)}
+    return {"layout": layout.name, "load": load, "label": label, **summarize(records, cfg.slo, cfg.duration_s)}
 
 
 def _point_line(row: dict) -> str:

@@ -9,6 +9,7 @@ import random
 
 import pytest
 
+from loadtests import report
 from loadtests import workloads as W
 from loadtests.layouts import Resources, auto_layouts, missing_resources, parse_layout
 from loadtests.metrics import RequestRecord, Slo, goodput, percentile, read_records, summarize
@@ -155,6 +156,10 @@ def test_summary_and_slo():
     assert s["output_tokens"] == 20 and s["short_outputs"] == 0
     window = (104 + 0.01) - 100  # first send to the last answer, failed ones included
     assert s["output_tok_s"] == pytest.approx(20 / window)
+    assert s["sent_rps"] is None
+    timed = summarize(recs, slo, duration_s=10)  # the run's duration is the longer window
+    assert timed["output_tok_s"] == pytest.approx(2.0) and timed["sent_rps"] == 0.5
+    assert timed["achieved_rps"] == pytest.approx(0.4)
 
 
 def test_goodput_is_the_highest_load_meeting_the_slo():
@@ -281,6 +286,13 @@ def test_short_cpu_sweep(ray_cluster, tmp_path):
         assert (out / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert len(list(csv.DictReader(open(out / "summary.csv")))) == 4
     assert _serve_is_down()
+    report.main([str(out), "--slo-ttft-ms", "0.001"])  # the same records under a harder SLO
+    rebuilt = json.loads((out / "summary.json").read_text())
+    assert [(p["layout"], p["load"]) for p in rebuilt["points"]] == \
+        [(p["layout"], p["load"]) for p in summary["points"]]
+    assert all(p["slo_fraction"] == 0 for p in rebuilt["points"])
+    assert all(g["goodput"] is None for g in rebuilt["goodput"])
+    assert "none met" in (out / "summary.md").read_text()
 
 
 @pytest.mark.e2e

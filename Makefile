@@ -2,7 +2,7 @@
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
-EXTRAS ?= test,serve,transfer
+EXTRAS ?= test,serve,transfer,load
 
 .PHONY: install test test-gpu demo clean
 

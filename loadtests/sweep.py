@@ -121,6 +121,10 @@ def _free_port() -> int:
 
 
 # -- Ray and Serve ----------------------------------------------------------------------------
+def _pythonpath() -> str:
+    return os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+
+
 def ensure_ray(address: str | None, num_cpus: int | None) -> bool:
     """Connect to Ray unless this process already is; True when this call started it."""
     import ray
@@ -128,7 +132,9 @@ def ensure_ray(address: str | None, num_cpus: int | None) -> bool:
     if ray.is_initialized():
         return False
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    env = {"PYTHONPATH": str(ROOT), "RAY_USAGE_STATS_ENABLED": "0"}
+    # Replicas import Baton from this checkout, plus whatever the driver's path holds (packages
+    # installed outside site-packages, as on a host without a package index).
+    env = {"PYTHONPATH": _pythonpath(), "RAY_USAGE_STATS_ENABLED": "0"}
     if "BATON_CACHE" in os.environ:
         env["BATON_CACHE"] = os.environ["BATON_CACHE"]
     ray.init(address=address, num_cpus=None if address else num_cpus, include_dashboard=False,
@@ -244,8 +250,7 @@ def run_locust(cmd: list[str], run_dir: Path, limit_s: float, progress=None) -> 
     """Run locust in its own process (gevent patches everything it imports) and show how many
     requests have finished; a LayoutError if it fails or overruns ``limit_s``."""
     records = run_dir / "requests.jsonl"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
+    env = {**os.environ, "PYTHONPATH": _pythonpath()}
     with open(run_dir / "locust.log", "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
         deadline = time.monotonic() + limit_s

@@ -25,7 +25,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--batch", type=int, default=1)
     args = ap.parse_args()
-    engine = LLMEngine(EngineConfig(model=args.model, device="cuda", max_num_seqs=8,
+    engine = LLMEngine(EngineConfig(model=args.model, device="cuda",
+                                    max_num_seqs=max(8, args.batch),
                                     show_progress=False))
     params = SamplingParams(temperature=0, max_tokens=args.steps * 3, ignore_eos=True)
     for i in range(args.batch):
@@ -74,7 +75,8 @@ def main() -> None:
         for _ in range(20):
             graphs.graphs[size].replay()
         torch.cuda.synchronize()
-    print(kprof.key_averages().table(sort_by="cuda_time_total", row_limit=20, max_name_column_width=70))
+    print(kprof.key_averages().table(sort_by="cuda_time_total", row_limit=20,
+                                     max_name_column_width=70))
 
     prof = cProfile.Profile()
     prof.enable()

@@ -16,7 +16,6 @@ import time
 import torch
 from tqdm import tqdm
 
-from engine.block_pool import NULL_BLOCK
 from engine.forward_context import AttentionMetadata, null_meta, set_forward_context
 
 
@@ -53,7 +52,7 @@ class DecodeGraphs:
         model = self.runner.model
         for size in tqdm(sorted(self.sizes, reverse=True), desc="capturing decode graphs",
                          disable=not progress, leave=False):
-            meta = self._padded_meta(null_meta(0, 1, self.runner.block_size), size)
+            meta = null_meta(size, 1, self.runner.block_size)
             self.backend.plan_decode(self.wrappers[size], meta)
             ids, pos, slots = self.inputs[0, :size], self.inputs[1, :size], self.inputs[2, :size]
             slots.fill_(-1)
@@ -85,16 +84,16 @@ class DecodeGraphs:
 
     @staticmethod
     def _padded_meta(meta: AttentionMetadata, size: int) -> AttentionMetadata:
+        """``meta`` followed by padding rows of the null block, ``size`` rows in all."""
         pad = size - meta.num_seqs
         if pad == 0:
             return meta
-        i32 = torch.int32
-        last = int(meta.kv_indptr[-1])
+        null = null_meta(pad, 1, meta.block_size)
         return AttentionMetadata(
             slot_mapping=meta.slot_mapping,
-            query_start_loc=list(range(size + 1)), context_lens=meta.context_lens + [1] * pad,
-            kv_indptr=torch.cat([meta.kv_indptr, torch.arange(last + 1, last + pad + 1,
-                                                              dtype=i32)]),
-            kv_indices=torch.cat([meta.kv_indices, torch.full((pad,), NULL_BLOCK, dtype=i32)]),
-            kv_last_page_len=torch.cat([meta.kv_last_page_len, torch.ones(pad, dtype=i32)]),
+            query_start_loc=list(range(size + 1)),
+            context_lens=meta.context_lens + null.context_lens,
+            kv_indptr=torch.cat([meta.kv_indptr, null.kv_indptr[1:] + meta.kv_indptr[-1]]),
+            kv_indices=torch.cat([meta.kv_indices, null.kv_indices]),
+            kv_last_page_len=torch.cat([meta.kv_last_page_len, null.kv_last_page_len]),
             block_size=meta.block_size, is_decode_only=True)

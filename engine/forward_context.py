@@ -24,7 +24,7 @@ class AttentionMetadata:
     present from the prefix cache).
     """
 
-    slot_mapping: torch.Tensor  # [num_tokens] int64, device
+    slot_mapping: torch.Tensor | None  # [num_tokens] int64, device (set by the runner)
     query_start_loc: list[int]  # host, len num_seqs + 1
     context_lens: list[int]  # host
     kv_indptr: torch.Tensor  # [num_seqs + 1] int32, host
@@ -44,14 +44,14 @@ class AttentionMetadata:
         return [q[i + 1] - q[i] for i in range(len(q) - 1)]
 
 
-def null_meta(num_seqs: int, q_len: int, block_size: int,
-              slot_mapping: torch.Tensor | None = None) -> AttentionMetadata:
+def null_meta(num_seqs: int, q_len: int, block_size: int) -> AttentionMetadata:
     """Sequences of ``q_len`` new tokens whose whole context lies in the null block (warm-up and
-    CUDA-graph padding): nothing is stored, attention reads zeros."""
+    CUDA-graph padding): attention reads zeros. The caller sets the slot mapping (all -1, so
+    nothing is stored)."""
     pages = -(-q_len // block_size)
     i32 = torch.int32
     return AttentionMetadata(
-        slot_mapping=slot_mapping, query_start_loc=[i * q_len for i in range(num_seqs + 1)],
+        slot_mapping=None, query_start_loc=[i * q_len for i in range(num_seqs + 1)],
         context_lens=[q_len] * num_seqs,
         kv_indptr=torch.arange(0, (num_seqs + 1) * pages, pages, dtype=i32)[: num_seqs + 1],
         kv_indices=torch.full((num_seqs * pages,), NULL_BLOCK, dtype=i32),

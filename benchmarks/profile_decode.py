@@ -24,13 +24,17 @@ def main() -> None:
     ap.add_argument("--model", default="dummy:Qwen3-0.6B")
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--decode-tensor-cores", choices=["auto", "on", "off"], default="auto")
+    ap.add_argument("--replay-only", action="store_true", help="stop after the graph's GPU time")
     args = ap.parse_args()
+    tc = {"auto": None, "on": True, "off": False}[args.decode_tensor_cores]
     engine = LLMEngine(EngineConfig(model=args.model, device="cuda",
-                                    max_num_seqs=max(8, args.batch),
+                                    max_num_seqs=max(8, args.batch), decode_tensor_cores=tc,
                                     show_progress=False))
     params = SamplingParams(temperature=0, max_tokens=args.steps * 3, ignore_eos=True)
     for i in range(args.batch):
-        engine.add_request([100 + i] * 128, params)
+        engine.add_request([100 + i] * args.prompt_len, params)
     for _ in range(20):
         engine.step()
 
@@ -41,7 +45,10 @@ def main() -> None:
         graphs.graphs[size].replay()
     end.record()
     end.synchronize()
-    print(f"graph replay (GPU only, size {size}): {start.elapsed_time(end) / 100:.3f} ms")
+    print(f"graph replay (GPU only, size {size}, tensor cores "
+          f"{engine.runner.backend.decode_tensor_cores}): {start.elapsed_time(end) / 100:.3f} ms")
+    if args.replay_only:
+        return
 
     phases = {k: [] for k in ("schedule", "prepare", "plan+replay", "sample+sync", "post")}
     runner, sched = engine.runner, engine.scheduler

@@ -1,0 +1,70 @@
+"""Host-side logic of the GPU paths, checked without a GPU: CUDA-graph capture sizes, null-block
+metadata, padding a batch up to a captured size, and the KV budget of an engine that shares a
+GPU."""
+
+import torch
+
+from engine.block_pool import NULL_BLOCK
+from engine.cuda_graph import DecodeGraphs, capture_sizes
+from engine.forward_context import AttentionMetadata, null_meta
+
+
+def test_capture_sizes_cover_every_batch_up_to_the_largest():
+    assert capture_sizes(1) == [1]
+    assert capture_sizes(20) == [1, 2, 4, 8, 16, 20]
+    sizes = capture_sizes(256)
+    assert sizes[:5] == [1, 2, 4, 8, 16] and sizes[-1] == 256
+    assert all(b - a <= 8 for a, b in zip(sizes, sizes[1:]))
+
+
+def test_null_meta_points_every_sequence_at_the_null_block():
+    meta = null_meta(3, 40, block_size=16)  # 40 tokens: 3 pages, the last holding 8
+    assert meta.kv_indptr.tolist() == [0, 3, 6, 9]
+    assert meta.kv_indices.tolist() == [NULL_BLOCK] * 9
+    assert meta.kv_last_page_len.tolist() == [8, 8, 8]
+    assert meta.query_start_loc == [0, 40, 80, 120] and not meta.is_decode_only
+    assert null_meta(2, 1, block_size=16).is_decode_only
+
+
+def test_padded_meta_appends_null_rows():
+    i32 = torch.int32
+    meta = AttentionMetadata(
+        slot_mapping=None, query_start_loc=[0, 1, 2], context_lens=[20, 33],
+        kv_indptr=torch.tensor([0, 2, 5], dtype=i32),
+        kv_indices=torch.tensor([4, 5, 7, 8, 9], dtype=i32),
+        kv_last_page_len=torch.tensor([4, 1], dtype=i32), block_size=16, is_decode_only=True)
+    padded = DecodeGraphs._padded_meta(meta, 4)
+    assert padded.kv_indptr.tolist() == [0, 2, 5, 6, 7]
+    assert padded.kv_indices.tolist() == [4, 5, 7, 8, 9, NULL_BLOCK, NULL_BLOCK]
+    assert padded.kv_last_page_len.tolist() == [4, 1, 1, 1]
+    assert padded.context_lens == [20, 33, 1, 1] and padded.query_start_loc == [0, 1, 2, 3, 4]
+    assert DecodeGraphs._padded_meta(meta, 2) is meta
+
+
+def test_kv_budget_is_this_engines_share_of_a_shared_gpu(monkeypatch):
+    """Two engines with gpu_memory_utilization 0.4 on one 80 GiB GPU: the second, started while
+    the first holds its 32 GiB, still gets its own share (less its weights and activations)."""
+    from types import SimpleNamespace
+
+    from engine.config import EngineConfig, ModelConfig
+    from engine.model_runner import ModelRunner
+
+    gib = 2**30
+    cfg = ModelConfig(vocab_size=1000, hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=16, rms_norm_eps=1e-6, rope_theta=1e6,
+                      max_position_embeddings=4096, tie_word_embeddings=True)
+    runner = SimpleNamespace(
+        device=torch.device("cuda", 0), dtype=torch.bfloat16,
+        model=SimpleNamespace(config=cfg),
+        config=EngineConfig(gpu_memory_utilization=0.4, max_num_batched_tokens=1024,
+                            max_num_seqs=8))
+    act = 1024 * (2 * 128 + 4 * 64) * 2 * 2 + 8 * 1000 * 4 * 3
+    weights, other_engine = 16 * gib, 32 * gib
+    monkeypatch.setattr(torch.cuda, "mem_get_info",
+                        lambda device: (80 * gib - other_engine - weights, 80 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: weights)
+    assert ModelRunner._cuda_kv_budget(runner) == 0.4 * 80 * gib - weights - act
+    # Never more than is free: a third engine on a full GPU gets nothing to spare.
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (2 * gib, 80 * gib))
+    assert ModelRunner._cuda_kv_budget(runner) == 2 * gib - act

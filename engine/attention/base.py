@@ -15,7 +15,8 @@ class AttentionBackend(ABC):
     ``plan`` is called once per step with the step's metadata (before the forward pass) and may
     stash precomputed state in ``meta.extras``; ``forward`` is called by every layer after the
     layer's new K/V have been stored. ``supports_cuda_graphs`` backends also hand out decode
-    plans with fixed buffers (:meth:`graph_decode_plan`) that a captured graph replays.
+    wrappers with fixed buffers (``graph_decode_wrapper``, re-planned by ``plan_decode``) that a
+    captured graph replays.
     """
 
     name: str

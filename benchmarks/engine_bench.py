@@ -54,17 +54,19 @@ def ceilings() -> dict:
 
 
 class Recorder:
-    """Times every engine step and notes what it computed (decode-only? context tokens)."""
+    """Times every engine step and notes what it launched (decode-only? context tokens). With
+    the engine one step ahead, a step's time is its launch plus the wait for the step before:
+    in a steady run of decode steps, the time per step."""
 
     def __init__(self, engine: LLMEngine):
         self.engine, self.steps = engine, []
         execute = engine.runner.execute
 
-        def recording(batch):
+        def recording(batch, prev_tokens=None):
             self._batch = (all(n == 1 for n in batch.num_new_tokens), len(batch.seqs),
                            sum(s.num_computed_tokens + n for s, n in
                                zip(batch.seqs, batch.num_new_tokens)), batch.num_tokens)
-            return execute(batch)
+            return execute(batch, prev_tokens)
         engine.runner.execute = recording
 
     def run(self) -> float:
@@ -164,9 +166,7 @@ def prefill(model: str, ceil: dict, lengths=(1024, 2048, 8192)) -> list[dict]:
         for rep in range(4):
             engine.add_request(_prompt(engine, n, rep), SamplingParams(temperature=0, max_tokens=1))
             torch.cuda.synchronize()
-            rec = Recorder(engine)
-            rec.run()
-            times.append(rec.steps[0][4])
+            times.append(Recorder(engine).run())  # the prefill step and the wait for its token
         ms = statistics.median(times[1:]) * 1e3
         attn = 2 * 2 * cfg.num_attention_heads * cfg.head_dim * n * (n + 1) / 2 \
             * cfg.num_hidden_layers

@@ -1,6 +1,7 @@
 """The engine's host work per decode step, with the model taken out: what the CPU spends on
 scheduling, building a step's inputs, sampling bookkeeping and outputs while the GPU would be
-idle (the engine runs them serially with the GPU).
+idle when they run one after another (``async_scheduling=False``; the engine's default overlaps
+them with the previous step's device work).
 
     python -m benchmarks.host_overhead --batch 1 64 256
 
@@ -23,12 +24,13 @@ PHASES = ("schedule", "prepare", "advance", "sample", "stop checks", "outputs")
 
 def measure(batch: int, steps: int, prompt_len: int) -> dict[str, float]:
     engine = LLMEngine(EngineConfig(model="tiny", device="cpu", num_blocks=8192,
-                                    max_num_seqs=max(batch, 1), show_progress=False))
+                                    max_num_seqs=max(batch, 1), show_progress=False,
+                                    async_scheduling=False))
     logits = torch.zeros(batch, engine.vocab_size)
     params = SamplingParams(temperature=0, max_tokens=steps + 16, ignore_eos=True)
     for i in range(batch):
         engine.add_request([5 + i % 100] * prompt_len, params)
-    engine.runner.execute = lambda b: logits[: len(b.seqs)]
+    engine.runner.execute = lambda b, prev=None: logits[: len(b.seqs)]
     for _ in range(5):  # prefill and a few decode steps
         engine.step()
     totals = dict.fromkeys(PHASES, 0.0)

@@ -50,15 +50,17 @@ def main() -> None:
     if args.replay_only:
         return
 
+    engine.config.async_scheduling = False  # the phases one after another, timed apart
+    engine.step()  # resolves the step still running
     phases = {k: [] for k in ("schedule", "prepare", "plan+replay", "sample+sync", "post")}
     runner, sched = engine.runner, engine.scheduler
     for _ in range(args.steps):
         t0 = time.perf_counter()
         batch = sched.schedule()
         t1 = time.perf_counter()
-        ids, pos, slots, meta, rows = runner.prepare(batch)
+        step = runner.prepare(batch)
         t2 = time.perf_counter()
-        logits = graphs.run(ids, pos, slots, meta)
+        logits = graphs.run(step)
         t3 = time.perf_counter()
         due = sched.advance(batch)
         tokens, _ = engine.sampler(logits, [s.params for s in due], [s.generator for s in due])
@@ -72,10 +74,14 @@ def main() -> None:
             phases[k].append((b - a) * 1e3)
     for k, v in phases.items():
         print(f"{k:>12}: {statistics.median(v):.3f} ms")
-    t0 = time.perf_counter()
-    for _ in range(100):
+    for overlap in (False, True):
+        engine.config.async_scheduling = overlap
         engine.step()
-    print(f"engine.step: {(time.perf_counter() - t0) * 10:.3f} ms/step")
+        t0 = time.perf_counter()
+        for _ in range(100):
+            engine.step()
+        print(f"engine.step, async_scheduling={overlap}: "
+              f"{(time.perf_counter() - t0) * 10:.3f} ms/step")
 
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CUDA]) as kprof:

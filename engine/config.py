@@ -103,6 +103,8 @@ class EngineConfig(BaseModel):
     enforce_eager: bool = False  # True: no CUDA graphs
     cuda_graph_max_batch: int = Field(256, ge=1)  # largest captured decode batch
     decode_tensor_cores: bool | None = None  # FlashInfer decode; None: by GQA ratio
+    # Launch step N+1 before waiting for step N's tokens (host work overlaps the device's).
+    async_scheduling: bool = True
     show_progress: bool = True
 
     @model_validator(mode="after")

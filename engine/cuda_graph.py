@@ -34,8 +34,9 @@ class DecodeGraphs:
         self.sizes = capture_sizes(max_batch)
         self.max_batch = self.sizes[-1]
         dev, vocab = runner.device, runner.model.config.vocab_size
-        self.inputs = torch.zeros(3, self.max_batch, dtype=torch.int64, device=dev)
-        self.host = torch.zeros(3, self.max_batch, dtype=torch.int64, pin_memory=True)
+        # ids, positions, slots (read by the graphs), and the pending-token rows (see
+        # :class:`engine.model_runner.StepInputs`)
+        self.inputs = torch.zeros(4, self.max_batch, dtype=torch.int64, device=dev)
         self.logits = torch.zeros(self.max_batch, vocab, dtype=torch.float32, device=dev)
         max_pages = runner.num_blocks + self.max_batch
         self.wrappers = {s: self.backend.graph_decode_wrapper(s, max_pages) for s in self.sizes}
@@ -68,17 +69,15 @@ class DecodeGraphs:
         torch.cuda.synchronize()
         self.capture_s = time.perf_counter() - t0
 
-    def run(self, ids: list[int], positions: list[int], slots: list[int],
-            meta: AttentionMetadata) -> torch.Tensor:
-        """Replay for ``n = len(ids)`` sequences; returns float32 logits ``[n, vocab]``."""
-        n = len(ids)
+    def run(self, step, prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """Queue a replay for the ``n`` sequences of ``step`` (:class:`StepInputs`); returns
+        float32 logits ``[n, vocab]`` (valid once the replay has run). A fresh pinned buffer per
+        call: the previous step's copy may still be queued behind the running step."""
+        n = len(step.ids)
         size = self.size_for(n)
-        host = self.host[:, :size]
-        host[:, :n] = torch.tensor((ids, positions, slots), dtype=torch.int64)
-        host[0:2, n:] = 0
-        host[2, n:] = -1
-        self.inputs[:, :size].copy_(host, non_blocking=True)
-        self.backend.plan_decode(self.wrappers[size], self._padded_meta(meta, size))
+        self.inputs[:, :size].copy_(step.host_rows(size).pin_memory(), non_blocking=True)
+        step.feed_pending(self.inputs[0], self.inputs[3], prev_tokens)
+        self.backend.plan_decode(self.wrappers[size], self._padded_meta(step.meta, size))
         self.graphs[size].replay()
         return self.logits[:n]
 

@@ -1,4 +1,14 @@
-"""The engine: requests in, tokens out. ``step()`` is schedule → run → postprocess."""
+"""The engine: requests in, tokens out. ``step()`` is schedule → launch → resolve.
+
+*Launch* queues a step on the device: the forward pass, sampling, and a copy of the sampled ids
+to pinned host memory; the sequences due a token get a pending placeholder
+(:mod:`engine.sequence`). *Resolve* waits for a launched step, fills in its tokens, checks stop
+conditions and makes the outputs. With ``async_scheduling`` (the default) ``step()`` launches
+step N+1 before it resolves step N, so the host's work (scheduling, inputs, planning, launching,
+stop checks, outputs) runs while the device computes, and a decode step's inputs come straight
+from the previous step's sampled ids on the device. The cost: a sequence that stops on a token
+(EOS, a stop string) has already been fed to one more step, whose result is dropped.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +17,7 @@ import logging
 import time
 import uuid
 from collections.abc import Sequence as Seq
+from dataclasses import dataclass
 
 import torch
 
@@ -23,6 +34,23 @@ from engine.sequence import FinishReason, Sequence
 log = logging.getLogger(__name__)
 
 Prompt = str | Seq[int]
+
+
+@dataclass
+class LaunchedStep:
+    """A step queued on the device: the sequences due a token (row ``i`` of ``tokens``), the
+    sampled ids on the device, their host copies (valid once ``done`` has fired)."""
+
+    due: list[Sequence]
+    tokens: torch.Tensor | None = None
+    host_tokens: torch.Tensor | None = None
+    host_logprobs: torch.Tensor | None = None
+    done: torch.cuda.Event | None = None
+    releases: int = 0  # the scheduler's release count right after the launch
+
+    def wait(self) -> None:
+        if self.done is not None:
+            self.done.synchronize()
 
 
 class LLMEngine:
@@ -48,9 +76,10 @@ class LLMEngine:
             self.runner.warm_up(progress=config.show_progress)
         self.pool = BlockPool(self.runner.num_blocks, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.pool, config.block_size, config.max_num_seqs,
-                                   config.max_num_batched_tokens)
+                                   config.max_num_batched_tokens, self.max_model_len)
         self.sampler = Sampler(self.device, config.seed)
         self._stop_offsets: dict[str, int] = {}
+        self._running_step: LaunchedStep | None = None  # launched, not yet resolved
         self.startup_s = time.perf_counter() - t0
         log.info("engine ready in %.1fs (%s, %s, attention %s, warm-up %.1fs)", self.startup_s,
                  self.device, str(self.dtype).removeprefix("torch."), self.runner.backend.name,
@@ -140,6 +169,7 @@ class LLMEngine:
         slots are short right now (nothing is taken). Then :meth:`admit` or
         :meth:`abort_request`."""
         seq = self._new_sequence(prompt, params, request_id)
+        self._fence_released_blocks()
         if not self.scheduler.reserve(seq):
             return None
         skip = seq.num_present_tokens // self.config.block_size
@@ -160,6 +190,15 @@ class LLMEngine:
         self._append_token(seq, first_token, first_logprob)
         return self._output(seq, [first_token])
 
+    def _fence_released_blocks(self) -> None:
+        """Blocks given back since the running step was launched may still be written by it (a
+        sequence that stopped while it was in flight). Before another engine is let write into
+        blocks from the pool, wait for that step, so its late writes cannot land on theirs."""
+        step = self._running_step
+        if step is not None and self.scheduler.num_releases != step.releases:
+            step.wait()
+            step.releases = self.scheduler.num_releases
+
     @property
     def num_transferring(self) -> int:
         return len(self.scheduler.transferring)
@@ -173,27 +212,63 @@ class LLMEngine:
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._running_step is not None
 
     # -- the loop ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
         outputs = [self._output(s, []) for s in batch.finished]
-        if batch:
-            outputs += self._postprocess(batch, self.runner.execute(batch))
+        launched = self._launch(batch) if batch else None
+        due = [self._running_step] if self._running_step is not None else []
+        self._running_step = None
+        if self.config.async_scheduling:
+            self._running_step = launched
+        elif launched is not None:
+            due.append(launched)
+        for step in due:
+            outputs += self._resolve(step)
         return outputs
 
-    def _postprocess(self, batch: ScheduledBatch, logits: torch.Tensor | None) -> list[RequestOutput]:
+    def _launch(self, batch: ScheduledBatch) -> LaunchedStep:
+        """Queue the batch, its sampling and the copy of the sampled ids; nothing waits."""
+        running = self._running_step
+        logits = self.runner.execute(batch, running.tokens if running is not None else None)
         due = self.scheduler.advance(batch)
-        if not due:
+        step = LaunchedStep(due)
+        if due:
+            tokens, logprobs = self.sampler(logits, [s.params for s in due],
+                                            [s.generator for s in due])
+            step.tokens = tokens
+            step.host_tokens, step.host_logprobs = self._to_host(tokens), self._to_host(logprobs)
+            for row, seq in enumerate(due):
+                seq.add_pending(row)
+        if self.device.type == "cuda":
+            step.done = torch.cuda.Event()
+            step.done.record()
+        step.releases = self.scheduler.num_releases
+        return step
+
+    def _to_host(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        if t is None or self.device.type != "cuda":
+            return t
+        return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+
+    def _resolve(self, step: LaunchedStep) -> list[RequestOutput]:
+        """Wait for a launched step and turn its sampled ids into tokens and outputs."""
+        if not step.due:
             return []
-        tokens, logprobs = self.sampler(logits, [s.params for s in due],
-                                        [s.generator for s in due])
-        tokens = tokens.tolist()
-        logprobs = logprobs.tolist() if logprobs is not None else None
+        step.wait()
+        tokens = step.host_tokens.tolist()
+        logprobs = step.host_logprobs.tolist() if step.host_logprobs is not None else None
         outputs = []
-        for i, (seq, token) in enumerate(zip(due, tokens)):
-            self._append_token(seq, token, logprobs[i] if logprobs else None)
+        for i, (seq, token) in enumerate(zip(step.due, tokens)):
+            if seq.is_finished:  # stopped (or aborted) while this step ran: drop its token
+                continue
+            seq.resolve_pending(token)
+            self.scheduler.cache_full_blocks(seq)
+            if seq.params.logprobs:
+                seq.output_logprobs.append(logprobs[i])
+            self._check_stop(seq, token)
             outputs.append(self._output(seq, [token]))
         return outputs
 
@@ -212,7 +287,8 @@ class LLMEngine:
             reason, seq.stop_reason = FinishReason.STOP, token
         elif p.stop and self._find_stop_string(seq) is not None:
             reason = FinishReason.STOP
-        elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+        elif (seq.num_output_tokens - seq.num_pending >= p.max_tokens
+              or seq.num_resolved_tokens >= self.max_model_len):
             reason = FinishReason.LENGTH
         if reason is not None:
             self.scheduler.finish(seq, reason)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from array import array
+from dataclasses import dataclass
 
 import torch
 
@@ -19,6 +19,7 @@ from engine.cuda_graph import DecodeGraphs
 from engine.forward_context import AttentionMetadata, null_meta, set_forward_context
 from engine.models.qwen3 import Qwen3ForCausalLM
 from engine.scheduler import ScheduledBatch
+from engine.uploads import host_tensor, upload
 
 log = logging.getLogger(__name__)
 
@@ -121,15 +122,17 @@ class ModelRunner:
         return meta
 
     # -- one step ---------------------------------------------------------------------------
-    def prepare(self, batch: ScheduledBatch):
-        """Host-side inputs of one step: token ids, positions, slots (lists), the attention
-        metadata (without its device slot mapping) and the rows whose logits are due."""
+    def prepare(self, batch: ScheduledBatch) -> StepInputs:
+        """Host-side inputs of one step (the device slot mapping is set when they are sent)."""
         bs = self.block_size
         ids, positions, slots, qsl, ctx, logit_rows = [], [], [], [0], [], []
-        indptr, indices, last = [0], [], []
+        indptr, indices, last, gathers = [0], [], [], []
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
             ids += seq.token_ids[start:end]
+            if end > seq.num_resolved_tokens:  # its input is the token the running step samples
+                ids[-1] = 0
+                gathers.append((len(ids) - 1, seq.pending_row))
             positions += range(start, end)
             table, present = seq.block_ids, seq.num_present_tokens
             slots += [-1 if p < present else table[p // bs] * bs + p % bs
@@ -144,24 +147,31 @@ class ModelRunner:
                 logit_rows.append(qsl[-1] - 1)
         meta = AttentionMetadata(
             slot_mapping=None, query_start_loc=qsl, context_lens=ctx,
-            kv_indptr=_int32(indptr), kv_indices=_int32(indices), kv_last_page_len=_int32(last),
+            kv_indptr=host_tensor(indptr, torch.int32), kv_indices=host_tensor(indices, torch.int32),
+            kv_last_page_len=host_tensor(last, torch.int32),
             block_size=bs, is_decode_only=all(n == 1 for n in batch.num_new_tokens))
-        return ids, positions, slots, meta, logit_rows
+        return StepInputs(ids, positions, slots, gathers, meta, logit_rows)
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> torch.Tensor | None:
-        """Run the batch; return float32 logits of the sequences due a token (or None)."""
-        ids, positions, slots, meta, logit_rows = self.prepare(batch)
-        if (self.graphs is not None and meta.is_decode_only
-                and meta.num_seqs <= self.graphs.max_batch):
-            logits = self.graphs.run(ids, positions, slots, meta)
-            return logits if len(logit_rows) == len(ids) else logits[logit_rows]
-        host = torch.tensor((ids, positions, slots), dtype=torch.int64)
-        if self.device.type == "cuda":
-            host = host.pin_memory()
-        dev = host.to(self.device, non_blocking=True)
-        meta.slot_mapping = dev[2]
-        return self._forward(dev[0], dev[1], meta, logit_rows)
+    def execute(self, batch: ScheduledBatch,
+                prev_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Queue the batch on the device; return float32 logits of the sequences due a token
+        (or None). ``prev_tokens``: the sampled tokens of the step still running, which pending
+        inputs are read from. Nothing here waits for the device."""
+        step = self.prepare(batch)
+        if step.gathers and prev_tokens is None:
+            raise RuntimeError("a pending token is an input but no step is running")
+        if (self.graphs is not None and step.meta.is_decode_only
+                and step.meta.num_seqs <= self.graphs.max_batch):
+            logits = self.graphs.run(step, prev_tokens)
+        else:
+            dev = upload(step.host_rows(), torch.int64, self.device)
+            step.meta.slot_mapping = dev[2]
+            step.feed_pending(dev[0], dev[3], prev_tokens)
+            return self._forward(dev[0], dev[1], step.meta, step.logit_rows)
+        if len(step.logit_rows) == len(step.ids):
+            return logits
+        return logits[upload(step.logit_rows, torch.int64, self.device)]
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                  logit_rows: list[int]) -> torch.Tensor | None:
@@ -171,12 +181,41 @@ class ModelRunner:
         if not logit_rows:
             return None
         if len(logit_rows) < hidden.shape[0]:
-            hidden = hidden[torch.tensor(logit_rows, dtype=torch.int64, device=self.device)]
+            hidden = hidden[upload(logit_rows, torch.int64, self.device)]
         return self.model.compute_logits(hidden)
 
 
-def _int32(values: list[int]) -> torch.Tensor:
-    """A host int32 tensor of a list (through a packed array: ~3x faster than torch.tensor)."""
-    if not values:
-        return torch.empty(0, dtype=torch.int32)
-    return torch.frombuffer(array("i", values), dtype=torch.int32)
+@dataclass
+class StepInputs:
+    """One step's inputs on the host. ``gathers``: ``(row, pending row)`` pairs, rows whose token
+    id is the ``pending row``-th token sampled by the step still running (on the device)."""
+
+    ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    gathers: list[tuple[int, int]]
+    meta: AttentionMetadata
+    logit_rows: list[int]
+
+    def host_rows(self, size: int | None = None) -> torch.Tensor:
+        """``[4, size]`` int64: ids, positions, slots, and the pending row to read each id from
+        (-1: none); rows past ``len(ids)`` are padding (token 0 at position 0, slot -1)."""
+        n = len(self.ids)
+        size = n if size is None else size
+        pad = size - n
+        src = [-1] * n
+        for row, pending in self.gathers:
+            src[row] = pending
+        return host_tensor(self.ids + [0] * pad + self.positions + [0] * pad + self.slots
+                           + [-1] * pad + src + [-1] * pad, torch.int64).view(4, size)
+
+    def feed_pending(self, ids: torch.Tensor, src: torch.Tensor,
+                     prev_tokens: torch.Tensor | None) -> None:
+        """Overwrite the pending rows of the device ``ids`` with the running step's tokens."""
+        if not self.gathers:
+            return
+        n = len(self.ids)
+        if len(self.gathers) == n:  # the usual decode step: every input is pending
+            torch.index_select(prev_tokens, 0, src[:n], out=ids[:n])
+        else:
+            ids[:n] = torch.where(src[:n] >= 0, prev_tokens[src[:n].clamp(min=0)], ids[:n])

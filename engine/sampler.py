@@ -2,7 +2,8 @@
 
 Greedy rows take the argmax. Other rows are scaled by temperature, cut by top-k and top-p, and
 sampled with the exponential trick (``argmax(probs / q)``, ``q ~ Exp(1)``), drawing ``q`` from the
-request's own generator when it has a seed, else from the engine's.
+request's own generator when it has a seed, else from the engine's. Per-row parameters go to the
+device without a host sync (:mod:`engine.uploads`), so sampling queues behind the forward pass.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from collections.abc import Sequence as Seq
 import torch
 
 from engine.sampling_params import SamplingParams
+from engine.uploads import upload
 
 
 class Sampler:
@@ -43,11 +45,11 @@ class Sampler:
 
     @staticmethod
     def _greedy_mask(params, device) -> torch.Tensor:
-        return torch.tensor([p.greedy for p in params], device=device)
+        return upload([p.greedy for p in params], torch.bool, device)
 
     def _sample(self, logits, params, generators) -> torch.Tensor:
-        temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params],
-                             device=logits.device, dtype=logits.dtype)
+        temps = upload([p.temperature if p.temperature > 0 else 1.0 for p in params],
+                       torch.float32, logits.device).to(logits.dtype)
         logits = logits / temps[:, None]
         logits = _apply_top_k(logits, [p.top_k for p in params])
         logits = _apply_top_p(logits, [p.top_p for p in params])
@@ -64,7 +66,7 @@ def _apply_top_k(logits: torch.Tensor, top_k: list[int]) -> torch.Tensor:
     ks = [k if 0 < k < vocab else vocab for k in top_k]
     if all(k == vocab for k in ks):
         return logits
-    k_t = torch.tensor(ks, device=logits.device)
+    k_t = upload(ks, torch.int64, logits.device)
     kth = logits.topk(max(ks), dim=-1).values.gather(1, (k_t - 1)[:, None])
     return logits.masked_fill(logits < kth, float("-inf"))
 
@@ -72,7 +74,7 @@ def _apply_top_k(logits: torch.Tensor, top_k: list[int]) -> torch.Tensor:
 def _apply_top_p(logits: torch.Tensor, top_p: list[float]) -> torch.Tensor:
     if all(p >= 1.0 for p in top_p):
         return logits
-    p_t = torch.tensor(top_p, device=logits.device, dtype=logits.dtype)
+    p_t = upload(top_p, torch.float32, logits.device).to(logits.dtype)
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     probs = sorted_logits.softmax(dim=-1)
     # Drop a token when the mass before it already reaches top_p (the first token always stays).

@@ -9,6 +9,11 @@ budget, ``max_num_seqs`` and free blocks allow. Admission matches the prefix cac
 still recomputes the last prompt token (its KV is not stored again). When a running sequence
 needs a block and none is free, the last-admitted sequence is preempted: its blocks are freed
 (and stay prefix-cache hits) and it is recomputed later.
+
+Pending tokens (the engine runs one step ahead, :mod:`engine.sequence`): a running sequence whose
+pending token is its last (``max_tokens``, the model's context) or would not fit the cache waits
+for that token to arrive instead of being scheduled; a preempted sequence is not admitted again
+before its pending token arrives; only known tokens are hashed for the prefix cache.
 """
 
 from __future__ import annotations
@@ -37,8 +42,9 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, pool: BlockPool, block_size: int, max_num_seqs: int,
-                 max_num_batched_tokens: int):
+                 max_num_batched_tokens: int, max_model_len: int | None = None):
         self.pool = pool
+        self.max_model_len = max_model_len
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -47,6 +53,7 @@ class Scheduler:
         self.transferring: dict[str, Sequence] = {}  # decode role: awaiting pushed KV
         self.held: dict[str, list[int]] = {}  # prefill role: finished, blocks kept for a push
         self.num_preemptions = 0
+        self.num_releases = 0  # sequences whose blocks went back to the pool, ever
 
     # -- queue management -------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -71,6 +78,7 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.transferring.pop(seq.request_id, None)
+        seq.drop_pending()
         if seq.hold_blocks and reason is not FinishReason.ABORT and seq.block_ids:
             self.held[seq.request_id] = seq.block_ids
             seq.block_ids = []
@@ -104,13 +112,14 @@ class Scheduler:
         """The KV of every prompt token is in ``seq``'s blocks: join the running batch."""
         del self.transferring[seq.request_id]
         seq.num_computed_tokens = seq.num_tokens
-        self._cache_full_blocks(seq)
+        self.cache_full_blocks(seq)
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
 
     def _release(self, seq: Sequence) -> None:
         self.pool.free(seq.block_ids[::-1])
         seq.block_ids = []
+        self.num_releases += 1
 
     # -- one step ---------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
@@ -120,6 +129,10 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if seq.num_pending and (self._length_done(seq)
+                                    or self._blocks_needed(seq, n) > self.pool.num_usable_blocks):
+                i += 1  # its pending token is its last: decide once it has arrived
+                continue
             if self._blocks_needed(seq, n) > self.pool.num_usable_blocks:
                 self.finish(seq, FinishReason.LENGTH)  # can never fit in this cache
                 batch.finished.append(seq)
@@ -133,6 +146,10 @@ class Scheduler:
         if not batch.preempted:
             self._admit_waiting(batch, budget)
         return batch
+
+    def _length_done(self, seq: Sequence) -> bool:
+        return (seq.num_output_tokens >= seq.params.max_tokens
+                or (self.max_model_len is not None and seq.num_tokens >= self.max_model_len))
 
     def _reserve_running(self, seq: Sequence, n: int, batch: ScheduledBatch) -> bool:
         while True:
@@ -155,6 +172,8 @@ class Scheduler:
     def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if seq.num_pending:
+                break  # preempted while its last token was on the way
             hits, hit_tokens = self._match(seq)
             computed = min(hit_tokens, seq.num_tokens - 1)
             n = min(seq.num_tokens - computed, budget)
@@ -193,22 +212,25 @@ class Scheduler:
         due = []
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
-            self._cache_full_blocks(seq)
+            self.cache_full_blocks(seq)
             if seq.num_computed_tokens == seq.num_tokens:
                 due.append(seq)
         return due
 
     def _update_hashes(self, seq: Sequence) -> None:
         have = len(seq.block_hashes)
-        if seq.num_tokens // self.block_size > have:
+        known = seq.num_resolved_tokens
+        if known // self.block_size > have:
             parent = seq.block_hashes[-1] if have else None
-            seq.block_hashes += hash_blocks(seq.token_ids, self.block_size, parent, have)
+            seq.block_hashes += hash_blocks(seq.token_ids[:known], self.block_size, parent, have)
 
-    def _cache_full_blocks(self, seq: Sequence) -> None:
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Offer the blocks filled with computed KV of known tokens to the prefix cache."""
         num_full = seq.num_computed_tokens // self.block_size
         if num_full <= seq.num_registered_blocks or not self.pool.enable_prefix_caching:
             return
         self._update_hashes(seq)
+        num_full = min(num_full, len(seq.block_hashes))
         for b in range(seq.num_registered_blocks, num_full):
             self.pool.cache_block(seq.block_ids[b], seq.block_hashes[b])
         seq.num_registered_blocks = num_full

@@ -3,6 +3,11 @@
 Lifecycle: WAITING → RUNNING ⇄ (preempted back to) WAITING → FINISHED. ``num_computed_tokens``
 counts the tokens whose KV is in the sequence's blocks; the scheduler advances it by the chunk it
 schedules, and the sequence samples once it reaches ``num_tokens``.
+
+With the engine one step ahead (``async_scheduling``), the last ``num_pending`` entries of
+``token_ids`` are :data:`PENDING`: tokens sampled by a step still running on the device. They
+count as tokens for scheduling (the next step feeds them from device memory), never for outputs,
+stop checks or prefix-cache hashes.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ class FinishReason(str, enum.Enum):
 
 
 _ids = itertools.count()
+PENDING = -1  # a sampled token not yet copied back from the device
 
 
 @dataclass(eq=False)
@@ -50,6 +56,8 @@ class Sequence:
     output_logprobs: list[float] = field(default_factory=list)
     generator: torch.Generator | None = None
     hold_blocks: bool = False  # prefill role: keep the KV blocks after finishing, for a push
+    num_pending: int = 0  # trailing PENDING entries of ``token_ids``
+    pending_row: int = -1  # row of the newest pending token in its step's sampled tokens
     arrival_order: int = field(default_factory=lambda: next(_ids))
 
     def __post_init__(self):
@@ -65,12 +73,34 @@ class Sequence:
         return len(self.prompt_token_ids)
 
     @property
+    def num_resolved_tokens(self) -> int:
+        """Tokens whose ids are known on the host (all but the pending ones)."""
+        return len(self.token_ids) - self.num_pending
+
+    @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        """Generated token ids known on the host."""
+        return self.token_ids[self.num_prompt_tokens:self.num_resolved_tokens]
 
     @property
     def num_output_tokens(self) -> int:
+        """Generated tokens, pending ones included."""
         return self.num_tokens - self.num_prompt_tokens
+
+    def add_pending(self, row: int) -> None:
+        self.token_ids.append(PENDING)
+        self.num_pending += 1
+        self.pending_row = row
+
+    def resolve_pending(self, token: int) -> None:
+        """The oldest pending token arrived from the device."""
+        self.token_ids[self.num_resolved_tokens] = token
+        self.num_pending -= 1
+
+    def drop_pending(self) -> None:
+        if self.num_pending:
+            del self.token_ids[self.num_resolved_tokens:]
+            self.num_pending = 0
 
     @property
     def is_finished(self) -> bool:

@@ -90,13 +90,13 @@ class TwoBackends:
         for attn in self.runner.model.attention_layers():
             attn.backend = backend
 
-    def _both(self, batch):
+    def _both(self, batch, prev_tokens=None):
         self._use(self.torch, None)
         try:
-            ref = self.execute(batch)
+            ref = self.execute(batch, prev_tokens)
         finally:
             self._use(self.flashinfer, self.graphs)
-        out = self.execute(batch)
+        out = self.execute(batch, prev_tokens)
         kind = "decode" if all(n == 1 for n in batch.num_new_tokens) else "prefill"
         if out is not None:
             err = ((out.float() - ref.float()).norm(dim=-1) / ref.float().norm(dim=-1)).max()

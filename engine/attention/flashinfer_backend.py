@@ -10,9 +10,16 @@ strides from the tensor.
 CUDA graphs: :meth:`graph_decode_wrapper` gives a decode wrapper over fixed index buffers for
 one batch size; a graph captured with it replays whatever :meth:`plan_decode` later writes into
 those buffers.
+
+Planning while the previous step runs: a wrapper's plan writes its work split into a pinned host
+buffer of that wrapper and queues a copy from it. Before planning a wrapper again, the backend
+waits for that copy (an event recorded after each plan), which has normally run already: it was
+queued behind the step before, which the engine has waited for.
 """
 
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 import flashinfer
 import torch
@@ -49,11 +56,12 @@ class FlashInferBackend(AttentionBackend):
         if meta.is_decode_only:
             self.plan_decode(self.decode_wrapper, meta)
             return
-        self.prefill_wrapper.plan(
-            torch.tensor(meta.query_start_loc, dtype=torch.int32), meta.kv_indptr,
-            meta.kv_indices, meta.kv_last_page_len, self.num_heads, self.num_kv_heads,
-            self.head_dim, self.block_size, causal=True, sm_scale=self.scale,
-            q_data_type=self.dtype, kv_data_type=self.dtype)
+        with _plan_fence(self.prefill_wrapper):
+            self.prefill_wrapper.plan(
+                torch.tensor(meta.query_start_loc, dtype=torch.int32), meta.kv_indptr,
+                meta.kv_indices, meta.kv_last_page_len, self.num_heads, self.num_kv_heads,
+                self.head_dim, self.block_size, causal=True, sm_scale=self.scale,
+                q_data_type=self.dtype, kv_data_type=self.dtype)
         meta.extras["wrapper"] = self.prefill_wrapper
 
     def plan_decode(self, wrapper, meta: AttentionMetadata) -> None:
@@ -67,9 +75,10 @@ class FlashInferBackend(AttentionBackend):
                                                                          non_blocking=True)
             wrapper._paged_kv_last_page_len_buf.copy_(meta.kv_last_page_len, non_blocking=True)
             return
-        wrapper.plan(meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len, self.num_heads,
-                     self.num_kv_heads, self.head_dim, self.block_size, sm_scale=self.scale,
-                     q_data_type=self.dtype, kv_data_type=self.dtype)
+        with _plan_fence(wrapper):
+            wrapper.plan(meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len, self.num_heads,
+                         self.num_kv_heads, self.head_dim, self.block_size, sm_scale=self.scale,
+                         q_data_type=self.dtype, kv_data_type=self.dtype)
         wrapper._baton_indptr = meta.kv_indptr
 
     def graph_decode_wrapper(self, batch_size: int, max_pages: int):
@@ -84,3 +93,16 @@ class FlashInferBackend(AttentionBackend):
     def forward(self, q: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         return meta.extras["wrapper"].run(q, kv_cache)
+
+
+@contextmanager
+def _plan_fence(wrapper):
+    """Wait until the wrapper's last plan has been copied out of its pinned buffer; mark this
+    plan's copy."""
+    done = getattr(wrapper, "_baton_plan_copied", None)
+    if done is None:
+        done = wrapper._baton_plan_copied = torch.cuda.Event()
+    else:
+        done.synchronize()
+    yield
+    done.record()

@@ -1,0 +1,128 @@
+"""The engine one step ahead (``async_scheduling``) gives exactly what it gives one step at a
+time: tokens, logprobs, finish reasons and texts, through stops, preemption, chunked prefill,
+prefix-cache hits and aborts; no pending placeholder ever reaches an output; no block leaks."""
+
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.llm_engine import LaunchedStep
+from engine.sequence import PENDING
+from tests.models import random_prompts
+
+PROMPTS = random_prompts([3, 16, 17, 40, 70], vocab=512, seed=21)
+
+
+def _outputs(llm, prompts, params):
+    """Tokens, finish and stop reasons, texts; logprobs rounded (batches differ between the two
+    modes, so float sums may differ in the last bits)."""
+    return [(o.token_ids, o.finish_reason, o.stop_reason, o.text,
+             [round(lp, 4) for lp in o.logprobs] if o.logprobs else None)
+            for o in llm.generate(prompts, params)]
+
+
+def _mixed_params(stop_token: int) -> list[SamplingParams]:
+    return [
+        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[stop_token]),
+        SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=25, logprobs=True,
+                       ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=1),
+        SamplingParams(temperature=1.0, top_k=20, seed=3, max_tokens=12, stop=["e"]),
+    ]
+
+
+@pytest.fixture(scope="module")
+def stop_token():
+    """A token the greedy run of prompt 1 makes at its 6th step, so a stop on it cuts early."""
+    out = LLM("tiny", async_scheduling=False).generate(
+        [PROMPTS[1]], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))[0]
+    return out.token_ids[5]
+
+
+@pytest.mark.parametrize("engine_kw", [
+    {},
+    {"num_blocks": 7},  # 6 usable blocks: the 70-token prompt cannot reach 100 tokens
+    {"max_num_batched_tokens": 7},  # chunked prefill
+    {"max_num_seqs": 2},
+], ids=["plain", "small-cache", "chunked", "two-seqs"])
+def test_async_gives_the_same_outputs_as_one_step_at_a_time(engine_kw, stop_token):
+    params = _mixed_params(stop_token)
+    sync = LLM("tiny", async_scheduling=False, **engine_kw)
+    ahead = LLM("tiny", async_scheduling=True, **engine_kw)
+    expected = _outputs(sync, PROMPTS, params)
+    assert expected[1][1] == "stop" and len(expected[1][0]) < 30  # the stop really cut it
+    assert expected[4][1] == "stop" and expected[4][2] == "e"
+    assert len(expected[3][0]) == 1
+    assert _outputs(ahead, PROMPTS, params) == expected
+    # Second round: prompts extending the first ones hit the prefix cache.
+    extended = [p + [9, 8, 7] * 6 for p in PROMPTS]
+    assert _outputs(ahead, extended, params) == _outputs(sync, extended, params)
+    for llm in (sync, ahead):
+        assert llm.engine.pool.num_used_blocks == 0
+        assert not llm.engine.has_unfinished_requests()
+
+
+def test_async_gives_the_same_tokens_under_preemption():
+    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=5, max_tokens=40, ignore_eos=True)] * 2
+    sync = LLM("tiny", async_scheduling=False, num_blocks=10)
+    ahead = LLM("tiny", async_scheduling=True, num_blocks=10)
+    assert _outputs(ahead, PROMPTS[1:], params) == _outputs(sync, PROMPTS[1:], params)
+    assert ahead.engine.scheduler.num_preemptions > 0
+    assert ahead.engine.pool.num_used_blocks == 0
+
+
+def test_no_pending_placeholder_reaches_an_output(stop_token):
+    llm = LLM("tiny")
+    engine = llm.engine
+    for prompt, params in zip(PROMPTS, _mixed_params(stop_token)):
+        engine.add_request(prompt, params)
+    steps = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            assert PENDING not in out.token_ids and PENDING not in out.new_token_ids
+            assert len(out.new_token_ids) <= 1
+        steps += 1
+        assert steps < 200
+    assert engine.pool.num_used_blocks == 0
+
+
+def test_abort_while_its_step_runs_leaks_nothing():
+    llm = LLM("tiny")
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    keep = engine.add_request(PROMPTS[2], params)
+    drop = engine.add_request(PROMPTS[3], params)
+    for _ in range(4):
+        engine.step()
+    assert engine._running_step is not None
+    assert engine.abort_request(drop)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            assert out.request_id != drop
+            if out.finished:
+                done[out.request_id] = out.token_ids
+    alone = LLM("tiny", async_scheduling=False).generate([PROMPTS[2]], params)[0].token_ids
+    assert done[keep] == alone
+    assert engine.pool.num_used_blocks == 0
+
+
+def test_blocks_for_a_push_wait_for_the_step_that_may_still_write_them():
+    llm = LLM("tiny")
+    engine = llm.engine
+    waits = []
+
+    class Running(LaunchedStep):
+        def wait(self):
+            waits.append(1)
+
+    engine._running_step = Running(due=[], releases=engine.scheduler.num_releases)
+    engine.reserve(PROMPTS[1], request_id="a")  # nothing released since the launch: no wait
+    assert waits == []
+    engine.abort_request("a")  # its blocks go back while the step runs
+    engine.reserve(PROMPTS[1], request_id="b")
+    assert waits == [1]
+    engine.abort_request("b")
+    engine._running_step = None
+    assert engine.pool.num_used_blocks == 0

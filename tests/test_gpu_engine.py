@@ -176,6 +176,36 @@ def test_cuda_graph_decode_matches_eager_tokens(flashinfer_engine):
         assert graph_tokens == eager_tokens
 
 
+def test_async_scheduling_matches_one_step_at_a_time(flashinfer_engine):
+    """The engine one step ahead (CUDA graphs, pending inputs fed on the device, pinned copies
+    back) gives the tokens of the engine that waits for every step; a stop on a token cuts
+    both at the same place, and nothing leaks. (Every batch has the same rows in both modes, so
+    bf16 rounding cannot differ between them.)"""
+    assert flashinfer_engine.config.async_scheduling
+    sync = _engine(attention_backend="flashinfer", async_scheduling=False)
+    prompts = random_prompts([7, 40, 130, 300, 33, 64], vocab=VOCAB, seed=21)
+    params = [SamplingParams(temperature=0, max_tokens=48, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=5, max_tokens=48, ignore_eos=True)] * 3
+
+    def run(engine, tag, prompts, params):
+        ids = [engine.add_request(p, q, request_id=f"{tag}{i}")
+               for i, (p, q) in enumerate(zip(prompts, params))]
+        done = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = (out.token_ids, out.finish_reason)
+        return [done[i] for i in ids]
+
+    assert run(flashinfer_engine, "ahead", prompts, params) == run(sync, "sync", prompts, params)
+    stop_at = run(sync, "probe", prompts[1:2], params[:1])[0][0][5]
+    stop = [SamplingParams(temperature=0, max_tokens=48, stop_token_ids=[stop_at])]
+    ahead = run(flashinfer_engine, "stop-ahead", prompts[1:2], stop)
+    assert ahead == run(sync, "stop-sync", prompts[1:2], stop)
+    assert ahead[0][1] == "stop" and len(ahead[0][0]) <= 6
+    assert flashinfer_engine.pool.num_used_blocks == 0 and sync.pool.num_used_blocks == 0
+
+
 def test_greedy_tokens_match_transformers_qwen3_06b_float32():
     from engine.loader import resolve_model
     from engine.tiny import write_random_qwen3

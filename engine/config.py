@@ -105,6 +105,9 @@ class EngineConfig(BaseModel):
     decode_tensor_cores: bool | None = None  # FlashInfer decode; None: by GQA ratio
     # Launch step N+1 before waiting for step N's tokens (host work overlaps the device's).
     async_scheduling: bool = True
+    # One-row (batch-1 decode) projections in bf16/fp16 on CUDA: the Triton skinny matmul where
+    # it measures faster than cuBLAS at start-up (kernels/gemv.py).
+    triton_gemv: bool = True
     show_progress: bool = True
 
     @model_validator(mode="after")

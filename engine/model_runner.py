@@ -20,6 +20,7 @@ from engine.forward_context import AttentionMetadata, null_meta, set_forward_con
 from engine.models.qwen3 import Qwen3ForCausalLM
 from engine.scheduler import ScheduledBatch
 from engine.uploads import host_tensor, upload
+from kernels.gemv import tune_gemv
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +58,7 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self, min(config.max_num_seqs,
                                                  config.cuda_graph_max_batch))
         self.warm_up_s = 0.0
+        self.gemv_choices: dict = {}  # projection name -> GemvConfig or None (cuBLAS)
 
     # -- sizing -----------------------------------------------------------------------------
     @property
@@ -98,9 +100,11 @@ class ModelRunner:
 
     # -- start-up ---------------------------------------------------------------------------
     def warm_up(self, progress: bool = True) -> None:
-        """Compile every kernel variant (a full-budget prefill step, an eager decode step) and
-        capture the decode graphs, so the first request pays for none of it."""
+        """Choose the one-row projection kernels, compile every kernel variant (a full-budget
+        prefill step, an eager decode step) and capture the decode graphs, so the first request
+        pays for none of it."""
         t0 = time.perf_counter()
+        self._tune_gemv()
         tokens = min(self.config.max_num_batched_tokens, self.max_model_len)
         self._forward(torch.zeros(tokens, dtype=torch.int64, device=self.device),
                       torch.arange(tokens, device=self.device),
@@ -115,6 +119,19 @@ class ModelRunner:
         log.info("warm-up %.1fs (%d decode graphs in %.1fs)", self.warm_up_s,
                  len(self.graphs.graphs) if self.graphs else 0,
                  self.graphs.capture_s if self.graphs else 0.0)
+
+    def _tune_gemv(self) -> None:
+        """Per projection, the Triton skinny matmul's config for one-row steps, or cuBLAS."""
+        self.gemv_choices = {}
+        if not self.config.triton_gemv or self.dtype not in (torch.bfloat16, torch.float16):
+            return
+        for name, layers in self.model.projections().items():
+            choice = tune_gemv([layer.weight for layer in layers])
+            self.gemv_choices[name] = choice
+            for layer in layers:
+                layer.gemv_config = choice
+        log.info("one-row projections: %s", {n: tuple(c) if c else "cuBLAS"
+                                             for n, c in self.gemv_choices.items()})
 
     def _on_device(self, meta: AttentionMetadata) -> AttentionMetadata:
         n = meta.query_start_loc[-1]

@@ -118,3 +118,26 @@ def test_store_kv_triton_strided_cache():
     store_kv(k, v, cache, slots)
     store_kv_reference(k, v, ref, slots)
     assert torch.equal(cache, ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 2, 3, 8])
+@pytest.mark.parametrize("shape", [(1000, 1024), (4096, 3072), (300, 1000)])  # N, K (odd K too)
+def test_gemv_triton_matches_reference(rows, shape):
+    from kernels.gemv import CANDIDATES, gemv, gemv_reference
+    n, k = shape
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.05
+    want = gemv_reference(x, w).float()
+    for cfg in CANDIDATES:
+        got = gemv(x, w, cfg)
+        assert got.shape == (rows, n) and got.dtype == torch.bfloat16
+        assert ((got.float() - want).norm() / want.norm()).item() < 5e-3, cfg
+
+
+@pytest.mark.gpu
+def test_tune_gemv_picks_a_candidate_or_cublas():
+    from kernels.gemv import CANDIDATES, tune_gemv
+    weights = [torch.randn(4096, 1024, device="cuda", dtype=torch.bfloat16) for _ in range(8)]
+    assert tune_gemv(weights) in (*CANDIDATES, None)
+    assert tune_gemv([w.float() for w in weights[:2]]) in (*CANDIDATES, None)

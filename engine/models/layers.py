@@ -1,5 +1,5 @@
-"""Building blocks: RMSNorm (with fused residual add) and the rotary embedding's cos/sin cache;
-the arithmetic lives in :mod:`kernels`."""
+"""Building blocks: linear projections, RMSNorm (with fused residual add) and the rotary
+embedding's cos/sin cache; the arithmetic lives in :mod:`kernels`."""
 
 from __future__ import annotations
 
@@ -7,6 +7,20 @@ import torch
 from torch import nn
 
 from kernels import rmsnorm
+from kernels.gemv import GemvConfig, gemv
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` (no bias here) whose one-row calls run the Triton skinny matmul when
+    ``gemv_config`` is set: the model runner sets it at warm-up where it measures faster than
+    cuBLAS (:func:`kernels.gemv.tune_gemv`)."""
+
+    gemv_config: GemvConfig | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gemv_config is not None and x.shape[0] == 1:
+            return gemv(x, self.weight, self.gemv_config)
+        return nn.functional.linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):

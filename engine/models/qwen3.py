@@ -8,7 +8,7 @@ from torch import nn
 from engine.attention.base import AttentionBackend
 from engine.config import ModelConfig
 from engine.forward_context import get_forward_context
-from engine.models.layers import RMSNorm, RotaryEmbedding
+from engine.models.layers import Linear, RMSNorm, RotaryEmbedding
 from kernels import qk_norm_rope_store, silu_and_mul
 
 # checkpoint name fragment -> (our packed parameter fragment, shard index)
@@ -28,8 +28,8 @@ class Qwen3Attention(nn.Module):
             cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.rope = rope
@@ -52,8 +52,8 @@ class Qwen3Attention(nn.Module):
 class Qwen3MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.shard_sizes = (cfg.intermediate_size, cfg.intermediate_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -111,6 +111,16 @@ class Qwen3ForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return torch.nn.functional.linear(hidden, weight).float()
+
+    def projections(self) -> dict[str, list[Linear]]:
+        """The decode projections of every layer, by name (one shape per name)."""
+        out: dict[str, list[Linear]] = {}
+        for layer in self.model.layers:
+            for name in ("qkv_proj", "o_proj"):
+                out.setdefault(name, []).append(getattr(layer.self_attn, name))
+            for name in ("gate_up_proj", "down_proj"):
+                out.setdefault(name, []).append(getattr(layer.mlp, name))
+        return out
 
     def attention_layers(self) -> list[Qwen3Attention]:
         return [layer.self_attn for layer in self.model.layers]

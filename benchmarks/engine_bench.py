@@ -117,7 +117,10 @@ def decode(model: str, ceil: dict, prompt_len: int = 128, new: int = 1024) -> di
     return {"task": "decode", "model": model, "ms_per_token_p50": round(ms, 3),
             "tok_s": round(len(steps) / total, 1), "floor_ms": round(floor_ms, 3),
             "pct_of_floor": round(100 * floor_ms / ms, 1), "startup_s": round(engine.startup_s, 1),
-            "warm_up_s": round(engine.runner.warm_up_s, 1)}
+            "warm_up_s": round(engine.runner.warm_up_s, 1),
+            "one_row_gemv": {n: list(c) if c else "cublas"
+                             for n, c in engine.runner.gemv_choices.items()},
+            "norm_fused": engine.runner.norm_fused}
 
 
 def long_run(model: str, new: int = 10_000) -> dict:

@@ -20,7 +20,7 @@ from engine.forward_context import AttentionMetadata, null_meta, set_forward_con
 from engine.models.qwen3 import Qwen3ForCausalLM
 from engine.scheduler import ScheduledBatch
 from engine.uploads import host_tensor, upload
-from kernels.gemv import tune_gemv
+from kernels.gemv import tune_gemv, tune_norm_gemv
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +59,7 @@ class ModelRunner:
                                                  config.cuda_graph_max_batch))
         self.warm_up_s = 0.0
         self.gemv_choices: dict = {}  # projection name -> GemvConfig or None (cuBLAS)
+        self.norm_fused: list[str] = []  # projections with the RMSNorm folded in (one row)
 
     # -- sizing -----------------------------------------------------------------------------
     @property
@@ -130,8 +131,18 @@ class ModelRunner:
             self.gemv_choices[name] = choice
             for layer in layers:
                 layer.gemv_config = choice
-        log.info("one-row projections: %s", {n: tuple(c) if c else "cuBLAS"
-                                             for n, c in self.gemv_choices.items()})
+        self.norm_fused = []
+        for name, pairs in self.model.normed_projections().items():
+            config = self.gemv_choices.get(name)
+            if config is not None and tune_norm_gemv(
+                    [n.weight for n, _ in pairs], [p.weight for _, p in pairs], pairs[0][0].eps,
+                    config):
+                self.norm_fused.append(name)
+                for _, proj in pairs:
+                    proj.fuse_norm = True
+        log.info("one-row projections: %s; norm folded into %s",
+                 {n: tuple(c) if c else "cuBLAS" for n, c in self.gemv_choices.items()},
+                 self.norm_fused or "none")
 
     def _on_device(self, meta: AttentionMetadata) -> AttentionMetadata:
         n = meta.query_start_loc[-1]

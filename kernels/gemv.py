@@ -6,7 +6,9 @@ second kernel. The torch reference is ``F.linear``.
 Measured on an H100 (``benchmarks/gemv_bench.py``, docs/benchmarks.md): for one row it beats
 cuBLAS on every Qwen3-0.6B and 8B projection (by 8-38%); for four rows cuBLAS wins. The engine
 therefore uses it for one-row steps only, per projection, where :func:`tune_gemv` measures it
-faster at start-up.
+faster at start-up. :func:`norm_gemv` also folds the residual add and RMSNorm in front of a
+projection into the same kernel (each program recomputes the row's RMS, then normalises the
+row chunk by chunk as it streams the weight); :func:`tune_norm_gemv` keeps it where it pays.
 """
 
 from __future__ import annotations
@@ -69,6 +71,73 @@ if triton is not None:
                      acc.to(y_ptr.dtype.element_ty), mask=mmask[:, None] & rmask[None, :])
 
 
+if triton is not None:
+    @triton.jit
+    def _norm_gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, y_ptr, res_out_ptr, N, K, eps,
+                          stride_wn, HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr):
+        pid = tl.program_id(0)
+        cols = tl.arange(0, BLOCK_K)
+        # Pass 1, the row's RMS (program 0 also writes the new residual).
+        sq = tl.zeros((BLOCK_K,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kmask = k0 + cols < K
+            h = tl.load(x_ptr + k0 + cols, mask=kmask, other=0.0)
+            if HAS_RES:
+                h = (h.to(tl.float32) + tl.load(res_ptr + k0 + cols, mask=kmask,
+                                                other=0.0).to(tl.float32)).to(h.dtype)
+                if pid == 0:
+                    tl.store(res_out_ptr + k0 + cols, h, mask=kmask)
+            hf = h.to(tl.float32)
+            sq += hf * hf
+        rstd = tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
+        # Pass 2, the product with the normed row, rebuilt chunk by chunk.
+        rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        rmask = rows < N
+        w_ptrs = w_ptr + rows[:, None].to(tl.int64) * stride_wn + cols[None, :]
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kmask = k0 + cols < K
+            w = tl.load(w_ptrs + k0, mask=rmask[:, None] & kmask[None, :], other=0.0)
+            h = tl.load(x_ptr + k0 + cols, mask=kmask, other=0.0)
+            dtype = h.dtype
+            if HAS_RES:
+                h = (h.to(tl.float32) + tl.load(res_ptr + k0 + cols, mask=kmask,
+                                                other=0.0).to(tl.float32)).to(dtype)
+            nw = tl.load(nw_ptr + k0 + cols, mask=kmask, other=0.0).to(tl.float32)
+            xn = ((h.to(tl.float32) * rstd).to(dtype).to(tl.float32) * nw).to(dtype)
+            acc += w.to(tl.float32) * xn.to(tl.float32)[None, :]
+        y = tl.sum(acc, axis=1)
+        tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rmask)
+
+
+def norm_gemv_reference(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                        eps: float, w: torch.Tensor):
+    """``F.linear(rmsnorm(x [+ residual]), w)`` and the new residual (``x`` without one)."""
+    from kernels.norm import rmsnorm_reference
+    if residual is None:
+        return F.linear(rmsnorm_reference(x, norm_weight, eps), w), x
+    normed, residual = rmsnorm_reference(x, norm_weight, eps, residual)
+    return F.linear(normed, w), residual
+
+
+def norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+              eps: float, w: torch.Tensor, config: GemvConfig = GemvConfig()):
+    """One row: residual add, RMSNorm and the projection in one kernel (the normed row never
+    goes to memory). Returns ``(y, new residual)`` as :func:`norm_gemv_reference`."""
+    if not (gemv_supported(x, w) and x.shape[0] == 1 and norm_weight.dtype == x.dtype
+            and (residual is None or residual.stride(1) == 1)):
+        return norm_gemv_reference(x, residual, norm_weight, eps, w)
+    n, k = w.shape
+    y = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    res_out = torch.empty_like(x) if residual is not None else x
+    _norm_gemv_kernel[(triton.cdiv(n, config.block_n),)](
+        x, residual if residual is not None else x, norm_weight, w, y, res_out, n, k, eps,
+        w.stride(0), HAS_RES=residual is not None, BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k, num_warps=config.num_warps, num_stages=config.num_stages)
+    return y, res_out
+
+
 def gemv_supported(x: torch.Tensor, w: torch.Tensor) -> bool:
     return (use_triton(x) and x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS
             and x.stride(1) == 1 and w.stride(1) == 1 and x.dtype == w.dtype)
@@ -101,26 +170,47 @@ def tune_gemv(weights: Sequence[torch.Tensor],
     x = torch.randn(1, weights[0].shape[1], dtype=weights[0].dtype, device=weights[0].device)
     if not gemv_supported(x, weights[0]):
         return None
-
-    def time_us(fn) -> float:
-        for w in weights[:2]:
-            fn(x, w)  # compile, settle
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for w in weights:
-                fn(x, w)
-        graph.replay()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(5):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end)
-
-    best, best_us = None, time_us(gemv_reference)
+    best, best_ms = None, _graph_ms(gemv_reference, x, weights)
     for cfg in candidates:
-        us = time_us(lambda a, b, c=cfg: gemv(a, b, c))
-        if us < best_us:
-            best, best_us = cfg, us
+        ms = _graph_ms(lambda a, b, c=cfg: gemv(a, b, c), x, weights)
+        if ms < best_ms:
+            best, best_ms = cfg, ms
     return best
+
+
+def tune_norm_gemv(norm_weights: Sequence[torch.Tensor], weights: Sequence[torch.Tensor],
+                   eps: float, config: GemvConfig) -> bool:
+    """Whether :func:`norm_gemv` beats the residual-add RMSNorm kernel followed by
+    :func:`gemv` for one row over ``weights`` (measured as :func:`tune_gemv` does)."""
+    from kernels.norm import rmsnorm
+    w0 = weights[0]
+    x = torch.randn(1, w0.shape[1], dtype=w0.dtype, device=w0.device)
+    res = torch.randn_like(x)
+    if not gemv_supported(x, w0):
+        return False
+    pairs = list(zip(norm_weights, weights))
+
+    def apart(a, pair):
+        return gemv(rmsnorm(a, pair[0], eps, res)[0], pair[1], config)
+
+    def fused(a, pair):
+        return norm_gemv(a, res, pair[0], eps, pair[1], config)
+    return _graph_ms(fused, x, pairs) < _graph_ms(apart, x, pairs)
+
+
+def _graph_ms(fn, x: torch.Tensor, items: Sequence) -> float:
+    """Time of ``fn(x, item)`` for every item in order, as one CUDA graph (5 replays)."""
+    for item in items[:2]:
+        fn(x, item)  # compile, settle
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for item in items:
+            fn(x, item)
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)

@@ -141,3 +141,21 @@ def test_tune_gemv_picks_a_candidate_or_cublas():
     weights = [torch.randn(4096, 1024, device="cuda", dtype=torch.bfloat16) for _ in range(8)]
     assert tune_gemv(weights) in (*CANDIDATES, None)
     assert tune_gemv([w.float() for w in weights[:2]]) in (*CANDIDATES, None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("with_residual", [True, False])
+@pytest.mark.parametrize("shape", [(4096, 1024), (1000, 1000)])  # N, K
+def test_norm_gemv_triton_matches_reference(with_residual, shape):
+    from kernels.gemv import CANDIDATES, norm_gemv, norm_gemv_reference, tune_norm_gemv
+    n, k = shape
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    res = torch.randn(1, k, device="cuda", dtype=torch.bfloat16) if with_residual else None
+    nw = (1 + 0.1 * torch.randn(k, device="cuda")).to(torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.05
+    want, want_res = norm_gemv_reference(x, res, nw, 1e-6, w)
+    for cfg in CANDIDATES:
+        got, got_res = norm_gemv(x, res, nw, 1e-6, w, cfg)
+        assert ((got.float() - want.float()).norm() / want.float().norm()).item() < 5e-3, cfg
+        assert torch.equal(got_res, want_res)
+    assert tune_norm_gemv([nw] * 4, [w] * 4, 1e-6, CANDIDATES[0]) in (True, False)

@@ -7,20 +7,33 @@ import torch
 from torch import nn
 
 from kernels import rmsnorm
-from kernels.gemv import GemvConfig, gemv
+from kernels.gemv import GemvConfig, gemv, norm_gemv
 
 
 class Linear(nn.Linear):
     """``nn.Linear`` (no bias here) whose one-row calls run the Triton skinny matmul when
     ``gemv_config`` is set: the model runner sets it at warm-up where it measures faster than
-    cuBLAS (:func:`kernels.gemv.tune_gemv`)."""
+    cuBLAS (:func:`kernels.gemv.tune_gemv`), and ``fuse_norm`` where the norm in front of it
+    is better folded in (:func:`norm_then`)."""
 
     gemv_config: GemvConfig | None = None
+    fuse_norm: bool = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gemv_config is not None and x.shape[0] == 1:
             return gemv(x, self.weight, self.gemv_config)
         return nn.functional.linear(x, self.weight, self.bias)
+
+
+def norm_then(proj: Linear, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None):
+    """``proj(norm(x [+ residual]))`` and the new residual (``x`` when there is none yet): one
+    kernel for a row when ``proj.fuse_norm``, else the norm kernel and the projection."""
+    if proj.fuse_norm and x.shape[0] == 1:
+        return norm_gemv(x, residual, norm.weight, norm.eps, proj.weight, proj.gemv_config)
+    if residual is None:
+        return proj(norm(x)), x
+    x, residual = norm(x, residual)
+    return proj(x), residual
 
 
 class RMSNorm(nn.Module):

@@ -8,7 +8,7 @@ from torch import nn
 from engine.attention.base import AttentionBackend
 from engine.config import ModelConfig
 from engine.forward_context import get_forward_context
-from engine.models.layers import Linear, RMSNorm, RotaryEmbedding
+from engine.models.layers import Linear, RMSNorm, RotaryEmbedding, norm_then
 from kernels import qk_norm_rope_store, silu_and_mul
 
 # checkpoint name fragment -> (our packed parameter fragment, shard index)
@@ -38,10 +38,11 @@ class Qwen3Attention(nn.Module):
         self.kv_cache: torch.Tensor | None = None
         self.backend: AttentionBackend | None = None
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
+        """From the packed projection (the layer runs ``qkv_proj``, its norm maybe fused in)."""
         meta = get_forward_context()
         # q/k norm, RoPE and the K/V store in one kernel on CUDA.
-        q = qk_norm_rope_store(self.qkv_proj(x), positions, self.q_norm.weight,
+        q = qk_norm_rope_store(qkv, positions, self.q_norm.weight,
                                self.k_norm.weight, self.q_norm.eps, self.rope.cos_sin,
                                self.kv_cache, meta.slot_mapping, self.num_heads,
                                self.num_kv_heads)
@@ -56,8 +57,9 @@ class Qwen3MLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.shard_sizes = (cfg.intermediate_size, cfg.intermediate_size)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """From the packed gate/up projection (run by the layer, like ``qkv_proj``)."""
+        return self.down_proj(silu_and_mul(gate_up))
 
 
 class Qwen3DecoderLayer(nn.Module):
@@ -69,13 +71,11 @@ class Qwen3DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, positions, x, residual):
-        if residual is None:
-            residual, x = x, self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        attn, mlp = self.self_attn, self.mlp
+        qkv, residual = norm_then(attn.qkv_proj, self.input_layernorm, x, residual)
+        x = attn(positions, qkv)
+        gate_up, residual = norm_then(mlp.gate_up_proj, self.post_attention_layernorm, x, residual)
+        return mlp(gate_up), residual
 
 
 class Qwen3Model(nn.Module):
@@ -121,6 +121,14 @@ class Qwen3ForCausalLM(nn.Module):
             for name in ("gate_up_proj", "down_proj"):
                 out.setdefault(name, []).append(getattr(layer.mlp, name))
         return out
+
+    def normed_projections(self) -> dict[str, list[tuple[RMSNorm, Linear]]]:
+        """The projections with an RMSNorm (and the residual add) right in front, by name."""
+        layers = self.model.layers
+        return {"qkv_proj": [(layer.input_layernorm, layer.self_attn.qkv_proj)
+                             for layer in layers],
+                "gate_up_proj": [(layer.post_attention_layernorm, layer.mlp.gate_up_proj)
+                                 for layer in layers]}
 
     def attention_layers(self) -> list[Qwen3Attention]:
         return [layer.self_attn for layer in self.model.layers]

@@ -105,8 +105,8 @@ class EngineConfig(BaseModel):
     decode_tensor_cores: bool | None = None  # FlashInfer decode; None: by GQA ratio
     # Launch step N+1 before waiting for step N's tokens (host work overlaps the device's).
     async_scheduling: bool = True
-    # One-row (batch-1 decode) projections in bf16/fp16 on CUDA: the Triton skinny matmul where
-    # it measures faster than cuBLAS at start-up (kernels/gemv.py).
+    # One-row (batch-1 decode) projections in bf16/fp16 on CUDA: the Triton skinny matmul
+    # (kernels/gemv.py), which beats cuBLAS there on every measured Qwen3 shape.
     triton_gemv: bool = True
     show_progress: bool = True
 

@@ -20,7 +20,8 @@ from engine.forward_context import AttentionMetadata, null_meta, set_forward_con
 from engine.models.qwen3 import Qwen3ForCausalLM
 from engine.scheduler import ScheduledBatch
 from engine.uploads import host_tensor, upload
-from kernels.gemv import tune_gemv, tune_norm_gemv
+from kernels._triton import triton as _triton
+from kernels.gemv import NORM_FUSE_MAX_K, config_for
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +59,7 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self, min(config.max_num_seqs,
                                                  config.cuda_graph_max_batch))
         self.warm_up_s = 0.0
-        self.gemv_choices: dict = {}  # projection name -> GemvConfig or None (cuBLAS)
+        self.gemv_choices: dict = {}  # projection name -> GemvConfig of its one-row kernel
         self.norm_fused: list[str] = []  # projections with the RMSNorm folded in (one row)
 
     # -- sizing -----------------------------------------------------------------------------
@@ -101,11 +102,11 @@ class ModelRunner:
 
     # -- start-up ---------------------------------------------------------------------------
     def warm_up(self, progress: bool = True) -> None:
-        """Choose the one-row projection kernels, compile every kernel variant (a full-budget
+        """Set the one-row projection kernels, compile every kernel variant (a full-budget
         prefill step, an eager decode step) and capture the decode graphs, so the first request
         pays for none of it."""
         t0 = time.perf_counter()
-        self._tune_gemv()
+        self._choose_gemv()
         tokens = min(self.config.max_num_batched_tokens, self.max_model_len)
         self._forward(torch.zeros(tokens, dtype=torch.int64, device=self.device),
                       torch.arange(tokens, device=self.device),
@@ -121,28 +122,25 @@ class ModelRunner:
                  len(self.graphs.graphs) if self.graphs else 0,
                  self.graphs.capture_s if self.graphs else 0.0)
 
-    def _tune_gemv(self) -> None:
-        """Per projection, the Triton skinny matmul's config for one-row steps, or cuBLAS."""
-        self.gemv_choices = {}
-        if not self.config.triton_gemv or self.dtype not in (torch.bfloat16, torch.float16):
+    def _choose_gemv(self) -> None:
+        """One-row steps (batch-1 decode) run every projection through the Triton skinny matmul
+        with the config of its shape, and fold the RMSNorm into qkv and gate/up where that pays
+        (:mod:`kernels.gemv`)."""
+        self.gemv_choices, self.norm_fused = {}, []
+        if not (self.config.triton_gemv and self.dtype in (torch.bfloat16, torch.float16)
+                and self.device.type == "cuda" and _triton is not None):
             return
         for name, layers in self.model.projections().items():
-            choice = tune_gemv([layer.weight for layer in layers])
-            self.gemv_choices[name] = choice
+            self.gemv_choices[name] = config_for(*layers[0].weight.shape)
             for layer in layers:
-                layer.gemv_config = choice
-        self.norm_fused = []
+                layer.gemv_config = self.gemv_choices[name]
         for name, pairs in self.model.normed_projections().items():
-            config = self.gemv_choices.get(name)
-            if config is not None and tune_norm_gemv(
-                    [n.weight for n, _ in pairs], [p.weight for _, p in pairs], pairs[0][0].eps,
-                    config):
+            if pairs[0][1].weight.shape[1] <= NORM_FUSE_MAX_K:
                 self.norm_fused.append(name)
                 for _, proj in pairs:
                     proj.fuse_norm = True
         log.info("one-row projections: %s; norm folded into %s",
-                 {n: tuple(c) if c else "cuBLAS" for n, c in self.gemv_choices.items()},
-                 self.norm_fused or "none")
+                 {n: tuple(c) for n, c in self.gemv_choices.items()}, self.norm_fused or "none")
 
     def _on_device(self, meta: AttentionMetadata) -> AttentionMetadata:
         n = meta.query_start_loc[-1]

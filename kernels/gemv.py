@@ -5,15 +5,14 @@ second kernel. The torch reference is ``F.linear``.
 
 Measured on an H100 (``benchmarks/gemv_bench.py``, docs/benchmarks.md): for one row it beats
 cuBLAS on every Qwen3-0.6B and 8B projection (by 8-38%); for four rows cuBLAS wins. The engine
-therefore uses it for one-row steps only, per projection, where :func:`tune_gemv` measures it
-faster at start-up. :func:`norm_gemv` also folds the residual add and RMSNorm in front of a
-projection into the same kernel (each program recomputes the row's RMS, then normalises the
-row chunk by chunk as it streams the weight); :func:`tune_norm_gemv` keeps it where it pays.
+therefore uses it for one-row steps only, with the tile config :func:`config_for` gives the
+weight's shape. :func:`norm_gemv` also folds the residual add and RMSNorm in front of a
+projection into the same kernel (each program recomputes the row's RMS, then normalises the row
+chunk by chunk as it streams the weight), used where that measured faster.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -157,60 +156,17 @@ def gemv(x: torch.Tensor, w: torch.Tensor, config: GemvConfig = GemvConfig()) ->
     return y
 
 
-# The winners of benchmarks/gemv_bench.py's grid for one row on Qwen3 0.6B and 8B shapes.
-CANDIDATES = (GemvConfig(4, 512, 4, 2), GemvConfig(4, 1024, 8, 2), GemvConfig(8, 512, 4, 4),
-              GemvConfig(8, 1024, 8, 2), GemvConfig(4, 1024, 8, 4))
+# Projections whose input RMSNorm (with the residual add) is folded into them for one row: where
+# it measured faster (hidden size 1024, Qwen3-0.6B: -35 us a step); at 4096 (8B) it did not pay.
+NORM_FUSE_MAX_K = 1024
 
 
-def tune_gemv(weights: Sequence[torch.Tensor],
-              candidates: Sequence[GemvConfig] = CANDIDATES) -> GemvConfig | None:
-    """The fastest way to multiply one row by each of ``weights`` (same shape, e.g. one
-    projection of every layer), as a CUDA graph of one call per weight in order, so each weight
-    streams from memory as in a forward pass: a candidate config, or None when cuBLAS wins."""
-    x = torch.randn(1, weights[0].shape[1], dtype=weights[0].dtype, device=weights[0].device)
-    if not gemv_supported(x, weights[0]):
-        return None
-    best, best_ms = None, _graph_ms(gemv_reference, x, weights)
-    for cfg in candidates:
-        ms = _graph_ms(lambda a, b, c=cfg: gemv(a, b, c), x, weights)
-        if ms < best_ms:
-            best, best_ms = cfg, ms
-    return best
-
-
-def tune_norm_gemv(norm_weights: Sequence[torch.Tensor], weights: Sequence[torch.Tensor],
-                   eps: float, config: GemvConfig) -> bool:
-    """Whether :func:`norm_gemv` beats the residual-add RMSNorm kernel followed by
-    :func:`gemv` for one row over ``weights`` (measured as :func:`tune_gemv` does)."""
-    from kernels.norm import rmsnorm
-    w0 = weights[0]
-    x = torch.randn(1, w0.shape[1], dtype=w0.dtype, device=w0.device)
-    res = torch.randn_like(x)
-    if not gemv_supported(x, w0):
-        return False
-    pairs = list(zip(norm_weights, weights))
-
-    def apart(a, pair):
-        return gemv(rmsnorm(a, pair[0], eps, res)[0], pair[1], config)
-
-    def fused(a, pair):
-        return norm_gemv(a, res, pair[0], eps, pair[1], config)
-    return _graph_ms(fused, x, pairs) < _graph_ms(apart, x, pairs)
-
-
-def _graph_ms(fn, x: torch.Tensor, items: Sequence) -> float:
-    """Time of ``fn(x, item)`` for every item in order, as one CUDA graph (5 replays)."""
-    for item in items[:2]:
-        fn(x, item)  # compile, settle
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for item in items:
-            fn(x, item)
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(5):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end)
+def config_for(n: int, k: int) -> GemvConfig:
+    """The tile config for a ``[n, k]`` weight: rules that reproduce the winners of
+    ``benchmarks/gemv_bench.py``'s grid on the H100 for the Qwen3-0.6B and 8B projections.
+    Fixed by shape, not timed at start-up, so every engine sums a projection in the same order
+    (a prefill and a decode replica then give the tokens of one colocated engine)."""
+    small_k = k <= 1024
+    return GemvConfig(block_n=8 if n >= 6144 else 4, block_k=512 if small_k else 1024,
+                      num_warps=4 if small_k else 8,
+                      num_stages=4 if small_k and n >= 6144 else 2)

@@ -12,9 +12,8 @@ from kernels.gemv import GemvConfig, gemv, norm_gemv
 
 class Linear(nn.Linear):
     """``nn.Linear`` (no bias here) whose one-row calls run the Triton skinny matmul when
-    ``gemv_config`` is set: the model runner sets it at warm-up where it measures faster than
-    cuBLAS (:func:`kernels.gemv.tune_gemv`), and ``fuse_norm`` where the norm in front of it
-    is better folded in (:func:`norm_then`)."""
+    ``gemv_config`` is set (by the model runner on CUDA, :mod:`kernels.gemv`), with the norm in
+    front folded in when ``fuse_norm`` (:func:`norm_then`)."""
 
     gemv_config: GemvConfig | None = None
     fuse_norm: bool = False

@@ -1,7 +1,8 @@
-"""FlashInfer decode inside CUDA graphs at small batches: the engine's wrapper (CUDA cores; under
-graphs FlashInfer always splits the KV and merges) against the tensor-core wrapper with the
-split turned off (``disable_split_kv``), per layer, over one cache per layer so nothing stays in
-L2. Also checks that a no-split graph captured at one context replays right at another.
+"""Decode attention inside CUDA graphs at small batches: FlashInfer's wrapper as the engine uses
+it (CUDA cores; under graphs FlashInfer always splits the KV and merges), its tensor-core wrapper
+with and without the split (``disable_split_kv``), and the one-launch Triton kernel
+(``kernels/decode_attention.py``), per layer, over one cache per layer so nothing stays in L2.
+Also checks that a no-split graph captured at one context replays right at another.
 
     python -m benchmarks.decode_split_bench
 """
@@ -55,6 +56,30 @@ def per_layer_us(hq, hk, batch, ctx, tensor_cores, no_split, caches, q, ws, max_
     return start.elapsed_time(end) * 1e3 / (10 * len(caches))
 
 
+def triton_us(hq, hk, batch, ctx, caches, q, max_pages) -> float:
+    from kernels.decode_attention import DecodeAttention
+    pages = -(-ctx // PAGE)
+    runner = DecodeAttention(batch, max_pages, hq, hk, D, PAGE, D ** -0.5, q.device)
+    runner.plan(torch.arange(0, batch * pages + 1, pages, dtype=torch.int32),
+                torch.arange(1, batch * pages + 1, dtype=torch.int32),
+                torch.full((batch,), ctx - (pages - 1) * PAGE, dtype=torch.int32))
+    for c in caches[:2]:
+        runner.run(q, c)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for c in caches:
+            runner.run(q, c)
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / (10 * len(caches))
+
+
 def replan_check(hq, hk, batch, caches, q, ws, max_pages, tensor_cores, no_split) -> float:
     """Capture at a 64-token context, re-plan at 1000 and 3000, compare with eager."""
     w = _wrapper(ws, batch, max_pages, tensor_cores)
@@ -84,8 +109,8 @@ def main() -> None:
     ws = torch.zeros(256 * 2**20, dtype=torch.uint8, device="cuda")
     hk = 8
     print("| q:kv heads | batch | context | split (engine) µs | tensor cores, split µs | "
-          "tensor cores, no split µs |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+          "tensor cores, no split µs | Triton, one launch µs |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for batch in args.batches:
         max_pages = batch * -(-max(args.contexts + [3000]) // PAGE)
         caches = [torch.randn(max_pages + 1, 2, hk, PAGE, D, dtype=torch.bfloat16, device="cuda")
@@ -95,6 +120,7 @@ def main() -> None:
             for ctx in args.contexts:
                 row = [per_layer_us(hq, hk, batch, ctx, tc, ns, caches, q, ws, max_pages)
                        for tc, ns in ((False, False), (True, False), (True, True))]
+                row.append(triton_us(hq, hk, batch, ctx, caches, q, max_pages))
                 print(f"| {hq}:{hk} | {batch} | {ctx} | " + " | ".join(f"{v:.1f}" for v in row)
                       + " |", flush=True)
             err = replan_check(hq, hk, batch, caches, q, ws, max_pages, True, True)

@@ -46,12 +46,14 @@ if triton is not None:
         if M_PAD == 1:  # one row: keep the products, reduce once at the end
             acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
             for k0 in range(0, K, BLOCK_K):
-                if EVEN_K:
-                    w = tl.load(w_ptrs + k0, mask=rmask[:, None], other=0.0)
+                if EVEN_K:  # weights are read once: do not let them push x out of the cache
+                    w = tl.load(w_ptrs + k0, mask=rmask[:, None], other=0.0,
+                                eviction_policy="evict_first")
                     x = tl.load(x_ptr + k0 + cols)
                 else:
                     kmask = k0 + cols < K
-                    w = tl.load(w_ptrs + k0, mask=rmask[:, None] & kmask[None, :], other=0.0)
+                    w = tl.load(w_ptrs + k0, mask=rmask[:, None] & kmask[None, :], other=0.0,
+                                eviction_policy="evict_first")
                     x = tl.load(x_ptr + k0 + cols, mask=kmask, other=0.0)
                 acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
             y = tl.sum(acc, axis=1)
@@ -163,9 +165,12 @@ NORM_FUSE_MAX_K = 1024
 
 def config_for(n: int, k: int) -> GemvConfig:
     """The tile config for a ``[n, k]`` weight: rules that reproduce the winners of
-    ``benchmarks/gemv_bench.py``'s grid on the H100 for the Qwen3-0.6B and 8B projections.
-    Fixed by shape, not timed at start-up, so every engine sums a projection in the same order
-    (a prefill and a decode replica then give the tokens of one colocated engine)."""
+    ``benchmarks/gemv_bench.py`` on the H100 for the Qwen3-0.6B projections (its 48-config grid)
+    and the 8B ones (K of 4096 and more: ``--streaming``, K tiles of 2048). Fixed by shape, not
+    timed at start-up, so every engine sums a projection in the same order (a prefill and a
+    decode replica then give the tokens of one colocated engine)."""
+    if k >= 4096:
+        return GemvConfig(block_n=4, block_k=2048, num_warps=4, num_stages=2)
     small_k = k <= 1024
     return GemvConfig(block_n=8 if n >= 6144 else 4, block_k=512 if small_k else 1024,
                       num_warps=4 if small_k else 8,

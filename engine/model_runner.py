@@ -134,6 +134,8 @@ class ModelRunner:
             self.gemv_choices[name] = config_for(*layers[0].weight.shape)
             for layer in layers:
                 layer.gemv_config = self.gemv_choices[name]
+        self.model.lm_head_gemv = config_for(*self.model.lm_head_weight.shape)
+        self.gemv_choices["lm_head"] = self.model.lm_head_gemv
         for name, pairs in self.model.normed_projections().items():
             if pairs[0][1].weight.shape[1] <= NORM_FUSE_MAX_K:
                 self.norm_fused.append(name)

@@ -169,7 +169,7 @@ def test_flashinfer_matches_torch_chunked_prefill(per_layer):
 def test_cuda_graph_decode_matches_eager_tokens(flashinfer_engine):
     assert flashinfer_engine.runner.graphs is not None
     assert set(flashinfer_engine.runner.gemv_choices) == {"qkv_proj", "o_proj", "gate_up_proj",
-                                                          "down_proj"}
+                                                          "down_proj", "lm_head"}
     eager = _engine(attention_backend="flashinfer", enforce_eager=True)  # same seed, weights
     for n in (1, 3, 8):
         prompts = random_prompts([20 + 11 * i for i in range(n)], vocab=VOCAB, seed=n)

@@ -10,6 +10,7 @@ from engine.config import ModelConfig
 from engine.forward_context import get_forward_context
 from engine.models.layers import Linear, RMSNorm, RotaryEmbedding, norm_then
 from kernels import qk_norm_rope_store, silu_and_mul
+from kernels.gemv import GemvConfig, gemv
 
 # checkpoint name fragment -> (our packed parameter fragment, shard index)
 PACKED_MODULES = {
@@ -104,13 +105,20 @@ class Qwen3ForCausalLM(nn.Module):
         self.model = Qwen3Model(cfg)
         self.lm_head = (None if cfg.tie_word_embeddings
                         else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False))
+        self.lm_head_gemv: GemvConfig | None = None  # one-row logits through the skinny matmul
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        weight = self.lm_head_weight
+        if self.lm_head_gemv is not None and hidden.shape[0] == 1:
+            return gemv(hidden, weight, self.lm_head_gemv).float()
         return torch.nn.functional.linear(hidden, weight).float()
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def projections(self) -> dict[str, list[Linear]]:
         """The decode projections of every layer, by name (one shape per name)."""

@@ -152,7 +152,8 @@ def main() -> None:
     gbs = copy_rate()
     print(f"copy rate {gbs:.0f} GB/s")
     rows = []
-    print("| model | proj | M | N | K | MB | cuBLAS us | cuBLAS % | Triton us | Triton % | config |")
+    print("| model | proj | M | N | K | MB | cuBLAS us | cuBLAS % | Triton us | Triton % "
+          "| config |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
     for model in args.models:
         for name, (n, k) in projections(model).items():

@@ -175,7 +175,8 @@ class ModelRunner:
                 logit_rows.append(qsl[-1] - 1)
         meta = AttentionMetadata(
             slot_mapping=None, query_start_loc=qsl, context_lens=ctx,
-            kv_indptr=host_tensor(indptr, torch.int32), kv_indices=host_tensor(indices, torch.int32),
+            kv_indptr=host_tensor(indptr, torch.int32),
+            kv_indices=host_tensor(indices, torch.int32),
             kv_last_page_len=host_tensor(last, torch.int32),
             block_size=bs, is_decode_only=all(n == 1 for n in batch.num_new_tokens))
         return StepInputs(ids, positions, slots, gathers, meta, logit_rows)

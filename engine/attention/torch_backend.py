@@ -1,4 +1,5 @@
-"""Reference attention in plain torch over the paged cache (CPU and GPU; slow but exact)."""
+"""Reference attention in plain torch over the paged cache (CPU and GPU; slow but exact): the
+math runs in float32 whatever the cache's dtype, and only the output is rounded to it."""
 
 from __future__ import annotations
 
@@ -27,11 +28,11 @@ class TorchAttentionBackend(AttentionBackend):
             kv = kv_cache[indices[indptr[i]:indptr[i + 1]]]  # [pages, 2, H, bs, D]
             k = kv[:, 0].transpose(0, 1).reshape(self.num_kv_heads, -1, self.head_dim)[:, :ctx]
             v = kv[:, 1].transpose(0, 1).reshape(self.num_kv_heads, -1, self.head_dim)[:, :ctx]
-            qi = q[start:end].transpose(0, 1)  # [Hq, n_q, D]
+            qi = q[start:end].transpose(0, 1).float()  # [Hq, n_q, D]
             q_pos = torch.arange(ctx - n_q, ctx, device=q.device)
             mask = torch.arange(ctx, device=q.device)[None, :] <= q_pos[:, None]
             o = F.scaled_dot_product_attention(
-                qi.unsqueeze(0), k.unsqueeze(0).to(q.dtype), v.unsqueeze(0).to(q.dtype),
+                qi.unsqueeze(0), k.unsqueeze(0).float(), v.unsqueeze(0).float(),
                 attn_mask=mask, scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads)
-            out[start:end] = o[0].transpose(0, 1)
+            out[start:end] = o[0].transpose(0, 1).to(q.dtype)
         return out

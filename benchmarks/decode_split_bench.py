@@ -14,6 +14,8 @@ import argparse
 import flashinfer
 import torch
 
+from benchmarks.engine_bench import graph_us
+
 PAGE, D, LAYERS = 16, 128, 36
 
 
@@ -39,26 +41,7 @@ def _plan(w, batch, ctx, hq, hk, no_split):
 def per_layer_us(hq, hk, batch, ctx, tensor_cores, no_split, caches, q, ws, max_pages) -> float:
     w = _wrapper(ws, batch, max_pages, tensor_cores)
     _plan(w, batch, ctx, hq, hk, no_split)
-    return _graph_us(lambda c: w.run(q, c), caches)
-
-
-def _graph_us(run, caches) -> float:
-    """µs per ``run(cache)``, over every layer's cache in one CUDA graph (10 replays)."""
-    for c in caches[:2]:
-        run(c)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for c in caches:
-            run(c)
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / (10 * len(caches))
+    return graph_us(lambda c: w.run(q, c), caches)
 
 
 def triton_us(hq, hk, batch, ctx, caches, q, max_pages) -> float:
@@ -68,7 +51,7 @@ def triton_us(hq, hk, batch, ctx, caches, q, max_pages) -> float:
     runner.plan(torch.arange(0, batch * pages + 1, pages, dtype=torch.int32),
                 torch.arange(1, batch * pages + 1, dtype=torch.int32),
                 torch.full((batch,), ctx - (pages - 1) * PAGE, dtype=torch.int32))
-    return _graph_us(lambda c: runner.run(q, c), caches)
+    return graph_us(lambda c: runner.run(q, c), caches)
 
 
 def replan_check(hq, hk, batch, caches, q, ws, max_pages, tensor_cores, no_split) -> float:

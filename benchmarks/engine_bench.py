@@ -42,6 +42,26 @@ def _cuda_ms(fn, reps: int = 10) -> float:
     return statistics.median(times)
 
 
+def graph_us(run, items, reps: int = 10) -> float:
+    """µs per ``run(item)``: one CUDA graph calling it for every item in order, replayed
+    ``reps`` times (items such as one weight or cache per layer keep L2 from serving them)."""
+    for item in items[:2]:
+        run(item)  # compile, settle
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for item in items:
+            run(item)
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / (reps * len(items))
+
+
 def ceilings() -> dict:
     a = torch.empty(2**30, dtype=torch.uint8, device="cuda")
     b = torch.empty_like(a)

@@ -19,6 +19,7 @@ import json
 import torch
 import torch.nn.functional as F
 
+from benchmarks.engine_bench import ceilings, graph_us
 from engine.loader import resolve_model
 from kernels._triton import tl, triton
 from kernels.gemv import GemvConfig, gemv
@@ -32,38 +33,6 @@ def projections(model: str) -> dict[str, tuple[int, int]]:
     return {"qkv": (q + 2 * kv, c.hidden_size), "o": (c.hidden_size, q),
             "gate_up": (2 * c.intermediate_size, c.hidden_size),
             "down": (c.hidden_size, c.intermediate_size)}
-
-
-def per_call_us(fn, weights, x) -> float:
-    for w in weights[:2]:
-        fn(x, w)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for w in weights:
-            fn(x, w)
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    reps = 10
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / (reps * len(weights))
-
-
-def copy_rate() -> float:
-    a = torch.empty(2**30, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    b.copy_(a)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(5):
-        b.copy_(a)
-    end.record()
-    end.synchronize()
-    return 2 * a.numel() * 5 / (start.elapsed_time(end) * 1e-3) / 1e9
 
 
 CONFIGS = [GemvConfig(bn, bk, nw, ns) for bn, bk, nw, ns in itertools.product(
@@ -122,14 +91,14 @@ def streaming(models) -> None:
                        for _ in range(max(2, min(64, SPILL_BYTES // nbytes)))]
             x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
             ref = F.linear(x, weights[0]).float()
-            base = per_call_us(lambda a, b: gemv(a, b, config_for(n, k)), weights, x)
+            base = graph_us(lambda w: gemv(x, w, config_for(n, k)), weights)
             best = None
             for v in variants:
                 if n % v[0] or k % v[1]:
                     continue
                 err = ((_stream(x, weights[0], *v).float() - ref).norm() / ref.norm()).item()
                 assert err < 1e-2, (v, err)
-                us = per_call_us(lambda a, b, v=v: _stream(a, b, *v), weights, x)
+                us = graph_us(lambda w, v=v: _stream(x, w, *v), weights)
                 if best is None or us < best[0]:
                     best = (us, v)
             print(f"| {model} | {name} | {nbytes / 1e6:.1f} | {base:.2f} | {best[0]:.2f} | "
@@ -149,7 +118,7 @@ def main() -> None:
     if args.streaming:
         streaming(args.models)
         return
-    gbs = copy_rate()
+    gbs = ceilings()["copy_GBps"]
     print(f"copy rate {gbs:.0f} GB/s")
     rows = []
     print("| model | proj | M | N | K | MB | cuBLAS us | cuBLAS % | Triton us | Triton % "
@@ -164,12 +133,12 @@ def main() -> None:
             for m in args.rows:
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 ref = F.linear(x, weights[0]).float()
-                cublas = per_call_us(F.linear, weights, x)
+                cublas = graph_us(lambda w: F.linear(x, w), weights)
                 best = None
                 for cfg in CONFIGS:
                     try:
                         err = ((gemv(x, weights[0], cfg).float() - ref).norm() / ref.norm()).item()
-                        us = per_call_us(lambda a, b, c=cfg: gemv(a, b, c), weights, x)
+                        us = graph_us(lambda w, c=cfg: gemv(x, w, c), weights)
                     except Exception as exc:  # noqa: BLE001 - a config that does not compile
                         print(f"  skip {cfg}: {type(exc).__name__}")
                         continue

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels._triton import tl, triton, use_triton
+from kernels.norm import rmsnorm_reference
 
 MAX_ROWS = 8
 
@@ -115,7 +116,6 @@ if triton is not None:
 def norm_gemv_reference(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
                         eps: float, w: torch.Tensor):
     """``F.linear(rmsnorm(x [+ residual]), w)`` and the new residual (``x`` without one)."""
-    from kernels.norm import rmsnorm_reference
     if residual is None:
         return F.linear(rmsnorm_reference(x, norm_weight, eps), w), x
     normed, residual = rmsnorm_reference(x, norm_weight, eps, residual)

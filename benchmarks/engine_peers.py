@@ -7,7 +7,7 @@ import multiprocessing as mp
 import time
 import traceback
 
-from engine import EngineConfig
+from engine import Completion, EngineConfig
 
 
 def _serve(role: str, config: EngineConfig, backend: str, conn) -> None:
@@ -62,13 +62,18 @@ def prefill_capturing_kv(core, prompt, params, dest, peer):
         core.engine.release_held_blocks = original
 
 
-def finish(engine, first_output):
-    """Step ``engine`` until the request of ``first_output`` (from ``admit``) finishes."""
-    out = first_output
+def finish(engine, first_output) -> Completion:
+    """Step ``engine`` until the request of ``first_output`` (from ``admit``) finishes; all of
+    its output tokens."""
+    rid, out = first_output.request_id, first_output
+    result = Completion(rid, [], token_ids=list(out.new_token_ids))
     while not out.finished:
-        out = next((o for o in engine.step() if o.request_id == out.request_id and o.finished),
-                   out)
-    return out
+        for o in engine.step():
+            if o.request_id == rid:
+                result.token_ids += o.new_token_ids
+                out = o
+    result.finished, result.finish_reason = True, out.finish_reason
+    return result
 
 
 class Peer:

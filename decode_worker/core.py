@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import time
 
+from contracts.messages import PrefillResult
 from engine import EngineConfig, LLMEngine, RequestOutput, SamplingParams
-from kvtransfer import (EndpointInfo, KVDestination, PrefillResult, Transfer, TransferError,
-                        TransferState, endpoint_for)
+from kvtransfer import (EndpointInfo, KVDestination, Transfer, TransferError, TransferState,
+                        endpoint_for)
 
 DEFAULT_TRANSFER_TIMEOUT_S = 30.0
 

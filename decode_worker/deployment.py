@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from ray import serve
 
-from decode_worker.server import DecodeServer, GenerateRequest
+from contracts.messages import GenerateRequest, GenerateResult
+from decode_worker.server import DecodeServer
 from engine import EngineConfig
 
 
@@ -15,9 +16,9 @@ class DecodeDeployment:
                  transfer_timeout_s: float = 30.0):
         self.server = DecodeServer(EngineConfig(**engine), backend, prefill, transfer_timeout_s)
 
-    async def generate(self, req: GenerateRequest):
-        async for delta in self.server.generate(req):
-            yield delta
+    async def generate(self, req: GenerateRequest) -> GenerateResult:
+        """Runs the request to its end; its tokens go to ``req.reply_to`` step by step."""
+        return await self.server.generate(req)
 
     async def kv_load(self) -> dict:
         return self.server.kv_load()

@@ -1,62 +1,41 @@
-"""The decode deployment: reserves KV blocks, has a prefill replica fill them, decodes, streams.
+"""The decode deployment: reserves KV blocks, has a prefill replica fill them, decodes, and sends
+every engine step's tokens to the ingress over the token channel.
 
-Queues per request: reserve blocks (local prefix hits are kept, not asked for) → lease them to
-the endpoint → call a prefill replica with the destination → the KV lands → admit into the
-running batch with the prefill's first token → stream outputs. In colocated mode (or when the
-prompt is short, or blocks cannot be reserved right now) the request is prefilled here.
-A consumer that goes away aborts the request on both sides and frees its blocks.
+Queues per request: the Serve call arrives naming its ingress's token sink → dial it (once per
+ingress replica) and route the request to that connection → reserve blocks (local prefix hits
+are kept, not asked for) → lease them to the KV endpoint → call a prefill replica with the
+destination → the KV lands → admit into the running batch with the prefill's first token → after
+each engine step the publisher packs that step's tokens, one frame per ingress replica, on the
+engine thread → the call returns a :class:`GenerateResult` once the request has ended. In
+colocated mode (or when blocks cannot be reserved right now) the request is prefilled here.
+A cancelled call aborts the request and frees its blocks on both sides.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-import uuid
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 
-from engine import RequestOutput, SamplingParams
+from contracts.messages import (DecodeTiming, GenerateRequest, GenerateResult, PrefillRequest,
+                                PrefillResult)
+from contracts.token_channel import TokenPublisher
 from engine.async_engine import AsyncEngine
 from kvtransfer import KVDestination, TransferError, TransferState, endpoint_for
-from prefill_worker.server import PrefillRequest
-
-
-@dataclass(frozen=True)
-class GenerateRequest:
-    prompt_token_ids: tuple[int, ...]
-    params: SamplingParams
-    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
-
-
-@dataclass
-class TokenDelta:
-    """One streamed step of a request."""
-
-    request_id: str
-    token_ids: list[int]
-    logprobs: list[float] | None = None
-    finished: bool = False
-    finish_reason: str | None = None
-    text: str | None = None  # final text (stop strings cut), on the last delta
-    num_prompt_tokens: int = 0
-    num_output_tokens: int = 0
-    num_cached_tokens: int = 0
-    transfer: dict | None = None  # bytes, blocks sent/skipped, seconds (disaggregated only)
 
 
 class DecodeServer:
     """Engine in the decode role; ``prefill`` is the prefill deployment's handle (or None for
     colocated mode)."""
 
-    def __init__(self, config, backend: str, prefill=None, transfer_timeout_s: float = 30.0,
-                 min_remote_prefill_tokens: int = 1):
-        self.aengine = AsyncEngine(config)
+    def __init__(self, config, backend: str, prefill=None, transfer_timeout_s: float = 30.0):
+        self.publisher = TokenPublisher()
+        self.aengine = AsyncEngine(config, on_outputs=self.publisher.publish,
+                                   on_error=self.publisher.fail_all)
         self.prefill = prefill
         self.timeout_s = transfer_timeout_s
-        self.min_remote_tokens = min_remote_prefill_tokens
         self.endpoint = None
         if prefill is not None:
-            self.endpoint = endpoint_for(self.aengine.engine, backend)
+            self.endpoint = endpoint_for(self.aengine.engine, backend, polled=True)
             self.aengine.add_ticker(self.endpoint.poll)
 
     @property
@@ -68,27 +47,35 @@ class DecodeServer:
         return {"used_blocks": pool.num_used_blocks, "free_blocks": pool.num_free_blocks,
                 "held_blocks": self.held_blocks, "hit_rate": pool.hit_rate}
 
-    async def generate(self, req: GenerateRequest) -> AsyncIterator[TokenDelta]:
-        prompt = list(req.prompt_token_ids)
-        remote = self.prefill is not None and len(prompt) >= self.min_remote_tokens
-        q = self.aengine.open_stream(req.request_id)
-        transfer = None
+    async def generate(self, req: GenerateRequest) -> GenerateResult:
+        timing = DecodeTiming(received=time.time())
+        rid, prompt = req.request_id, list(req.prompt_token_ids)
+        route = self.publisher.route(rid, await self.publisher.connect(req.reply_to))
+        prefilled: PrefillResult | None = None
         try:
-            if remote:
-                transfer = await self._remote_prefill(req, prompt)
-            if transfer is None:  # colocated, or nothing reserved: prefill here
-                await self.aengine.call(lambda e: e.add_request(prompt, req.params,
-                                                                req.request_id))
+            if self.prefill is not None:
+                prefilled = await self._remote_prefill(req, prompt, timing)
+            if prefilled is None:  # colocated, or nothing reserved: prefill here
+                await self.aengine.call(lambda e: e.add_request(prompt, req.params, rid))
+            timing.queued = time.time()
+            last = await route.done
         except BaseException:
-            self.aengine.close_stream(req.request_id)
+            self.publisher.unroute(rid)
+            self.aengine.abort(rid)
             raise
-        sent = 0
-        async for out in self.aengine.stream(req.request_id, q):
-            yield _delta(out, sent, len(prompt), transfer)
-            sent = len(out.token_ids)
+        timing.first_token, timing.finished = route.first_at, time.time()
+        return GenerateResult(
+            request_id=rid, num_prompt_tokens=len(prompt),
+            num_output_tokens=last.num_output_tokens, num_cached_tokens=last.num_cached_tokens,
+            finish_reason=last.finish_reason,
+            transfer=prefilled.stats if prefilled is not None else None,
+            prefill_seconds=prefilled.prefill_seconds if prefilled is not None else 0.0,
+            timing=timing)
 
-    async def _remote_prefill(self, req: GenerateRequest, prompt: list[int]) -> dict | None:
-        """Reserve, have a prefill replica push, admit. None when no blocks could be reserved."""
+    async def _remote_prefill(self, req: GenerateRequest, prompt: list[int],
+                              timing: DecodeTiming) -> PrefillResult | None:
+        """Reserve, have a prefill replica push, admit (publishing the prefill's first token).
+        None when no blocks could be reserved right now."""
         rid = req.request_id
         reserved = await self.aengine.call(lambda e: e.reserve(prompt, req.params, rid))
         if reserved is None:
@@ -103,40 +90,30 @@ class DecodeServer:
         def on_finish(t):  # engine thread, once
             if t.state is TransferState.FAILED:
                 self.aengine.engine.abort_request(rid)
-            loop.call_soon_threadsafe(landed.set_result, t)
+            loop.call_soon_threadsafe(_resolve, landed, t)
 
-        def expect(engine):
-            return self.endpoint.expect(dest, on_finish)
-
-        await self.aengine.call(expect)
+        await self.aengine.call(lambda e: self.endpoint.expect(dest, on_finish))
+        timing.prefill_called = time.time()
         try:
             result = await self.prefill.prefill.remote(
                 PrefillRequest(tuple(prompt), req.params, dest, self.endpoint.info()))
         except BaseException:
-            await self.aengine.call(lambda e: self._abort_transfer(dest))
+            self.aengine.submit(lambda e: self.endpoint.abort(dest.transfer_id, "prefill failed"))
             raise
+        timing.prefill_returned = time.time()
         if not self.endpoint.backend.native_notify:
             await self.aengine.call(lambda e: self.endpoint.mark_landed(dest.transfer_id))
         t = await landed
         if t.state is not TransferState.DONE:
             raise TransferError(f"KV of {rid} did not land: {t.error}")
-        # Publish on the engine thread, so the first token precedes every later step's.
-        await self.aengine.call(lambda e: self.aengine.publish(
-            e.admit(rid, result.first_token, result.first_logprob)))
-        stats = result.stats
-        return {"bytes": stats.bytes, "blocks_sent": stats.blocks_sent,
-                "blocks_skipped": stats.blocks_skipped, "seconds": stats.seconds,
-                "backend": stats.backend, "prefill_seconds": result.prefill_seconds}
 
-    def _abort_transfer(self, dest: KVDestination) -> None:
-        self.endpoint.abort(dest.transfer_id, "prefill failed")  # releases via on_finish
-        self.aengine.engine.abort_request(dest.request_id)
+        def admit(engine):  # the first token goes out before any later step's
+            self.publisher.publish([engine.admit(rid, result.first_token, result.first_logprob)])
+
+        await self.aengine.call(admit)
+        return result
 
 
-def _delta(out: RequestOutput, sent: int, num_prompt: int, transfer: dict | None) -> TokenDelta:
-    return TokenDelta(
-        request_id=out.request_id, token_ids=out.token_ids[sent:],
-        logprobs=out.logprobs[sent:] if out.logprobs is not None else None,
-        finished=out.finished, finish_reason=out.finish_reason, text=out.text,
-        num_prompt_tokens=num_prompt, num_output_tokens=len(out.token_ids),
-        num_cached_tokens=out.num_cached_tokens, transfer=transfer if out.finished else None)
+def _resolve(fut: asyncio.Future, value) -> None:
+    if not fut.done():
+        fut.set_result(value)

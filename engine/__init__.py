@@ -6,7 +6,8 @@
 from engine.config import EngineConfig
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
+from engine.outputs import Completion, OutputCollector, RequestOutput
 from engine.sampling_params import SamplingParams
 
-__all__ = ["LLM", "LLMEngine", "EngineConfig", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "LLMEngine", "Completion", "EngineConfig", "OutputCollector", "RequestOutput",
+           "SamplingParams"]

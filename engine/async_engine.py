@@ -1,9 +1,13 @@
 """An engine on its own thread, driven from asyncio.
 
 Queues: coroutines post commands (add a request, abort, any call on the engine) → the engine
-thread runs them between steps → each step's outputs go to the asyncio queue of their request,
-on the event loop that asked. Only the engine thread touches the engine. Tickers (for example a
-KV endpoint's ``poll``) run on the engine thread once per loop turn.
+thread runs them between steps → after each step it hands the whole list of outputs to
+``on_outputs``, once, on the engine thread (a serving role packs them into one message there);
+without a hook, outputs resolve the waiters of :meth:`AsyncEngine.run`. If the thread dies,
+every waiter fails and ``on_error`` is told. Only the engine thread touches the engine.
+Tickers (for example a KV endpoint's ``poll``) run on the engine thread once per loop turn and
+return whether they have work in flight: an idle engine then polls every ``BUSY_POLL_S``, and
+otherwise sleeps until a command wakes it.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
@@ -22,7 +26,10 @@ from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
-IDLE_WAIT_S = 0.002
+BUSY_POLL_S = 0.0005  # idle engine, a ticker's work in flight (a KV transfer)
+IDLE_WAIT_S = 0.05  # idle engine, nothing in flight: commands wake it at once anyway
+
+OutputsHook = Callable[[list[RequestOutput]], None]
 
 
 class EngineDeadError(RuntimeError):
@@ -30,10 +37,13 @@ class EngineDeadError(RuntimeError):
 
 
 class AsyncEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, on_outputs: OutputsHook | None = None,
+                 on_error: Callable[[BaseException], None] | None = None):
         self.engine = LLMEngine(config)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._on_outputs = on_outputs or self._resolve_waiters
+        self._on_error = on_error
+        self._waiters: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self._tickers: list[Callable[[], None]] = []
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -54,70 +64,62 @@ class AsyncEngine:
     async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
         return await asyncio.wrap_future(self.submit(fn))
 
-    def add_ticker(self, fn: Callable[[], None]) -> None:
+    def abort(self, request_id: str) -> None:
+        """Abort a request from the event loop without waiting (safe once the engine died)."""
+        if self.error is None:
+            self.submit(lambda e: e.abort_request(request_id))
+
+    def add_ticker(self, fn: Callable[[], bool | None]) -> None:
+        """Run ``fn`` on the engine thread every loop turn; it returns True while it has work in
+        flight that needs polling."""
         self._tickers.append(fn)
 
-    # -- streams ----------------------------------------------------------------------------
-    def open_stream(self, request_id: str) -> asyncio.Queue:
-        """Register a queue for ``request_id``'s outputs (call from the event loop)."""
-        q: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = (asyncio.get_running_loop(), q)
-        return q
-
-    def close_stream(self, request_id: str) -> None:
-        self._streams.pop(request_id, None)
-
-    def publish(self, out: RequestOutput) -> None:
-        """Hand an output to its stream (engine thread)."""
-        entry = self._streams.get(out.request_id)
-        if entry is not None:
-            loop, q = entry
-            loop.call_soon_threadsafe(q.put_nowait, out)
-
-    async def stream(self, request_id: str, q: asyncio.Queue) -> AsyncIterator[RequestOutput]:
-        """Yield the request's outputs until it finishes; abort it if the consumer leaves."""
-        finished = False
-        try:
-            while not finished:
-                out = await q.get()
-                if isinstance(out, BaseException):
-                    raise out
-                finished = out.finished
-                yield out
-        finally:
-            self.close_stream(request_id)
-            if not finished and self.error is None:
-                self.submit(lambda e: e.abort_request(request_id))
-
-    async def generate(self, prompt: Prompt, params: SamplingParams, request_id: str,
-                       hold_blocks: bool = False) -> AsyncIterator[RequestOutput]:
-        q = self.open_stream(request_id)
+    # -- whole requests (without an outputs hook) -------------------------------------------
+    async def run(self, prompt: Prompt, params: SamplingParams, request_id: str,
+                  hold_blocks: bool = False) -> RequestOutput:
+        """Run a request to its end and return its last output; a caller that goes away
+        aborts it."""
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        self._waiters[request_id] = (loop, done)
         try:
             await self.call(lambda e: e.add_request(prompt, params, request_id, hold_blocks))
+            return await done
         except BaseException:
-            self.close_stream(request_id)
+            if not done.done():
+                self.abort(request_id)
             raise
-        async for out in self.stream(request_id, q):
-            yield out
+        finally:
+            self._waiters.pop(request_id, None)
+
+    def _resolve_waiters(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            if out.finished and (entry := self._waiters.get(out.request_id)) is not None:
+                loop, fut = entry
+                loop.call_soon_threadsafe(_set_result, fut, out)
 
     # -- the thread -------------------------------------------------------------------------
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
                 self._drain()
+                busy = False
                 for tick in self._tickers:
-                    tick()
+                    busy |= bool(tick())
                 if self.engine.has_unfinished_requests():
-                    for out in self.engine.step():
-                        self.publish(out)
+                    outputs = self.engine.step()
+                    if outputs:
+                        self._on_outputs(outputs)
                 else:
-                    self._wake.wait(IDLE_WAIT_S)
+                    self._wake.wait(BUSY_POLL_S if busy else IDLE_WAIT_S)
                     self._wake.clear()
         except BaseException as exc:  # noqa: BLE001 - fail every waiter, loudly
             log.exception("engine thread died")
             self.error = exc
-            for loop, q in list(self._streams.values()):
-                loop.call_soon_threadsafe(q.put_nowait, EngineDeadError(repr(exc)))
+            for loop, fut in list(self._waiters.values()):
+                loop.call_soon_threadsafe(_set_exception, fut, EngineDeadError(repr(exc)))
+            if self._on_error is not None:
+                self._on_error(EngineDeadError(repr(exc)))
 
     def _drain(self) -> None:
         while True:
@@ -136,3 +138,13 @@ class AsyncEngine:
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout=5)
+
+
+def _set_result(fut: asyncio.Future, value) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
+def _set_exception(fut: asyncio.Future, exc: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(exc)

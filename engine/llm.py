@@ -8,7 +8,7 @@ from tqdm.auto import tqdm
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine, Prompt
-from engine.outputs import RequestOutput
+from engine.outputs import Completion, OutputCollector
 from engine.sampling_params import SamplingParams
 
 PROGRESS_MIN_PROMPTS = 8
@@ -30,7 +30,7 @@ class LLM:
 
     def generate(self, prompts: Prompt | Seq[Prompt],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool | None = None) -> list[Completion]:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -40,16 +40,24 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"sampling_params: {len(params)} given for {len(prompts)} prompts")
+        if any(p.stop for p in params) and self.tokenizer is None:
+            raise ValueError("stop: stop strings need a tokenizer; use stop_token_ids")
         # Validate everything before queueing anything, so a bad prompt leaves no request behind.
         token_ids = [self.engine.tokenize(p) for p in prompts]
-        ids = [self.engine.add_request(t, p) for t, p in zip(token_ids, params)]
+        collectors: dict[str, OutputCollector] = {}
+        for ids, p in zip(token_ids, params):
+            rid = self.engine.add_request(ids, p)
+            collectors[rid] = OutputCollector(rid, ids, p, self.tokenizer)
         if use_tqdm is None:
             use_tqdm = self.engine.config.show_progress and len(prompts) >= PROGRESS_MIN_PROMPTS
-        results: dict[str, RequestOutput] = {}
-        with tqdm(total=len(ids), desc="generate", disable=not use_tqdm, unit="req") as bar:
+        with tqdm(total=len(collectors), desc="generate", disable=not use_tqdm, unit="req") as bar:
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step():
-                    if out.finished:
-                        results[out.request_id] = out
+                    collector = collectors[out.request_id]
+                    if collector.result.finished:
+                        continue
+                    if collector.add(out):
+                        if not out.finished:  # a stop string: the engine stops on ids only
+                            self.engine.abort_request(out.request_id)
                         bar.update(1)
-        return [results[i] for i in ids]
+        return [c.result for c in collectors.values()]

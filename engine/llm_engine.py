@@ -7,7 +7,12 @@ conditions and makes the outputs. With ``async_scheduling`` (the default) ``step
 step N+1 before it resolves step N, so the host's work (scheduling, inputs, planning, launching,
 stop checks, outputs) runs while the device computes, and a decode step's inputs come straight
 from the previous step's sampled ids on the device. The cost: a sequence that stops on a token
-(EOS, a stop string) has already been fed to one more step, whose result is dropped.
+(EOS, a stop token) has already been fed to one more step, whose result is dropped.
+
+The engine stops on token ids only (EOS, ``stop_token_ids``, ``max_tokens``, the context) and never
+decodes text: an output carries the step's new tokens, and stop strings belong to whoever turns
+tokens into text (:class:`~engine.outputs.OutputCollector` offline, the ingress when serving),
+which aborts the request when one appears.
 """
 
 from __future__ import annotations
@@ -78,7 +83,6 @@ class LLMEngine:
         self.scheduler = Scheduler(self.pool, config.block_size, config.max_num_seqs,
                                    config.max_num_batched_tokens, self.max_model_len)
         self.sampler = Sampler(self.device, config.seed)
-        self._stop_offsets: dict[str, int] = {}
         self._running_step: LaunchedStep | None = None  # launched, not yet resolved
         self.startup_s = time.perf_counter() - t0
         log.info("engine ready in %.1fs (%s, %s, attention %s, warm-up %.1fs)", self.startup_s,
@@ -140,8 +144,6 @@ class LLMEngine:
     def _new_sequence(self, prompt: Prompt, params: SamplingParams | None,
                       request_id: str | None) -> Sequence:
         params = params or SamplingParams()
-        if params.stop and self.tokenizer is None:
-            raise ValueError("stop: stop strings need a tokenizer; use stop_token_ids")
         ids = self.tokenize(prompt)
         if request_id is not None and self.scheduler.find(request_id) is not None:
             raise ValueError(f"request_id: {request_id!r} is already in use")
@@ -188,7 +190,7 @@ class LLMEngine:
         if seq.generator is not None and not seq.params.greedy:
             self.sampler.skip_draw(seq.generator, self.vocab_size)  # the draw prefill made
         self._append_token(seq, first_token, first_logprob)
-        return self._output(seq, [first_token])
+        return self._output(seq, [first_token], [first_logprob] if seq.params.logprobs else None)
 
     def _fence_released_blocks(self) -> None:
         """Blocks given back since the running step was launched may still be written by it (a
@@ -208,7 +210,6 @@ class LLMEngine:
         if seq is None:
             return False
         self.scheduler.finish(seq, FinishReason.ABORT)
-        self._stop_offsets.pop(request_id, None)
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -217,7 +218,7 @@ class LLMEngine:
     # -- the loop ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
-        outputs = [self._output(s, []) for s in batch.finished]
+        outputs = [self._output(s, [], None) for s in batch.finished]
         launched = self._launch(batch) if batch else None
         due = [self._running_step] if self._running_step is not None else []
         self._running_step = None
@@ -266,16 +267,13 @@ class LLMEngine:
                 continue
             seq.resolve_pending(token)
             self.scheduler.cache_full_blocks(seq)
-            if seq.params.logprobs:
-                seq.output_logprobs.append(logprobs[i])
             self._check_stop(seq, token)
-            outputs.append(self._output(seq, [token]))
+            outputs.append(self._output(seq, [token], [logprobs[i]] if seq.params.logprobs
+                                        else None))
         return outputs
 
     def _append_token(self, seq: Sequence, token: int, logprob: float | None) -> None:
         seq.token_ids.append(token)
-        if seq.params.logprobs:
-            seq.output_logprobs.append(logprob)
         self._check_stop(seq, token)
 
     def _check_stop(self, seq: Sequence, token: int) -> None:
@@ -285,42 +283,15 @@ class LLMEngine:
             reason, seq.stop_reason = FinishReason.STOP, token
         elif token in p.stop_token_ids:
             reason, seq.stop_reason = FinishReason.STOP, token
-        elif p.stop and self._find_stop_string(seq) is not None:
-            reason = FinishReason.STOP
         elif (seq.num_output_tokens - seq.num_pending >= p.max_tokens
               or seq.num_resolved_tokens >= self.max_model_len):
             reason = FinishReason.LENGTH
         if reason is not None:
             self.scheduler.finish(seq, reason)
 
-    def _find_stop_string(self, seq: Sequence) -> str | None:
-        text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
-        longest = max(len(s) for s in seq.params.stop)
-        start = max(0, self._stop_offsets.get(seq.request_id, 0) - longest + 1)
-        self._stop_offsets[seq.request_id] = len(text)
-        found = [(i, s) for s in seq.params.stop if (i := text.find(s, start)) >= 0]
-        if not found:
-            return None
-        seq.stop_reason = min(found)[1]
-        return seq.stop_reason
-
-    def _output(self, seq: Sequence, new_tokens: list[int]) -> RequestOutput:
-        out = RequestOutput(
-            request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids,
-            token_ids=seq.output_token_ids, new_token_ids=new_tokens, finished=seq.is_finished,
-            finish_reason=seq.finish_reason.value if seq.finish_reason else None,
-            stop_reason=seq.stop_reason,
-            logprobs=list(seq.output_logprobs) if seq.params.logprobs else None,
-            num_cached_tokens=seq.num_cached_tokens)
-        if seq.is_finished:
-            self._stop_offsets.pop(seq.request_id, None)
-            out.text = self.detokenize(seq)
-        return out
-
-    def detokenize(self, seq: Sequence) -> str | None:
-        if self.tokenizer is None:
-            return None
-        text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
-        if isinstance(seq.stop_reason, str):
-            text = text[: text.find(seq.stop_reason)]
-        return text
+    def _output(self, seq: Sequence, new_tokens: list[int],
+                new_logprobs: list[float] | None) -> RequestOutput:
+        return RequestOutput(
+            seq.request_id, new_tokens, new_logprobs, seq.is_finished,
+            seq.finish_reason.value if seq.finish_reason else None, seq.stop_reason,
+            seq.num_resolved_tokens - seq.num_prompt_tokens, seq.num_cached_tokens)

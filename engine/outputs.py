@@ -1,22 +1,80 @@
-"""What the engine hands back for a request."""
+"""What the engine hands back for a request, and what the offline API returns.
+
+The engine emits :class:`RequestOutput` deltas: each carries only the tokens its step produced,
+so the cost of an output never grows with the request's length. :class:`OutputCollector` folds
+deltas into a :class:`Completion` (every token, the text, stop strings applied) for callers that
+want whole results: the offline :class:`~engine.llm.LLM` and tests.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.detokenizer import IncrementalDetokenizer
+from engine.sampling_params import SamplingParams
 
-@dataclass
+
+@dataclass(slots=True)
 class RequestOutput:
-    """A request's state after a step. ``new_token_ids`` are the tokens produced by that step;
-    ``token_ids`` all output tokens so far. ``text`` is filled once finished (stop strings cut)."""
+    """A request's step: the tokens (and logprobs) that step produced, and whether it ended.
+    ``num_output_tokens`` counts every output token so far, these included."""
 
     request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    new_token_ids: list[int] = field(default_factory=list)
-    text: str | None = None
+    new_token_ids: list[int]
+    new_logprobs: list[float] | None = None
     finished: bool = False
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    logprobs: list[float] | None = None
+    num_output_tokens: int = 0
     num_cached_tokens: int = 0
+
+
+@dataclass
+class Completion:
+    """A finished request: every output token, its text (stop string cut) and why it ended."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str | None = None
+    logprobs: list[float] | None = None
+    finished: bool = False
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+
+
+class OutputCollector:
+    """Folds one request's deltas into a :class:`Completion`; with a tokenizer it also makes the
+    text and applies stop strings (the engine stops on token ids only)."""
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 tokenizer=None):
+        self.result = Completion(request_id, list(prompt_token_ids),
+                                 logprobs=[] if params.logprobs else None)
+        self.detok = IncrementalDetokenizer(tokenizer, params.stop) if tokenizer else None
+
+    def add(self, out: RequestOutput) -> bool:
+        """Take a delta; True once the request is complete (the engine finished it, or a stop
+        string appeared: then the caller aborts it in the engine)."""
+        r = self.result
+        if r.finished:
+            return True
+        for i, token in enumerate(out.new_token_ids):
+            r.token_ids.append(token)
+            if r.logprobs is not None and out.new_logprobs is not None:
+                r.logprobs.append(out.new_logprobs[i])
+            if self.detok is not None and self.detok.add(token):
+                self._finish("stop", self.detok.stop_reason)
+                return True
+        r.num_cached_tokens = out.num_cached_tokens
+        if out.finished:
+            self._finish(out.finish_reason, out.stop_reason)
+        return r.finished
+
+    def _finish(self, reason: str | None, stop_reason) -> None:
+        r = self.result
+        r.finished, r.finish_reason, r.stop_reason = True, reason, stop_reason
+        if self.detok is not None:
+            self.detok.finish()
+            r.text = self.detok.text

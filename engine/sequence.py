@@ -53,7 +53,6 @@ class Sequence:
     num_registered_blocks: int = 0  # leading blocks already offered to the prefix cache
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
-    output_logprobs: list[float] = field(default_factory=list)
     generator: torch.Generator | None = None
     hold_blocks: bool = False  # prefill role: keep the KV blocks after finishing, for a push
     num_pending: int = 0  # trailing PENDING entries of ``token_ids``

@@ -1,19 +1,19 @@
 """Moving KV blocks between engines: push only what the receiver lacks.
 
 ``KVEndpoint`` registers an engine's cache with a transport (``local``, ``nixl``, ``nccl``,
-``cuda_ipc``); ``KVLayout``, ``KVDestination``, ``EndpointInfo``, ``TransferStats`` and
-``PrefillResult`` are the typed contracts between prefill and decode.
+``cuda_ipc``); ``KVLayout``, ``KVDestination``, ``EndpointInfo`` and ``TransferStats`` are the
+typed contracts between prefill and decode.
 """
 
 from kvtransfer.backends import BACKENDS, default_backend
 from kvtransfer.endpoint import KVEndpoint, Transfer
 from kvtransfer.types import (PROTOCOL_VERSION, EndpointInfo, KVDestination, KVLayout,
-                              LayoutMismatchError, PrefillResult, TransferError, TransferState,
+                              LayoutMismatchError, TransferError, TransferState,
                               TransferStats)
 
 __all__ = [
     "BACKENDS", "PROTOCOL_VERSION", "EndpointInfo", "KVDestination", "KVEndpoint", "KVLayout",
-    "LayoutMismatchError", "PrefillResult", "Transfer", "TransferError", "TransferState",
+    "LayoutMismatchError", "Transfer", "TransferError", "TransferState",
     "TransferStats", "default_backend", "layout_of", "endpoint_for",
 ]
 
@@ -26,6 +26,10 @@ def layout_of(engine) -> KVLayout:
                     head_dim=cfg.head_dim, block_size=engine.config.block_size)
 
 
-def endpoint_for(engine, backend: str = "local", **kwargs) -> KVEndpoint:
-    """Register an engine's KV cache as a transfer endpoint."""
+def endpoint_for(engine, backend: str = "local", polled: bool = False, **kwargs) -> KVEndpoint:
+    """Register an engine's KV cache as a transfer endpoint. ``polled``: the owner polls the
+    endpoint whenever a transfer is in flight (an engine thread does); NIXL on CPU then runs
+    without its progress thread, which would spin a core that a small machine needs."""
+    if polled and backend == "nixl" and not engine.runner.kv_cache.is_cuda:
+        kwargs.setdefault("progress_thread", False)
     return KVEndpoint(engine.runner.kv_cache, layout_of(engine), backend, **kwargs)

@@ -163,7 +163,16 @@ class KVEndpoint:
             self._finish(t, TransferState.FAILED, reason)
 
     # -- progress ---------------------------------------------------------------------------
-    def poll(self) -> None:
+    @property
+    def busy(self) -> bool:
+        """Transfers are in flight (sending or expected)."""
+        return bool(self._sending or self._receiving)
+
+    def poll(self) -> bool:
+        """Move every transfer forward; True while some are still in flight. With none in
+        flight the transport is not asked (a receiver expects before it is written to)."""
+        if not self.busy:
+            return False
         for tid in self.backend.poll_notifications():
             self._on_landed(tid)
         now = time.time()
@@ -174,6 +183,7 @@ class KVEndpoint:
         for t in receiving:
             if now >= t.deadline + RECV_GRACE_S:
                 self._finish(t, TransferState.FAILED, "deadline passed before the data landed")
+        return self.busy
 
     def wait(self, t: Transfer, timeout: float | None = None) -> TransferState:
         """Poll until ``t`` is terminal (at the latest just after its deadline) or ``timeout``

@@ -2,7 +2,8 @@
 
 Nothing untyped goes on the wire: a peer learns about an endpoint from :class:`EndpointInfo`, a
 prefill replica learns where to write from :class:`KVDestination`, and every hand-over reports
-:class:`TransferStats`.
+:class:`TransferStats`. (The prefill replica's reply, ``PrefillResult``, is a serving message:
+:mod:`contracts.messages`.)
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, fields
 
 PROTOCOL_VERSION = 1
 
@@ -140,16 +141,3 @@ class TransferStats:
     @property
     def gbps(self) -> float:
         return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
-
-
-@dataclass
-class PrefillResult:
-    """What a prefill replica returns once it has pushed a request's KV."""
-
-    request_id: str
-    first_token: int
-    first_logprob: float | None
-    num_prompt_tokens: int
-    num_cached_tokens: int
-    stats: TransferStats = field(default_factory=TransferStats)
-    prefill_seconds: float = 0.0

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import time
 
+from contracts.messages import PrefillResult
 from engine import EngineConfig, LLMEngine, SamplingParams
-from kvtransfer import (EndpointInfo, KVDestination, PrefillResult, TransferError,
-                        TransferState, endpoint_for)
+from kvtransfer import EndpointInfo, KVDestination, TransferError, TransferState, endpoint_for
 
 
 class PrefillCore:
@@ -45,8 +45,8 @@ class PrefillCore:
         if self.endpoint.wait(transfer) is not TransferState.DONE:
             raise TransferError(f"push of {rid} failed: {transfer.error}")
         return PrefillResult(
-            request_id=rid, first_token=out.token_ids[0],
-            first_logprob=out.logprobs[0] if out.logprobs else None,
+            request_id=rid, first_token=out.new_token_ids[0],
+            first_logprob=out.new_logprobs[0] if out.new_logprobs else None,
             num_prompt_tokens=len(prompt), num_cached_tokens=out.num_cached_tokens,
             stats=transfer.stats, prefill_seconds=prefill_s)
 

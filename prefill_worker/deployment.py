@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from ray import serve
 
+from contracts.messages import PrefillRequest
 from engine import EngineConfig
-from prefill_worker.server import PrefillRequest, PrefillServer
+from prefill_worker.server import PrefillServer
 
 
 @serve.deployment(name="PrefillServer", ray_actor_options={"num_cpus": 0.5},

@@ -2,27 +2,19 @@
 
 Queues: a request joins the engine's batch (chunked prefill with the others) → stops after its
 first token with its blocks held → the blocks the decode side lacks are pushed → the blocks go
-back to the prefix cache once the push is terminal → ``PrefillResult`` returns.
+back to the prefix cache once the push is terminal → ``PrefillResult`` returns. A caller that goes
+away before the push starts gets its held blocks released; a push once started runs to its end
+(the decode side's deadline bounds it) and releases them itself.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
 
-from engine import SamplingParams
+from contracts.messages import PrefillRequest, PrefillResult
 from engine.async_engine import AsyncEngine
-from kvtransfer import (EndpointInfo, KVDestination, PrefillResult, TransferError,
-                        TransferState, endpoint_for)
-
-
-@dataclass(frozen=True)
-class PrefillRequest:
-    prompt_token_ids: tuple[int, ...]
-    params: SamplingParams
-    dest: KVDestination
-    peer: EndpointInfo  # the decode replica's endpoint
+from kvtransfer import EndpointInfo, TransferError, TransferState, endpoint_for
 
 
 class PrefillServer:
@@ -30,7 +22,7 @@ class PrefillServer:
 
     def __init__(self, config, backend: str):
         self.aengine = AsyncEngine(config)
-        self.endpoint = endpoint_for(self.aengine.engine, backend)
+        self.endpoint = endpoint_for(self.aengine.engine, backend, polled=True)
         self.aengine.add_ticker(self.endpoint.poll)
 
     def info(self) -> EndpointInfo:
@@ -43,11 +35,14 @@ class PrefillServer:
     async def prefill(self, req: PrefillRequest) -> PrefillResult:
         rid = req.dest.request_id
         t0 = time.perf_counter()
-        first = None
         params = req.params.model_copy(update={"max_tokens": 1})
-        async for out in self.aengine.generate(list(req.prompt_token_ids), params, rid,
-                                               hold_blocks=True):
-            first = out
+        try:
+            first = await self.aengine.run(list(req.prompt_token_ids), params, rid,
+                                           hold_blocks=True)
+        except BaseException:  # it may have finished, blocks held, just before the cancel
+            if self.aengine.error is None:
+                self.aengine.submit(lambda e: e.release_held_blocks(rid))
+            raise
         prefill_s = time.perf_counter() - t0
         loop = asyncio.get_running_loop()
         done: asyncio.Future = loop.create_future()
@@ -63,12 +58,14 @@ class PrefillServer:
                 engine.release_held_blocks(rid)
                 raise
 
-        await self.aengine.call(push)
+        # Shielded: once asked for, the push runs even if this caller is cancelled, so the held
+        # blocks are always released by on_finish (or by push's own failure path).
+        await asyncio.shield(asyncio.wrap_future(self.aengine.submit(push)))
         transfer = await done
         if transfer.state is not TransferState.DONE:
             raise TransferError(f"push of {rid} failed: {transfer.error}")
         return PrefillResult(
-            request_id=rid, first_token=first.token_ids[0],
-            first_logprob=first.logprobs[0] if first.logprobs else None,
+            request_id=rid, first_token=first.new_token_ids[0],
+            first_logprob=first.new_logprobs[0] if first.new_logprobs else None,
             num_prompt_tokens=len(req.prompt_token_ids), num_cached_tokens=first.num_cached_tokens,
             stats=transfer.stats, prefill_seconds=prefill_s)

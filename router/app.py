@@ -1,17 +1,20 @@
 """The ingress: OpenAI-compatible HTTP (FastAPI through Serve) and gRPC, in one deployment.
 
-Per request: validate → apply the chat template → tokenize → stream from the decode deployment
-(which hands the prompt to a prefill replica) → SSE chunks, a JSON body, or gRPC messages.
-Bad input is a 400 in OpenAI's error format (gRPC: INVALID_ARGUMENT); a request that cannot be
-served in time ends with an error, never a silent hang.
+Per request: validate → apply the chat template → tokenize → start it on a decode replica
+(:class:`~router.streams.DecodeClient`; its tokens come back over the token channel, not as Serve
+items) → detokenize and check stop strings as they arrive → SSE chunks, a JSON body, or gRPC
+messages, each carrying every token that arrived since the previous one. Bad input is a 400 in
+OpenAI's error format (gRPC: INVALID_ARGUMENT); a request that cannot be served in time ends with
+an error, never a silent hang.
 """
-
 
 import asyncio
 import json
 import time
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import asdict
 
 import grpc
 from fastapi import FastAPI, Request
@@ -20,13 +23,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from ray.serve.grpc_util import RayServegRPCContext
 
-from decode_worker.server import GenerateRequest, TokenDelta
+from contracts.messages import GenerateResult
 from engine import SamplingParams
 from engine.loader import load_tokenizer, resolve_model
 from proto import baton_pb2
-from router.detok import IncrementalText
 from router.metrics import RouterMetrics
 from router.protocol import ChatCompletionRequest, CompletionRequest
+from router.streams import Chunk, DecodeClient, RequestStream, RequestTimeout
 
 app = FastAPI(title="Baton")
 
@@ -50,12 +53,33 @@ def _event(obj: dict) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
 
-def _usage(final: TokenDelta) -> dict:
-    return {"prompt_tokens": final.num_prompt_tokens,
-            "completion_tokens": final.num_output_tokens,
-            "total_tokens": final.num_prompt_tokens + final.num_output_tokens,
-            "prompt_tokens_details": {"cached_tokens": final.num_cached_tokens},
-            "kv_transfer": final.transfer}
+def _status(exc: BaseException) -> tuple[int, str]:
+    if isinstance(exc, RequestTimeout):
+        return 504, "timeout"
+    if isinstance(exc, ValueError):
+        return 400, "invalid_request_error"
+    return 500, "server_error"
+
+
+def _transfer(result: GenerateResult | None) -> dict | None:
+    if result is None or result.transfer is None:
+        return None
+    t = result.transfer
+    return {"bytes": t.bytes, "blocks_sent": t.blocks_sent, "blocks_skipped": t.blocks_skipped,
+            "seconds": t.seconds, "backend": t.backend, "prefill_seconds": result.prefill_seconds}
+
+
+def _usage(stream: RequestStream, result: GenerateResult | None) -> dict:
+    n_out = len(stream.token_ids)
+    return {"prompt_tokens": stream.num_prompt_tokens, "completion_tokens": n_out,
+            "total_tokens": stream.num_prompt_tokens + n_out,
+            "prompt_tokens_details": {"cached_tokens": stream.num_cached_tokens},
+            "kv_transfer": _transfer(result)}
+
+
+def _timing(stream: RequestStream, result: GenerateResult | None) -> dict:
+    return {"router": asdict(stream.timing),
+            "decode": asdict(result.timing) if result is not None else None}
 
 
 def _fail(grpc_context, code, exc: Exception):
@@ -65,24 +89,16 @@ def _fail(grpc_context, code, exc: Exception):
     raise exc
 
 
-def _grpc_usage(final: TokenDelta):
-    return baton_pb2.Usage(prompt_tokens=final.num_prompt_tokens,
-                           completion_tokens=final.num_output_tokens,
-                           cached_tokens=final.num_cached_tokens)
-
-
-class RequestTimeout(Exception):
-    pass
-
-
 @serve.deployment(name="Router", ray_actor_options={"num_cpus": 0.25}, max_ongoing_requests=1024)
 @serve.ingress(app)
 class Router:
     def __init__(self, decode, model: str, served_name: str, max_model_len: int | None,
                  request_timeout_s: float = 300.0, default_max_tokens: int = 16):
-        self.decode = decode
+        import ray
+
         source = resolve_model(model)
         self.tokenizer = load_tokenizer(source)
+        self.client = DecodeClient(decode, self.tokenizer, ray.util.get_node_ip_address())
         self.vocab_size = source.config.vocab_size
         self.max_model_len = min(max_model_len or source.config.max_position_embeddings,
                                  source.config.max_position_embeddings)
@@ -90,6 +106,7 @@ class Router:
         self.timeout_s = request_timeout_s
         self.default_max_tokens = default_max_tokens
         self.metrics = RouterMetrics()
+        self.decode = decode
 
     # -- shared path ------------------------------------------------------------------------
     def tokenize(self, prompt) -> list[int]:
@@ -125,46 +142,45 @@ class Router:
         if params.stop and self.tokenizer is None:
             raise ValueError("stop: stop strings need a tokenizer; use stop_token_ids")
 
-    async def run(self, ids: list[int], params: SamplingParams,
-                  request_id: str) -> AsyncIterator[TokenDelta]:
-        """Stream deltas from the decode deployment, with a deadline and metrics."""
-        start = time.perf_counter()
-        deadline = start + self.timeout_s
-        last = None
+    @asynccontextmanager
+    async def request(self, ids: list[int], params: SamplingParams, request_id: str):
+        """A started request, with its metrics; a writer that leaves cancels it."""
+        received, start = time.time(), time.monotonic()
+        metrics = self.metrics
+
+        def on_token(gap: float | None, _produced_at: float) -> None:
+            if gap is None:
+                metrics.ttft.observe(time.monotonic() - start)
+            else:
+                metrics.itl.observe(gap)
+
+        stream = await self.client.start(ids, params, request_id, on_token, received)
+        stream.deadline = start + self.timeout_s
+        metrics.in_flight.inc()
         outcome = "error"
-        self.metrics.in_flight.inc()
-        stream = self.decode.options(stream=True).generate.remote(
-            GenerateRequest(tuple(ids), params, request_id))
         try:
-            while True:
-                try:
-                    delta = await asyncio.wait_for(stream.__anext__(), deadline - time.perf_counter())
-                except StopAsyncIteration:
-                    break
-                except asyncio.TimeoutError:
-                    outcome = "timeout"
-                    raise RequestTimeout(f"request {request_id} was not served within "
-                                         f"{self.timeout_s:.0f}s") from None
-                now = time.perf_counter()
-                if delta.token_ids:
-                    if last is None:
-                        self.metrics.ttft.observe(now - start)
-                    else:
-                        self.metrics.itl.observe(now - last)
-                    last = now
-                    self.metrics.tokens.inc(len(delta.token_ids))
-                if delta.finished:
-                    self.metrics.record_transfer(delta.transfer)
-                    outcome = delta.finish_reason or "stop"
-                yield delta
-        except (asyncio.CancelledError, GeneratorExit):
-            outcome = "cancelled"
+            yield stream
+            outcome = stream.finish_reason or "error"
+        except RequestTimeout:
+            outcome = "timeout"
+            raise
+        except BaseException as exc:
+            outcome = "cancelled" if isinstance(exc, GeneratorExit) or \
+                type(exc).__name__ == "CancelledError" else "error"
             raise
         finally:
-            stream.cancel()
-            self.metrics.in_flight.dec()
-            self.metrics.requests.labels(outcome).inc()
-            self.metrics.e2e.observe(time.perf_counter() - start)
+            self.client.close(stream)
+            metrics.in_flight.dec()
+            metrics.requests.labels(outcome).inc()
+            metrics.tokens.inc(len(stream.token_ids))
+            metrics.e2e.observe(time.monotonic() - start)
+
+    async def finish(self, stream: RequestStream) -> GenerateResult | None:
+        """The decode replica's result (usage, transfer stats), recorded in the metrics."""
+        result = await self.client.result(stream)
+        if result is not None:
+            self.metrics.record_transfer(result.transfer)
+        return result
 
     # -- HTTP -------------------------------------------------------------------------------
     @app.get("/health")
@@ -192,11 +208,8 @@ class Router:
             self.check_stop_strings(params)
         except ValueError as exc:
             return error_response(400, str(exc))
-        rid = f"cmpl-{uuid.uuid4().hex}"
-        if body.stream:
-            return StreamingResponse(self._sse(ids, params, rid, "text_completion", body),
-                                     media_type="text/event-stream")
-        return await self._complete(ids, params, rid, "text_completion")
+        return await self._answer(ids, params, f"cmpl-{uuid.uuid4().hex}", "text_completion",
+                                  body)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest):
@@ -206,76 +219,77 @@ class Router:
             self.check_stop_strings(params)
         except ValueError as exc:
             return error_response(400, str(exc))
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        return await self._answer(ids, params, f"chatcmpl-{uuid.uuid4().hex}", "chat.completion",
+                                  body)
+
+    async def _answer(self, ids, params, rid: str, kind: str, body):
         if body.stream:
-            return StreamingResponse(self._sse(ids, params, rid, "chat.completion.chunk", body),
+            return StreamingResponse(self._sse(ids, params, rid, f"{kind}.chunk"
+                                               if kind == "chat.completion" else kind, body),
                                      media_type="text/event-stream")
-        return await self._complete(ids, params, rid, "chat.completion")
+        return await self._complete(ids, params, rid, kind)
 
     async def _complete(self, ids, params, rid, kind: str):
-        tokens, logprobs, final = [], [], None
+        text = []
         try:
-            async for delta in self.run(ids, params, rid):
-                tokens += delta.token_ids
-                logprobs += delta.logprobs or []
-                final = delta
-        except ValueError as exc:
-            return error_response(400, str(exc))
-        except RequestTimeout as exc:
-            return error_response(504, str(exc), "timeout")
-        except Exception as exc:  # noqa: BLE001 - a failed replica or transfer
-            return error_response(500, f"{type(exc).__name__}: {exc}", "server_error")
-        text = final.text if final.text is not None else ""
-        choice = {"index": 0, "finish_reason": final.finish_reason, "token_ids": tokens}
+            async with self.request(ids, params, rid) as stream:
+                async for chunk in stream.chunks(stream.deadline):
+                    text.append(chunk.text)
+                result = await self.finish(stream)
+        except Exception as exc:  # noqa: BLE001 - a bad request, a failed replica or transfer
+            status, kind_ = _status(exc)
+            message = str(exc) if status != 500 else f"{type(exc).__name__}: {exc}"
+            return error_response(status, message, kind_)
+        choice = {"index": 0, "finish_reason": stream.finish_reason,
+                  "token_ids": stream.token_ids}
         if kind == "chat.completion":
-            choice["message"] = {"role": "assistant", "content": text}
+            choice["message"] = {"role": "assistant", "content": "".join(text)}
         else:
-            choice["text"] = text
-            choice["logprobs"] = ({"tokens": None, "token_logprobs": logprobs}
+            choice["text"] = "".join(text)
+            choice["logprobs"] = ({"tokens": None, "token_logprobs": stream.logprobs}
                                   if params.logprobs else None)
         return {"id": rid, "object": kind, "created": int(time.time()), "model": self.served_name,
-                "choices": [choice], "usage": _usage(final)}
+                "choices": [choice], "usage": _usage(stream, result)}
 
     async def _sse(self, ids, params, rid, kind: str, body) -> AsyncIterator[str]:
         created = int(time.time())
         chat = kind == "chat.completion.chunk"
-        detok = IncrementalText(self.tokenizer, params.stop) if self.tokenizer else None
+        options = body.stream_options
+        timed = options is not None and options.include_timing
+        head = {"id": rid, "object": kind, "created": created, "model": self.served_name}
 
-        def chunk(text: str, token_ids, finish=None, logprobs=None, role=False) -> str:
-            choice = {"index": 0, "finish_reason": finish, "token_ids": token_ids}
+        def event(chunk: Chunk) -> str:
+            choice = {"index": 0, "finish_reason": chunk.finish_reason,
+                      "token_ids": chunk.token_ids}
             if chat:
-                choice["delta"] = {"role": "assistant", "content": text} if role else \
-                    {"content": text}
+                choice["delta"] = {"content": chunk.text}
             else:
-                choice["text"] = text
-                choice["logprobs"] = {"token_logprobs": logprobs} if logprobs else None
-            return _event({"id": rid, "object": kind, "created": created,
-                           "model": self.served_name, "choices": [choice]})
+                choice["text"] = chunk.text
+                choice["logprobs"] = {"token_logprobs": chunk.logprobs} if chunk.logprobs else None
+            obj = {**head, "choices": [choice]}
+            if timed:
+                obj["produced_at"] = chunk.produced_at
+            return _event(obj)
 
         if chat:
-            yield chunk("", [], role=True)
-        final = None
+            yield _event({**head, "choices": [{"index": 0, "finish_reason": None, "token_ids": [],
+                                               "delta": {"role": "assistant", "content": ""}}]})
         try:
-            async for delta in self.run(ids, params, rid):
-                if delta.finished:  # the engine's final text has its stop string cut
-                    final = delta
-                    text = detok.finish(delta.text or "") if detok else ""
-                else:
-                    text = detok.feed(delta.token_ids) if detok else ""
-                yield chunk(text, delta.token_ids, delta.finish_reason if delta.finished else None,
-                            delta.logprobs)
+            async with self.request(ids, params, rid) as stream:
+                async for chunk in stream.chunks(stream.deadline):
+                    yield event(chunk)
+                result = await self.finish(stream)
         except Exception as exc:  # noqa: BLE001 - the stream is open: report in-band
-            status = 504 if isinstance(exc, RequestTimeout) else \
-                400 if isinstance(exc, ValueError) else 500
+            status, _ = _status(exc)
             yield _event({"error": {"message": f"{exc}", "code": status}})
             yield "data: [DONE]\n\n"
             return
-        include_usage = body.stream_options.include_usage if body.stream_options else True
-        if include_usage and final is not None:
-            yield _event({"id": rid, "object": kind, "created": created, "model": self.served_name,
-                          "choices": [], "usage": _usage(final)})
+        if options is None or options.include_usage:
+            usage = {**head, "choices": [], "usage": _usage(stream, result)}
+            if timed:
+                usage["timing"] = _timing(stream, result)
+            yield _event(usage)
         yield "data: [DONE]\n\n"
-
 
     # -- gRPC (Serve's gRPC proxy calls these by RPC name) ------------------------------------
     def _grpc_inputs(self, req) -> tuple[list[int], SamplingParams]:
@@ -290,52 +304,51 @@ class Router:
         self.check_stop_strings(params)
         return ids, params
 
-    async def _grpc_deltas(self, req, grpc_context):
-        """Validated deltas of one gRPC request; a bad request sets INVALID_ARGUMENT instead."""
+    async def _grpc_chunks(self, req, grpc_context):
+        """(chunk, stream, result) of one gRPC request; a bad request sets INVALID_ARGUMENT."""
         try:
             ids, params = self._grpc_inputs(req)
         except ValueError as exc:
             _fail(grpc_context, grpc.StatusCode.INVALID_ARGUMENT, exc)
-        detok = IncrementalText(self.tokenizer, params.stop) if self.tokenizer else None
-        start = time.perf_counter()
+        rid = req.request_id or f"grpc-{uuid.uuid4().hex}"
         try:
-            async for delta in self.run(ids, params, req.request_id or f"grpc-{uuid.uuid4().hex}"):
-                if delta.finished:
-                    text = detok.finish(delta.text or "") if detok else ""
-                else:
-                    text = detok.feed(delta.token_ids) if detok else ""
-                yield delta, text, time.perf_counter() - start
+            async with self.request(ids, params, rid) as stream:
+                async for chunk in stream.chunks(stream.deadline):
+                    result = await self.finish(stream) if chunk.finished else None
+                    yield chunk, stream, result
         except ValueError as exc:
             _fail(grpc_context, grpc.StatusCode.INVALID_ARGUMENT, exc)
         except RequestTimeout as exc:
             _fail(grpc_context, grpc.StatusCode.DEADLINE_EXCEEDED, exc)
 
+    @staticmethod
+    def _grpc_final(msg, stream: RequestStream) -> None:
+        msg.finish_reason = stream.finish_reason or ""
+        msg.usage.CopyFrom(baton_pb2.Usage(prompt_tokens=stream.num_prompt_tokens,
+                                           completion_tokens=len(stream.token_ids),
+                                           cached_tokens=stream.num_cached_tokens))
+        t = stream.timing
+        msg.ttft_s = t.first_token - t.received if t.first_token else 0.0
+
     async def Generate(self, request, grpc_context: RayServegRPCContext):
         resp = baton_pb2.GenerateResponse()
-        ttft = None
-        async for delta, text, elapsed in self._grpc_deltas(request, grpc_context):
-            ttft = elapsed if ttft is None else ttft
-            resp.request_id = delta.request_id
-            resp.token_ids.extend(delta.token_ids)
-            resp.text += text
-            resp.logprobs.extend(delta.logprobs or [])
-            if delta.finished:
-                resp.finish_reason = delta.finish_reason or ""
-                resp.usage.CopyFrom(_grpc_usage(delta))
-                resp.ttft_s = ttft
+        async for chunk, stream, _result in self._grpc_chunks(request, grpc_context):
+            resp.request_id = stream.request_id
+            resp.token_ids.extend(chunk.token_ids)
+            resp.text += chunk.text
+            resp.logprobs.extend(chunk.logprobs or [])
+            if chunk.finished:
+                self._grpc_final(resp, stream)
         return resp
 
     async def GenerateStream(self, request, grpc_context: RayServegRPCContext):
-        ttft = None
-        async for delta, text, elapsed in self._grpc_deltas(request, grpc_context):
-            ttft = elapsed if ttft is None else ttft
-            msg = baton_pb2.GenerateResponse(request_id=delta.request_id,
-                                             token_ids=delta.token_ids, text=text,
-                                             logprobs=delta.logprobs or [])
-            if delta.finished:
-                msg.finish_reason = delta.finish_reason or ""
-                msg.usage.CopyFrom(_grpc_usage(delta))
-                msg.ttft_s = ttft
+        async for chunk, stream, _result in self._grpc_chunks(request, grpc_context):
+            msg = baton_pb2.GenerateResponse(request_id=stream.request_id,
+                                             token_ids=chunk.token_ids, text=chunk.text,
+                                             logprobs=chunk.logprobs or [],
+                                             produced_at=chunk.produced_at)
+            if chunk.finished:
+                self._grpc_final(msg, stream)
             yield msg
 
     async def Health(self, request, grpc_context: RayServegRPCContext = None):

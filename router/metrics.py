@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from kvtransfer import TransferStats
+
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
@@ -35,12 +37,12 @@ class RouterMetrics:
         self.transfer_time = Histogram("baton_kv_transfer_seconds", "KV hand-over time",
                                        registry=r, buckets=_LATENCY_BUCKETS)
 
-    def record_transfer(self, t: dict | None) -> None:
-        if t:
-            self.transfer_bytes.inc(t["bytes"])
-            self.transfer_blocks.labels("sent").inc(t["blocks_sent"])
-            self.transfer_blocks.labels("skipped").inc(t["blocks_skipped"])
-            self.transfer_time.observe(t["seconds"])
+    def record_transfer(self, t: TransferStats | None) -> None:
+        if t is not None:
+            self.transfer_bytes.inc(t.bytes)
+            self.transfer_blocks.labels("sent").inc(t.blocks_sent)
+            self.transfer_blocks.labels("skipped").inc(t.blocks_skipped)
+            self.transfer_time.observe(t.seconds)
 
     def set_kv(self, load: dict) -> None:
         self.kv_used.set(load["used_blocks"])

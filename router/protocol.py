@@ -13,6 +13,9 @@ from engine import SamplingParams
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = True
+    # Baton extension: each chunk carries ``produced_at`` (when the engine produced its oldest
+    # token, Unix seconds) and the usage chunk a ``timing`` of the request's milestones.
+    include_timing: bool = False
 
 
 class _Common(BaseModel):

@@ -23,8 +23,11 @@ def ray_cluster():
     """One local Ray instance for every test that needs it (started on first use)."""
     import ray
 
+    from deploy import ray_env
+
     root = Path(__file__).resolve().parents[1]
     os.environ.setdefault("RAY_TMPDIR", "/tmp/ray-baton")
+    ray_env.apply()
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": str(root),
                                        "BATON_CACHE": os.environ["BATON_CACHE"],

@@ -4,7 +4,9 @@ The whole KV cache is registered once (VRAM on GPUs, DRAM on CPU). ``connection_
 agent's metadata plus the cache's base address; a sender adds the peer agent once and then writes
 each push as one descriptor list (a region per layer per run of consecutive blocks). On CPU the
 UCX backend runs with shared memory (``UCX_TLS=sm,self`` unless set) and no peer error handling,
-the configuration that works without network devices.
+the configuration that works without network devices. ``progress_thread`` is NIXL's own (on by
+default): it moves transfers on by itself but spins a core. An owner that polls both sides
+whenever a transfer is in flight (the serving roles' engine threads) can do without it.
 """
 
 from __future__ import annotations
@@ -25,14 +27,16 @@ _NOTHING_TO_WRITE = object()
 class NixlBackend(TransportBackend):
     name = "nixl"
 
-    def __init__(self, endpoint_id, kv_cache, layout, ucx_params: dict | None = None):
+    def __init__(self, endpoint_id, kv_cache, layout, ucx_params: dict | None = None,
+                 progress_thread: bool = True):
         super().__init__(endpoint_id, kv_cache, layout)
         on_gpu = kv_cache.is_cuda
         if not on_gpu:
             os.environ.setdefault("UCX_TLS", "sm,self")
         from nixl._api import nixl_agent, nixl_agent_config
 
-        self.agent = nixl_agent(endpoint_id, nixl_agent_config(backends=[]))
+        self.agent = nixl_agent(endpoint_id, nixl_agent_config(enable_prog_thread=progress_thread,
+                                                               backends=[]))
         params = dict(ucx_params or ({} if on_gpu else {"ucx_error_handling_mode": "none"}))
         self.agent.create_backend("UCX", params)
         self.mem_type = "VRAM" if on_gpu else "DRAM"

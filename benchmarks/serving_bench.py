@@ -1,0 +1,523 @@
+"""The served path next to the offline engine: the same requests, the same hardware, one run.
+
+    python -m benchmarks.serving_bench --model tiny --streams 1,16,64,128 --output-len 64  # CPU
+    python -m benchmarks.serving_bench --model tiny --stub-forward ...   # CPU, forward is free
+    python -m benchmarks.serving_bench --model dummy:Qwen3-0.6B --streams 1,16,64,256,512 \\
+        --layouts colo,1p1d --gpus-per-role 0.5 --json results/serving.json      # GPU host
+
+For each stream count the same requests (random token-id prompts, greedy, ``ignore_eos``) run
+through ``LLM.generate`` and through the served app (sent all at once by client processes),
+over HTTP (SSE) and gRPC, for each layout. It prints served/offline output tokens/s, TTFT
+p50/p99, the delay from the engine step that produced a token to the client (p50/p99), tokens
+per streamed chunk, whether the served tokens equal the offline ones, the CPU each process kind
+used, and at zero load the served TTFT minus the engine's own time to first token with where
+that time goes (HTTP, from the timings the app returns when asked).
+
+``--stub-forward`` (CPU only) replaces the model's forward pass with fixed logits, offline and in
+the replicas, so what is left is the cost of scheduling and of serving.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import os
+import socket
+import statistics
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass, field
+from multiprocessing import get_context
+
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# -- the stub forward -----------------------------------------------------------------------
+def stub_forward() -> None:
+    """Make every ModelRunner return fixed logits without running the model (worker setup hook
+    of the replicas, and called in the driver)."""
+    import torch
+
+    from engine.model_runner import ModelRunner
+
+    def _forward(self, input_ids, positions, meta, logit_rows):
+        if not logit_rows:
+            return None
+        cached = getattr(self, "_stub_logits", None)
+        if cached is None or cached.shape[0] < len(logit_rows):
+            vocab = self.model.compute_logits(torch.zeros(1, self.model.config.hidden_size,
+                                                          dtype=self.dtype,
+                                                          device=self.device)).shape[-1]
+            g = torch.Generator().manual_seed(0)
+            cached = torch.randn(max(len(logit_rows), 512), vocab, generator=g).to(self.device)
+            self._stub_logits = cached
+        return cached[: len(logit_rows)]
+
+    ModelRunner._forward = _forward
+
+
+# -- the client (its own processes) ---------------------------------------------------------
+@dataclass
+class Record:
+    index: int
+    sent: float
+    first: float = 0.0
+    end: float = 0.0
+    tokens: list[int] = field(default_factory=list)
+    chunks: int = 0
+    delays: list[tuple[float, int]] = field(default_factory=list)  # (seconds, tokens)
+    timing: dict | None = None
+    error: str | None = None
+
+
+async def _http_one(session, url: str, index: int, prompt, max_tokens: int, timeout: float) -> Record:
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True, "include_timing": True}}
+    rec = Record(index, time.time())
+    try:
+        async with session.post(url, json=body, timeout=timeout) as resp:
+            if resp.status != 200:
+                rec.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
+                return rec
+            async for line in resp.content:
+                if not line.startswith(b"data: {"):
+                    continue
+                now = time.time()
+                ev = json.loads(line[6:])
+                if "error" in ev:
+                    rec.error = str(ev["error"])
+                    break
+                if ev["choices"]:
+                    toks = ev["choices"][0]["token_ids"]
+                    if toks:
+                        rec.first = rec.first or now
+                        rec.tokens += toks
+                        rec.chunks += 1
+                        rec.delays.append((now - ev["produced_at"], len(toks)))
+                elif "timing" in ev:
+                    rec.timing = ev["timing"]
+    except Exception as exc:  # noqa: BLE001 - reported per request
+        rec.error = f"{type(exc).__name__}: {exc}"
+    rec.end = time.time()
+    return rec
+
+
+async def _grpc_one(stub, pb, index: int, prompt, max_tokens: int, timeout: float) -> Record:
+    req = pb.GenerateRequest(prompt_token_ids=prompt, max_tokens=max_tokens, temperature=0,
+                             ignore_eos=True)
+    rec = Record(index, time.time())
+    try:
+        async for msg in stub.GenerateStream(req, timeout=timeout):
+            now = time.time()
+            if msg.token_ids:
+                rec.first = rec.first or now
+                rec.tokens += list(msg.token_ids)
+                rec.chunks += 1
+                rec.delays.append((now - msg.produced_at, len(msg.token_ids)))
+    except Exception as exc:  # noqa: BLE001
+        rec.error = f"{type(exc).__name__}: {exc}"
+    rec.end = time.time()
+    return rec
+
+
+async def _client(protocol: str, address: str, jobs, start_at: float, max_tokens: int,
+                  timeout: float) -> list[Record]:
+    if protocol == "http":
+        import aiohttp
+
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                         timeout=aiohttp.ClientTimeout(total=timeout)) as s:
+            await asyncio.sleep(max(0.0, start_at - time.time()))
+            return await asyncio.gather(*[_http_one(s, f"{address}/v1/completions", i, p,
+                                                    max_tokens, timeout) for i, p in jobs])
+    import grpc
+
+    from proto import baton_pb2, baton_pb2_grpc
+
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = baton_pb2_grpc.BatonStub(channel)
+        await channel.channel_ready()
+        await asyncio.sleep(max(0.0, start_at - time.time()))
+        return await asyncio.gather(*[_grpc_one(stub, baton_pb2, i, p, max_tokens, timeout)
+                                      for i, p in jobs])
+
+
+def client_process(protocol, address, jobs, start_at, max_tokens, timeout) -> list[dict]:
+    import sys
+
+    sys.path.insert(0, HERE)
+    records = asyncio.run(_client(protocol, address, jobs, start_at, max_tokens, timeout))
+    return [asdict(r) for r in records]
+
+
+# -- measuring ------------------------------------------------------------------------------
+def _pct(values, q: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def _weighted_pct(pairs, q: float) -> float:
+    """Percentile of a value that each of ``n`` tokens has, over (value, n) pairs."""
+    pairs = sorted(pairs)
+    total = sum(n for _, n in pairs)
+    if not total:
+        return float("nan")
+    seen = 0
+    for value, n in pairs:
+        seen += n
+        if seen >= q * total:
+            return value
+    return pairs[-1][0]
+
+
+class CpuMeter:
+    """CPU seconds used by the serving processes, by kind, between start() and stop()."""
+
+    KINDS = {"Router": "router", "DecodeServer": "decode", "PrefillServer": "prefill",
+             "haproxy": "haproxy", "ProxyActor": "proxy"}
+
+    def __init__(self):
+        import psutil
+
+        self.procs = {}
+        for p in psutil.process_iter(["pid", "name", "cmdline"]):
+            title = " ".join(p.info["cmdline"] or []) + " " + (p.info["name"] or "")
+            for key, kind in self.KINDS.items():
+                if key in title:
+                    self.procs[p.pid] = (kind, p)
+                    break
+
+    def _sample(self) -> dict[int, float]:
+        out = {}
+        for pid, (_, p) in self.procs.items():
+            try:
+                t = p.cpu_times()
+                out[pid] = t.user + t.system
+            except Exception:  # noqa: BLE001 - a process gone
+                pass
+        return out
+
+    def start(self) -> None:
+        self.t0, self.c0 = time.time(), self._sample()
+
+    def stop(self) -> dict[str, float]:
+        dt, c1 = time.time() - self.t0, self._sample()
+        use: dict[str, float] = {}
+        for pid, cpu in c1.items():
+            kind = self.procs[pid][0]
+            use[kind] = use.get(kind, 0.0) + (cpu - self.c0.get(pid, cpu)) / dt
+        return use
+
+
+def summarize(records: list[dict], offline_tokens: list[list[int]], wall: float) -> dict:
+    ok = [r for r in records if not r["error"]]
+    tokens = sum(len(r["tokens"]) for r in ok)
+    delays = [pair for r in ok for pair in r["delays"]]
+    return {
+        "requests": len(records), "errors": len(records) - len(ok),
+        "first_error": next((r["error"] for r in records if r["error"]), None),
+        "tok_s": tokens / wall if wall > 0 else 0.0,
+        "ttft_p50_ms": _pct([r["first"] - r["sent"] for r in ok], 0.5) * 1e3,
+        "ttft_p99_ms": _pct([r["first"] - r["sent"] for r in ok], 0.99) * 1e3,
+        "delay_p50_ms": _weighted_pct(delays, 0.5) * 1e3,
+        "delay_p99_ms": _weighted_pct(delays, 0.99) * 1e3,
+        "tokens_per_chunk": tokens / max(1, sum(r["chunks"] for r in ok)),
+        "same_tokens": sum(r["tokens"] == offline_tokens[r["index"]] for r in ok) / max(1, len(ok)),
+    }
+
+
+def breakdown(records: list[dict]) -> dict[str, float]:
+    """Median milliseconds of each hop to the first token (HTTP records with timings)."""
+    hops: dict[str, list[float]] = {}
+
+    def add(name, a, b):
+        if a and b:
+            hops.setdefault(name, []).append((b - a) * 1e3)
+
+    for r in records:
+        t = r.get("timing")
+        if not t or not t.get("decode"):
+            continue
+        rt, dt = t["router"], t["decode"]
+        add("client -> ingress", r["sent"], rt["received"])
+        add("ingress: validate, submit", rt["received"], rt["submitted"])
+        add("Serve call -> decode", rt["submitted"], dt["received"])
+        if dt["prefill_called"]:
+            add("decode: reserve, lease", dt["received"], dt["prefill_called"])
+            add("prefill call (prefill + push)", dt["prefill_called"], dt["prefill_returned"])
+            add("decode: land, admit", dt["prefill_returned"], dt["first_token"])
+        else:
+            add("decode: queue", dt["received"], dt["queued"])
+            add("engine: to first token", dt["queued"], dt["first_token"])
+        add("token channel -> ingress", dt["first_token"], rt["first_token"])
+        add("ingress -> client", rt["first_token"], r["first"])
+    return {k: statistics.median(v) for k, v in hops.items()}
+
+
+# -- offline --------------------------------------------------------------------------------
+def offline_runs(engine_kw: dict, prompts, streams: list[int], max_tokens: int,
+                 ttft_prompts) -> tuple[dict, list[list[int]], float]:
+    """tok/s per stream count, the tokens of every prompt, the engine's median time from a
+    request's arrival to its first token alone (ms)."""
+    from engine import LLM, SamplingParams
+
+    llm = LLM(**engine_kw)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    llm.generate(prompts[: min(16, len(prompts))], params, use_tqdm=False)  # warm-up
+    tok_s, tokens = {}, None
+    for n in streams:
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts[:n], params, use_tqdm=False)
+        tok_s[n] = sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t0)
+        if n == max(streams):
+            tokens = [o.token_ids for o in outs]
+    first = []
+    engine = llm.engine
+    one = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    for p in ttft_prompts:
+        t0 = time.perf_counter()
+        rid = engine.add_request(p, one)
+        while not any(o.request_id == rid and o.new_token_ids for o in engine.step()):
+            pass
+        first.append((time.perf_counter() - t0) * 1e3)
+        while engine.has_unfinished_requests():
+            engine.step()
+    del llm, engine
+    gc.collect()
+    try:
+        import torch
+        torch.cuda.empty_cache()
+    except Exception:  # noqa: BLE001
+        pass
+    return tok_s, tokens, statistics.median(first)
+
+
+# -- serving --------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def layout_config(layout: str, engine: dict, args) -> dict:
+    if layout == "colo":
+        return {"mode": "colocated", "engine": engine,
+                "decode": {"num_gpus": args.colo_gpus, "num_cpus": args.role_cpus,
+                           "max_ongoing_requests": 4096},
+                "router": {"num_replicas": args.routers, "num_cpus": 0.25,
+                           "request_timeout_s": args.timeout}}
+    role = {"num_gpus": args.gpus_per_role, "num_cpus": args.role_cpus,
+            "max_ongoing_requests": 4096}
+    return {"mode": "disaggregated", "engine": engine, "prefill": role, "decode": role,
+            "router": {"num_replicas": args.routers, "num_cpus": 0.25,
+                       "request_timeout_s": args.timeout},
+            "transfer": {"backend": args.backend}}
+
+
+def _wait_ready(url: str, timeout: float) -> None:
+    import requests
+
+    end = time.time() + timeout
+    while time.time() < end:
+        try:
+            if requests.get(f"{url}/health", timeout=2).ok:
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"{url} did not answer /health within {timeout}s")
+
+
+def run_point(pool, protocol, address, prompts, n, max_tokens, clients, timeout):
+    jobs = list(enumerate(prompts[:n]))
+    k = max(1, min(clients, n))
+    parts = [jobs[i::k] for i in range(k)]
+    start_at = time.time() + 0.5
+    futures = [pool.submit(client_process, protocol, address, part, start_at, max_tokens, timeout)
+               for part in parts]
+    records = [r for f in futures for r in f.result(timeout=timeout + 60)]
+    wall = max(r["end"] for r in records) - start_at
+    return records, wall
+
+
+def check_fits(layout: str, config: dict) -> None:
+    """Refuse a layout the cluster cannot place (Serve would wait for it forever)."""
+    import ray
+
+    roles = [config["decode"]] + ([config["prefill"]] if "prefill" in config else [])
+    need = {"CPU": sum(r["num_cpus"] for r in roles) + 0.25 * config["router"]["num_replicas"],
+            "GPU": sum(r["num_gpus"] for r in roles)}
+    have = ray.cluster_resources()
+    for kind, n in need.items():
+        if n > have.get(kind, 0.0) + 1e-9:
+            raise SystemExit(f"{layout} needs {n:g} {kind}s; the cluster has "
+                             f"{have.get(kind, 0.0):g}")
+
+
+def serve_layout(layout, config, args, pool, prompts, offline_tokens, fresh_prompts, out):
+    from ray import serve
+
+    from deploy.app import build_app
+
+    check_fits(layout, config)
+    port, grpc_port = _free_port(), _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port},
+                grpc_options={"port": grpc_port,
+                              "grpc_servicer_functions":
+                                  ["proto.baton_pb2_grpc.add_BatonServicer_to_server"]})
+    t0 = time.time()
+    serve.run(build_app(config), name="baton", route_prefix="/", blocking=False)
+    _wait_ready(f"http://127.0.0.1:{port}", args.timeout)
+    print(f"{layout}: ready in {time.time() - t0:.0f}s", flush=True)
+    addresses = {"http": f"http://127.0.0.1:{port}", "grpc": f"127.0.0.1:{grpc_port}"}
+    try:
+        for protocol in args.protocols:
+            address = addresses[protocol]
+            run_point(pool, protocol, address, prompts, min(16, len(prompts)), 8,
+                      args.clients, args.timeout)  # warm-up: connections, channels, graphs
+            zero = []
+            for p in fresh_prompts(args.zero_load):  # never seen: no prefix-cache hit
+                zero += run_point(pool, protocol, address, [p], 1, 2, 1, args.timeout)[0]
+            ok = [r for r in zero if not r["error"]]
+            out.setdefault("zero_load", {})[f"{layout}/{protocol}"] = {
+                "ttft_ms": statistics.median([(r["first"] - r["sent"]) * 1e3 for r in ok])
+                if ok else float("nan"),
+                "errors": len(zero) - len(ok), "hops_ms": breakdown(ok)}
+            for n in args.streams:
+                meter = CpuMeter()
+                meter.start()
+                records, wall = run_point(pool, protocol, address, prompts, n, args.output_len,
+                                          args.clients, args.timeout)
+                row = {"layout": layout, "protocol": protocol, "streams": n,
+                       **summarize(records, offline_tokens, wall), "cpu": meter.stop()}
+                out["served"].append(row)
+                print(f"  {layout} {protocol} {n:4d} streams: {row['tok_s']:9.0f} tok/s, TTFT p50 "
+                      f"{row['ttft_p50_ms']:.0f} ms, delay p99 {row['delay_p99_ms']:.1f} ms, "
+                      f"{row['tokens_per_chunk']:.2f} tok/chunk, errors {row['errors']}",
+                      flush=True)
+    finally:
+        serve.shutdown()
+
+
+def report(out: dict) -> None:
+    off = out["offline_tok_s"]
+    print(f"\n{out['model']}: {out['input_len']} in / {out['output_len']} out; engine time to "
+          f"first token alone {out['engine_ttft_ms']:.1f} ms; {out['device']}")
+    print(f"{'layout':6} {'proto':5} {'streams':>7} {'offline':>9} {'served':>9} {'%':>5} "
+          f"{'TTFT p50':>9} {'p99':>7} {'delay p50':>9} {'p99':>6} {'tok/chk':>7} {'same':>5} cpu")
+    for r in out["served"]:
+        o = off.get(r["streams"]) or off.get(str(r["streams"]))
+        cpu = " ".join(f"{k} {v:.2f}" for k, v in sorted(r["cpu"].items()))
+        print(f"{r['layout']:6} {r['protocol']:5} {r['streams']:7d} {o:9.0f} {r['tok_s']:9.0f} "
+              f"{100 * r['tok_s'] / o:5.1f} {r['ttft_p50_ms']:9.1f} {r['ttft_p99_ms']:7.1f} "
+              f"{r['delay_p50_ms']:9.1f} {r['delay_p99_ms']:6.1f} {r['tokens_per_chunk']:7.2f} "
+              f"{r['same_tokens']:5.2f} {cpu}")
+    print("\nzero load (served TTFT - engine time to first token; where the time goes, ms):")
+    for key, z in out.get("zero_load", {}).items():
+        hops = ", ".join(f"{k} {v:.2f}" for k, v in z["hops_ms"].items())
+        print(f"  {key:12} TTFT {z['ttft_ms']:.1f} ms, added "
+              f"{z['ttft_ms'] - out['engine_ttft_ms']:.1f} ms  [{hops}]")
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--streams", default="1,16,64,256")
+    p.add_argument("--layouts", default="colo,1p1d")
+    p.add_argument("--protocols", default="http,grpc")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--num-blocks", type=int, default=None)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    p.add_argument("--colo-gpus", type=float, default=None, help="GPUs of the colocated replica "
+                   "(default: 1 with a GPU, 0 without)")
+    p.add_argument("--gpus-per-role", type=float, default=None,
+                   help="GPUs of each 1P1D replica (default: 0.5 with a GPU, 0 without)")
+    p.add_argument("--backend", default="auto")
+    p.add_argument("--role-cpus", type=float, default=None,
+                   help="CPUs Ray reserves per engine replica (default: 1 with a GPU, else 0.5)")
+    p.add_argument("--routers", type=int, default=None, help="ingress replicas")
+    p.add_argument("--clients", type=int, default=None, help="client processes")
+    p.add_argument("--zero-load", type=int, default=8, help="single requests for zero-load TTFT")
+    p.add_argument("--stub-forward", action="store_true")
+    p.add_argument("--timeout", type=float, default=300)
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    import torch
+
+    gpu = torch.cuda.is_available()
+    if args.stub_forward and gpu:
+        raise SystemExit("--stub-forward is for CPU runs")
+    args.streams = [int(s) for s in args.streams.split(",")]
+    args.protocols = args.protocols.split(",")
+    cpus = os.cpu_count() or 2
+    args.colo_gpus = (1.0 if gpu else 0.0) if args.colo_gpus is None else args.colo_gpus
+    args.gpus_per_role = (0.5 if gpu else 0.0) if args.gpus_per_role is None \
+        else args.gpus_per_role
+    args.role_cpus = args.role_cpus or (1.0 if gpu else 0.5)
+    args.routers = args.routers or max(1, min(4, cpus // 4))
+    args.clients = args.clients or max(1, min(8, cpus // 4))
+    engine = {"model": args.model, "max_num_seqs": args.max_num_seqs,
+              "max_num_batched_tokens": args.max_num_batched_tokens, "show_progress": False}
+    if args.num_blocks:
+        engine["num_blocks"] = args.num_blocks
+    if gpu:
+        engine["gpu_memory_utilization"] = args.gpu_memory_utilization
+    if args.stub_forward:
+        stub_forward()
+        engine["enforce_eager"] = True
+
+    g = torch.Generator().manual_seed(0)
+    from engine.loader import resolve_model
+    vocab = min(resolve_model(args.model).config.vocab_size, 150000)
+    prompts = torch.randint(10, vocab, (max(args.streams), args.input_len), generator=g).tolist()
+
+    def fresh_prompts(n: int) -> list[list[int]]:
+        return torch.randint(10, vocab, (n, args.input_len), generator=g).tolist()
+
+    t0 = time.time()
+    offline_kw = dict(engine)
+    if gpu and args.colo_gpus:
+        offline_kw["gpu_memory_utilization"] = args.gpu_memory_utilization * args.colo_gpus
+    off, offline_tokens, engine_ttft = offline_runs(offline_kw, prompts, args.streams,
+                                                    args.output_len, fresh_prompts(args.zero_load))
+    print(f"offline ({time.time() - t0:.0f}s): " + ", ".join(f"{n}: {v:.0f} tok/s"
+                                                              for n, v in off.items()), flush=True)
+    out = {"model": args.model, "input_len": args.input_len, "output_len": args.output_len,
+           "device": torch.cuda.get_device_name() if gpu else f"CPU ({cpus} cores)",
+           "date": time.strftime("%Y-%m-%d"), "args": {k: v for k, v in vars(args).items()},
+           "offline_tok_s": off, "engine_ttft_ms": engine_ttft, "served": []}
+
+    import ray
+
+    from deploy import ray_env
+    out["ray_env"] = ray_env.apply()
+    runtime_env = {"env_vars": {"PYTHONPATH": HERE}}
+    if args.stub_forward:
+        runtime_env["worker_process_setup_hook"] = "benchmarks.serving_bench.stub_forward"
+    ray.init(num_cpus=max(4, cpus), include_dashboard=False, log_to_driver=False,
+             logging_level="ERROR", runtime_env=runtime_env)
+    pool = ProcessPoolExecutor(args.clients, mp_context=get_context("spawn"))
+    try:
+        for layout in args.layouts.split(","):
+            serve_layout(layout, layout_config(layout, engine, args), args, pool, prompts,
+                         offline_tokens, fresh_prompts, out)
+    finally:
+        pool.shutdown(cancel_futures=True)
+        ray.shutdown()
+    report(out)
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

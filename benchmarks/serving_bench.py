@@ -14,7 +14,9 @@ used, and at zero load the served TTFT minus the engine's own time to first toke
 that time goes (HTTP, from the timings the app returns when asked).
 
 ``--stub-forward`` (CPU only) replaces the model's forward pass with fixed logits, offline and in
-the replicas, so what is left is the cost of scheduling and of serving.
+the replicas, so what is left is the cost of scheduling and of serving. ``--switch-interval``
+sets Python's GIL switch interval in the replicas (``sys.setswitchinterval``; default 5 ms), to
+measure how much the engine thread waits for the GIL.
 """
 
 from __future__ import annotations
@@ -56,6 +58,17 @@ def stub_forward() -> None:
         return cached[: len(logit_rows)]
 
     ModelRunner._forward = _forward
+
+
+def worker_setup() -> None:
+    """Setup hook of every replica process: the stub forward and the GIL switch interval that
+    the driver asked for (through environment variables)."""
+    import sys
+
+    if os.environ.get("BENCH_STUB_FORWARD") == "1":
+        stub_forward()
+    if os.environ.get("BENCH_SWITCH_INTERVAL"):
+        sys.setswitchinterval(float(os.environ["BENCH_SWITCH_INTERVAL"]))
 
 
 # -- the client (its own processes) ---------------------------------------------------------
@@ -123,15 +136,25 @@ async def _grpc_one(stub, pb, index: int, prompt, max_tokens: int, timeout: floa
 
 
 async def _client(protocol: str, address: str, jobs, start_at: float, max_tokens: int,
-                  timeout: float) -> list[Record]:
+                  timeout: float, sequential: bool) -> list[Record]:
+    """All ``jobs`` at once at ``start_at`` (or one after another over one warm connection,
+    after a first request that is not recorded)."""
     if protocol == "http":
         import aiohttp
 
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
                                          timeout=aiohttp.ClientTimeout(total=timeout)) as s:
-            await asyncio.sleep(max(0.0, start_at - time.time()))
-            return await asyncio.gather(*[_http_one(s, f"{address}/v1/completions", i, p,
-                                                    max_tokens, timeout) for i, p in jobs])
+            async def health():
+                async with s.get(f"{address}/health") as resp:
+                    await resp.read()
+
+            # One open connection per request before the burst, as a client with a warm
+            # keep-alive pool has: the burst then measures the server, not connection setup.
+            await asyncio.gather(*[health() for _ in range(1 if sequential else len(jobs))])
+
+            def one(i, p):
+                return _http_one(s, f"{address}/v1/completions", i, p, max_tokens, timeout)
+            return await _run_jobs(one, jobs, start_at, sequential)
     import grpc
 
     from proto import baton_pb2, baton_pb2_grpc
@@ -139,16 +162,25 @@ async def _client(protocol: str, address: str, jobs, start_at: float, max_tokens
     async with grpc.aio.insecure_channel(address) as channel:
         stub = baton_pb2_grpc.BatonStub(channel)
         await channel.channel_ready()
-        await asyncio.sleep(max(0.0, start_at - time.time()))
-        return await asyncio.gather(*[_grpc_one(stub, baton_pb2, i, p, max_tokens, timeout)
-                                      for i, p in jobs])
+        return await _run_jobs(lambda i, p: _grpc_one(stub, baton_pb2, i, p, max_tokens, timeout),
+                               jobs, start_at, sequential)
 
 
-def client_process(protocol, address, jobs, start_at, max_tokens, timeout) -> list[dict]:
+async def _run_jobs(one, jobs, start_at: float, sequential: bool) -> list[Record]:
+    if sequential:
+        await one(-1, jobs[0][1])  # warms the connection
+        return [await one(i, p) for i, p in jobs[1:]]
+    await asyncio.sleep(max(0.0, start_at - time.time()))
+    return await asyncio.gather(*[one(i, p) for i, p in jobs])
+
+
+def client_process(protocol, address, jobs, start_at, max_tokens, timeout,
+                   sequential=False) -> list[dict]:
     import sys
 
     sys.path.insert(0, HERE)
-    records = asyncio.run(_client(protocol, address, jobs, start_at, max_tokens, timeout))
+    records = asyncio.run(_client(protocol, address, jobs, start_at, max_tokens, timeout,
+                                  sequential))
     return [asdict(r) for r in records]
 
 
@@ -178,10 +210,13 @@ class CpuMeter:
     """CPU seconds used by the serving processes, by kind, between start() and stop()."""
 
     KINDS = {"Router": "router", "DecodeServer": "decode", "PrefillServer": "prefill",
-             "haproxy": "haproxy", "ProxyActor": "proxy"}
+             "haproxy": "haproxy", "ProxyActor": "proxy", "multiprocessing.spawn": "client"}
 
     def __init__(self):
-        import psutil
+        try:
+            import psutil
+        except ImportError:  # Ray carries its own copy
+            from ray.thirdparty_files import psutil
 
         self.procs = {}
         for p in psutil.process_iter(["pid", "name", "cmdline"]):
@@ -201,6 +236,9 @@ class CpuMeter:
                 pass
         return out
 
+    def pid(self, kind: str) -> int | None:
+        return next((pid for pid, (k, _) in self.procs.items() if k == kind), None)
+
     def start(self) -> None:
         self.t0, self.c0 = time.time(), self._sample()
 
@@ -214,6 +252,9 @@ class CpuMeter:
 
 
 def summarize(records: list[dict], offline_tokens: list[list[int]], wall: float) -> dict:
+    """Throughput, latencies, chunking; ``same_tokens``: the share of requests whose tokens equal
+    the offline run of the same batch (on random bf16 weights a different batching on the GPU
+    can change a greedy token, so only the CPU and batch-1 figures are a strict test)."""
     ok = [r for r in records if not r["error"]]
     tokens = sum(len(r["tokens"]) for r in ok)
     delays = [pair for r in ok for pair in r["delays"]]
@@ -259,22 +300,34 @@ def breakdown(records: list[dict]) -> dict[str, float]:
 
 
 # -- offline --------------------------------------------------------------------------------
+def engine_rates(before: dict, after: dict, wall: float) -> dict:
+    """What an engine did between two stats snapshots: tokens per second of stepping, mean step
+    time, tokens per step and the share of the wall time spent stepping."""
+    d = {k: after[k] - before[k] for k in after}
+    return {"engine_tok_s": d["output_tokens"] / d["step_seconds"] if d["step_seconds"] else 0.0,
+            "step_ms": 1e3 * d["step_seconds"] / max(1, d["steps"]),
+            "tokens_per_step": d["output_tokens"] / max(1, d["steps"]),
+            "busy": d["step_seconds"] / wall if wall > 0 else 0.0}
+
+
 def offline_runs(engine_kw: dict, prompts, streams: list[int], max_tokens: int,
-                 ttft_prompts) -> tuple[dict, list[list[int]], float]:
-    """tok/s per stream count, the tokens of every prompt, the engine's median time from a
-    request's arrival to its first token alone (ms)."""
+                 ttft_prompts) -> tuple[dict, dict, float]:
+    """Per stream count: tok/s, every request's tokens and the engine's rates; and the engine's
+    median time from a request's arrival to its first token alone (ms)."""
     from engine import LLM, SamplingParams
 
     llm = LLM(**engine_kw)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     llm.generate(prompts[: min(16, len(prompts))], params, use_tqdm=False)  # warm-up
-    tok_s, tokens = {}, None
+    tok_s, tokens = {}, {}
     for n in streams:
+        before = asdict(llm.engine.stats)
         t0 = time.perf_counter()
         outs = llm.generate(prompts[:n], params, use_tqdm=False)
-        tok_s[n] = sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t0)
-        if n == max(streams):
-            tokens = [o.token_ids for o in outs]
+        wall = time.perf_counter() - t0
+        tok_s[n] = {"tok_s": sum(len(o.token_ids) for o in outs) / wall,
+                    **engine_rates(before, asdict(llm.engine.stats), wall)}
+        tokens[n] = [o.token_ids for o in outs]
     first = []
     engine = llm.engine
     one = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
@@ -312,6 +365,9 @@ def layout_config(layout: str, engine: dict, args) -> dict:
                            "request_timeout_s": args.timeout}}
     role = {"num_gpus": args.gpus_per_role, "num_cpus": args.role_cpus,
             "max_ongoing_requests": 4096}
+    if "gpu_memory_utilization" in engine and args.gpus_per_role < 1:  # a share of one GPU each
+        role["engine"] = {"gpu_memory_utilization":
+                          engine["gpu_memory_utilization"] * args.gpus_per_role}
     return {"mode": "disaggregated", "engine": engine, "prefill": role, "decode": role,
             "router": {"num_replicas": args.routers, "num_cpus": 0.25,
                        "request_timeout_s": args.timeout},
@@ -336,12 +392,39 @@ def run_point(pool, protocol, address, prompts, n, max_tokens, clients, timeout)
     jobs = list(enumerate(prompts[:n]))
     k = max(1, min(clients, n))
     parts = [jobs[i::k] for i in range(k)]
-    start_at = time.time() + 0.5
+    start_at = time.time() + 1.0  # every client process ready and connected
     futures = [pool.submit(client_process, protocol, address, part, start_at, max_tokens, timeout)
                for part in parts]
     records = [r for f in futures for r in f.result(timeout=timeout + 60)]
     wall = max(r["end"] for r in records) - start_at
     return records, wall
+
+
+def start_py_spy(pid: int | None, args, name: str):
+    """``--py-spy S``: sample the decode replica's threads that hold the GIL for S seconds,
+    starting a second into the point (collapsed stacks under ``--profile-dir``)."""
+    if not args.py_spy or pid is None:
+        return None
+    import shutil
+    import subprocess
+    import sys
+
+    spy = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
+    os.makedirs(args.profile_dir, exist_ok=True)
+    out = os.path.join(args.profile_dir, f"decode-{name}.txt")
+    return subprocess.Popen(["sh", "-c", f"sleep 1; {spy} record --gil --nonblocking -r 200 "
+                             f"-d {args.py_spy} -p {pid} -f raw -o {out} >{out}.log 2>&1"])
+
+
+def decode_stats() -> dict:
+    """The (one) decode replica's engine counters. Under Serve's throughput profile handles
+    route on the caller's event loop; this driver has none, so its handle gets its own."""
+    from ray import serve
+
+    handle = serve.get_deployment_handle("DecodeServer", "baton")
+    if not handle.is_initialized:
+        handle._init(_run_router_in_separate_loop=True)
+    return handle.engine_stats.remote().result()
 
 
 def check_fits(layout: str, config: dict) -> None:
@@ -379,9 +462,9 @@ def serve_layout(layout, config, args, pool, prompts, offline_tokens, fresh_prom
             address = addresses[protocol]
             run_point(pool, protocol, address, prompts, min(16, len(prompts)), 8,
                       args.clients, args.timeout)  # warm-up: connections, channels, graphs
-            zero = []
-            for p in fresh_prompts(args.zero_load):  # never seen: no prefix-cache hit
-                zero += run_point(pool, protocol, address, [p], 1, 2, 1, args.timeout)[0]
+            jobs = list(enumerate(fresh_prompts(args.zero_load + 1)))  # no prefix-cache hit
+            zero = pool.submit(client_process, protocol, address, jobs, 0.0, 2, args.timeout,
+                               True).result(timeout=args.timeout + 60)
             ok = [r for r in zero if not r["error"]]
             out.setdefault("zero_load", {})[f"{layout}/{protocol}"] = {
                 "ttft_ms": statistics.median([(r["first"] - r["sent"]) * 1e3 for r in ok])
@@ -389,11 +472,17 @@ def serve_layout(layout, config, args, pool, prompts, offline_tokens, fresh_prom
                 "errors": len(zero) - len(ok), "hops_ms": breakdown(ok)}
             for n in args.streams:
                 meter = CpuMeter()
+                spy = start_py_spy(meter.pid("decode"), args, f"{layout}-{protocol}-{n}")
                 meter.start()
+                before = decode_stats()
                 records, wall = run_point(pool, protocol, address, prompts, n, args.output_len,
                                           args.clients, args.timeout)
+                engine_row = engine_rates(before, decode_stats(), wall)
+                if spy is not None:
+                    spy.wait(timeout=60)
                 row = {"layout": layout, "protocol": protocol, "streams": n,
-                       **summarize(records, offline_tokens, wall), "cpu": meter.stop()}
+                       **summarize(records, offline_tokens[n], wall), "cpu": meter.stop(),
+                       "decode_engine": engine_row, "hops_ms": breakdown(records)}
                 out["served"].append(row)
                 print(f"  {layout} {protocol} {n:4d} streams: {row['tok_s']:9.0f} tok/s, TTFT p50 "
                       f"{row['ttft_p50_ms']:.0f} ms, delay p99 {row['delay_p99_ms']:.1f} ms, "
@@ -404,18 +493,26 @@ def serve_layout(layout, config, args, pool, prompts, offline_tokens, fresh_prom
 
 
 def report(out: dict) -> None:
-    off = out["offline_tok_s"]
+    off = {int(k): v for k, v in out["offline"].items()}
     print(f"\n{out['model']}: {out['input_len']} in / {out['output_len']} out; engine time to "
           f"first token alone {out['engine_ttft_ms']:.1f} ms; {out['device']}")
+    print("offline engine: " + ", ".join(
+        f"{n}: step {o['step_ms']:.2f} ms, {o['engine_tok_s']:.0f} tok/s stepping"
+        for n, o in off.items()))
     print(f"{'layout':6} {'proto':5} {'streams':>7} {'offline':>9} {'served':>9} {'%':>5} "
-          f"{'TTFT p50':>9} {'p99':>7} {'delay p50':>9} {'p99':>6} {'tok/chk':>7} {'same':>5} cpu")
+          f"{'TTFT p50':>9} {'p99':>7} {'delay p50':>9} {'p99':>6} {'tok/chk':>7} {'same':>5} "
+          f"{'step ms':>7} {'busy':>5} cpu")
     for r in out["served"]:
-        o = off.get(r["streams"]) or off.get(str(r["streams"]))
+        o, e = off[r["streams"]]["tok_s"], r["decode_engine"]
         cpu = " ".join(f"{k} {v:.2f}" for k, v in sorted(r["cpu"].items()))
         print(f"{r['layout']:6} {r['protocol']:5} {r['streams']:7d} {o:9.0f} {r['tok_s']:9.0f} "
               f"{100 * r['tok_s'] / o:5.1f} {r['ttft_p50_ms']:9.1f} {r['ttft_p99_ms']:7.1f} "
               f"{r['delay_p50_ms']:9.1f} {r['delay_p99_ms']:6.1f} {r['tokens_per_chunk']:7.2f} "
-              f"{r['same_tokens']:5.2f} {cpu}")
+              f"{r['same_tokens']:5.2f} {e['step_ms']:7.2f} {e['busy']:5.2f} {cpu}")
+    for r in out["served"]:
+        if r["hops_ms"]:
+            hops = ", ".join(f"{k} {v:.1f}" for k, v in r["hops_ms"].items())
+            print(f"  TTFT hops (median ms), {r['layout']} {r['protocol']} {r['streams']}: {hops}")
     print("\nzero load (served TTFT - engine time to first token; where the time goes, ms):")
     for key, z in out.get("zero_load", {}).items():
         hops = ", ".join(f"{k} {v:.2f}" for k, v in z["hops_ms"].items())
@@ -447,6 +544,10 @@ def main(argv=None) -> None:
     p.add_argument("--clients", type=int, default=None, help="client processes")
     p.add_argument("--zero-load", type=int, default=8, help="single requests for zero-load TTFT")
     p.add_argument("--stub-forward", action="store_true")
+    p.add_argument("--switch-interval", type=float, default=None)
+    p.add_argument("--py-spy", type=int, default=0,
+                   help="seconds of py-spy (GIL holders) on the decode replica per point")
+    p.add_argument("--profile-dir", default="results/serving-profile")
     p.add_argument("--timeout", type=float, default=300)
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
@@ -463,7 +564,7 @@ def main(argv=None) -> None:
         else args.gpus_per_role
     args.role_cpus = args.role_cpus or (1.0 if gpu else 0.5)
     args.routers = args.routers or max(1, min(4, cpus // 4))
-    args.clients = args.clients or max(1, min(8, cpus // 4))
+    args.clients = args.clients or max(1, min(8, cpus // 2))
     engine = {"model": args.model, "max_num_seqs": args.max_num_seqs,
               "max_num_batched_tokens": args.max_num_batched_tokens, "show_progress": False}
     if args.num_blocks:
@@ -488,20 +589,25 @@ def main(argv=None) -> None:
         offline_kw["gpu_memory_utilization"] = args.gpu_memory_utilization * args.colo_gpus
     off, offline_tokens, engine_ttft = offline_runs(offline_kw, prompts, args.streams,
                                                     args.output_len, fresh_prompts(args.zero_load))
-    print(f"offline ({time.time() - t0:.0f}s): " + ", ".join(f"{n}: {v:.0f} tok/s"
+    print(f"offline ({time.time() - t0:.0f}s): " + ", ".join(f"{n}: {v['tok_s']:.0f} tok/s"
                                                               for n, v in off.items()), flush=True)
     out = {"model": args.model, "input_len": args.input_len, "output_len": args.output_len,
            "device": torch.cuda.get_device_name() if gpu else f"CPU ({cpus} cores)",
            "date": time.strftime("%Y-%m-%d"), "args": {k: v for k, v in vars(args).items()},
-           "offline_tok_s": off, "engine_ttft_ms": engine_ttft, "served": []}
+           "offline": off, "engine_ttft_ms": engine_ttft, "served": []}
 
     import ray
 
     from deploy import ray_env
     out["ray_env"] = ray_env.apply()
-    runtime_env = {"env_vars": {"PYTHONPATH": HERE}}
+    path = os.pathsep.join(p for p in (HERE, os.environ.get("PYTHONPATH", "")) if p)
+    env_vars = {"PYTHONPATH": path}  # replicas import the checkout
     if args.stub_forward:
-        runtime_env["worker_process_setup_hook"] = "benchmarks.serving_bench.stub_forward"
+        env_vars["BENCH_STUB_FORWARD"] = "1"
+    if args.switch_interval:
+        env_vars["BENCH_SWITCH_INTERVAL"] = str(args.switch_interval)
+    runtime_env = {"env_vars": env_vars,
+                   "worker_process_setup_hook": "benchmarks.serving_bench.worker_setup"}
     ray.init(num_cpus=max(4, cpus), include_dashboard=False, log_to_driver=False,
              logging_level="ERROR", runtime_env=runtime_env)
     pool = ProcessPoolExecutor(args.clients, mp_context=get_context("spawn"))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 from ray import serve
 
 from contracts.messages import GenerateRequest, GenerateResult
@@ -22,6 +24,10 @@ class DecodeDeployment:
 
     async def kv_load(self) -> dict:
         return self.server.kv_load()
+
+    async def engine_stats(self) -> dict:
+        """The engine's step counters (:class:`engine.llm_engine.EngineStats`)."""
+        return asdict(self.server.aengine.engine.stats)
 
     def record_routing_stats(self) -> dict:
         """Read by the decode request router (least KV load first)."""

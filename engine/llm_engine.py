@@ -42,6 +42,17 @@ Prompt = str | Seq[int]
 
 
 @dataclass
+class EngineStats:
+    """Counters since the engine started: steps, seconds spent inside ``step()``, tokens
+    scheduled (prompt and decode) and output tokens produced."""
+
+    steps: int = 0
+    step_seconds: float = 0.0
+    scheduled_tokens: int = 0
+    output_tokens: int = 0
+
+
+@dataclass
 class LaunchedStep:
     """A step queued on the device: the sequences due a token (row ``i`` of ``tokens``), the
     sampled ids on the device, their host copies (valid once ``done`` has fired)."""
@@ -84,6 +95,7 @@ class LLMEngine:
                                    config.max_num_batched_tokens, self.max_model_len)
         self.sampler = Sampler(self.device, config.seed)
         self._running_step: LaunchedStep | None = None  # launched, not yet resolved
+        self.stats = EngineStats()
         self.startup_s = time.perf_counter() - t0
         log.info("engine ready in %.1fs (%s, %s, attention %s, warm-up %.1fs)", self.startup_s,
                  self.device, str(self.dtype).removeprefix("torch."), self.runner.backend.name,
@@ -217,6 +229,7 @@ class LLMEngine:
 
     # -- the loop ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
         batch = self.scheduler.schedule()
         outputs = [self._output(s, [], None) for s in batch.finished]
         launched = self._launch(batch) if batch else None
@@ -228,6 +241,11 @@ class LLMEngine:
             due.append(launched)
         for step in due:
             outputs += self._resolve(step)
+        stats = self.stats
+        stats.steps += 1
+        stats.step_seconds += time.perf_counter() - t0
+        stats.scheduled_tokens += batch.num_tokens
+        stats.output_tokens += sum(len(o.new_token_ids) for o in outputs)
         return outputs
 
     def _launch(self, batch: ScheduledBatch) -> LaunchedStep:

@@ -170,7 +170,9 @@ class Scheduler:
         self.num_preemptions += 1
 
     def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        # Sequences receiving their KV hold a slot too: once admitted they join the batch.
+        while (self.waiting and budget > 0
+               and len(self.running) + len(self.transferring) < self.max_num_seqs):
             seq = self.waiting[0]
             if seq.num_pending:
                 break  # preempted while its last token was on the way

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 from ray import serve
 
 from contracts.messages import PrefillRequest
@@ -20,6 +22,10 @@ class PrefillDeployment:
 
     async def kv_load(self) -> dict:
         return self.server.kv_load()
+
+    async def engine_stats(self) -> dict:
+        """The engine's step counters (:class:`engine.llm_engine.EngineStats`)."""
+        return asdict(self.server.aengine.engine.stats)
 
     async def prefill(self, req: PrefillRequest):
         return await self.server.prefill(req)

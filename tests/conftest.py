@@ -28,8 +28,9 @@ def ray_cluster():
     root = Path(__file__).resolve().parents[1]
     os.environ.setdefault("RAY_TMPDIR", "/tmp/ray-baton")
     ray_env.apply()
+    path = os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p)
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(root),
+             runtime_env={"env_vars": {"PYTHONPATH": path,
                                        "BATON_CACHE": os.environ["BATON_CACHE"],
                                        "RAY_USAGE_STATS_ENABLED": "0"}})
     yield ray

@@ -78,6 +78,25 @@ def test_max_num_seqs_limits_the_running_batch(reference):
     _assert_no_leak(llm)
 
 
+def test_sequences_awaiting_kv_count_against_max_num_seqs():
+    """Decode role: reserved (transferring) sequences hold batch slots, so local requests never
+    push the running batch past max_num_seqs once the transfers are admitted."""
+    llm = LLM("tiny", max_num_seqs=3)
+    engine = llm.engine
+    for i, p in enumerate(PROMPTS[:2]):
+        assert engine.reserve(p, GREEDY, f"t{i}") is not None
+    for p in PROMPTS[2:]:
+        engine.add_request(p, GREEDY)
+    engine.step()
+    assert len(engine.scheduler.running) == 1  # one slot left beside the two reservations
+    for i in range(2):
+        engine.admit(f"t{i}", 7)
+    while engine.has_unfinished_requests():
+        engine.step()
+        assert len(engine.scheduler.running) + len(engine.scheduler.transferring) <= 3
+    _assert_no_leak(llm)
+
+
 def test_sequence_larger_than_the_whole_cache_ends_with_length():
     llm = LLM("tiny", num_blocks=3)  # two usable blocks: 32 tokens in all
     out = llm.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=40,

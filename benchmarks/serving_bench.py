@@ -374,20 +374,6 @@ def layout_config(layout: str, engine: dict, args) -> dict:
             "transfer": {"backend": args.backend}}
 
 
-def _wait_ready(url: str, timeout: float) -> None:
-    import requests
-
-    end = time.time() + timeout
-    while time.time() < end:
-        try:
-            if requests.get(f"{url}/health", timeout=2).ok:
-                return
-        except requests.RequestException:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(f"{url} did not answer /health within {timeout}s")
-
-
 def run_point(pool, protocol, address, prompts, n, max_tokens, clients, timeout):
     jobs = list(enumerate(prompts[:n]))
     k = max(1, min(clients, n))
@@ -445,6 +431,7 @@ def serve_layout(layout, config, args, pool, prompts, offline_tokens, fresh_prom
     from ray import serve
 
     from deploy.app import build_app
+    from deploy.cli import wait_ready
 
     check_fits(layout, config)
     port, grpc_port = _free_port(), _free_port()
@@ -454,7 +441,7 @@ def serve_layout(layout, config, args, pool, prompts, offline_tokens, fresh_prom
                                   ["proto.baton_pb2_grpc.add_BatonServicer_to_server"]})
     t0 = time.time()
     serve.run(build_app(config), name="baton", route_prefix="/", blocking=False)
-    _wait_ready(f"http://127.0.0.1:{port}", args.timeout)
+    wait_ready(f"http://127.0.0.1:{port}", args.timeout)
     print(f"{layout}: ready in {time.time() - t0:.0f}s", flush=True)
     addresses = {"http": f"http://127.0.0.1:{port}", "grpc": f"127.0.0.1:{grpc_port}"}
     try:

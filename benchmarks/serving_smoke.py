@@ -29,20 +29,14 @@ def run_layout(config: dict, prompts, max_tokens: int, timeout: float) -> list[d
     from ray import serve
 
     from deploy.app import build_app
+    from deploy.cli import wait_ready
 
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     t0 = time.perf_counter()
     serve.run(build_app(config), name="baton", route_prefix="/", blocking=False)
     url = f"http://127.0.0.1:{port}"
-    end = time.time() + timeout
-    while time.time() < end:
-        try:
-            if requests.get(f"{url}/health", timeout=2).ok:
-                break
-        except requests.RequestException:
-            pass
-        time.sleep(1)
+    wait_ready(url, timeout)
     print(f"{config['mode']}: ready in {time.perf_counter() - t0:.1f}s", flush=True)
     rows = []
     for prompt in prompts:
@@ -84,7 +78,9 @@ def main(argv=None) -> None:
     import ray
     import torch
 
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    from deploy import ray_env
+
+    ray_env.apply()
     ray.init(include_dashboard=False, log_to_driver=False, logging_level="ERROR")
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(10, 150000, (n,), generator=gen).tolist() for n in args.lengths]

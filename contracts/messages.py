@@ -57,7 +57,7 @@ class DecodeTiming:
     """When the decode replica saw a request's milestones (``time.time()`` seconds)."""
 
     received: float = 0.0  # the Serve call arrived
-    queued: float = 0.0  # handed to the engine (prefill queued here, or the KV landed)
+    queued: float = 0.0  # handed to the engine: its prefill queued here, or its KV landed
     prefill_called: float = 0.0  # disaggregated: the prefill replica was called
     prefill_returned: float = 0.0  # disaggregated: its result came back (KV pushed)
     first_token: float = 0.0  # the first token left in a frame

@@ -78,6 +78,7 @@ class TokenSink:
         self.address: StreamAddress | None = None
         self._handlers: dict[str, DeltaHandler] = {}
         self._server: asyncio.Server | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
         self._lock = asyncio.Lock()
         self.num_frames = 0
 
@@ -97,6 +98,7 @@ class TokenSink:
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = writer.get_extra_info("peername")
+        self._writers.add(writer)
         try:
             hello = msgpack.unpackb(await asyncio.wait_for(_read_frame(reader), HELLO_TIMEOUT_S))
             if not (isinstance(hello, list) and len(hello) == 3 and hello[0] == PROTOCOL
@@ -115,11 +117,16 @@ class TokenSink:
         except Exception:  # noqa: BLE001 - a malformed frame ends that connection only
             log.exception("token sink: dropped the connection from %s", peer)
         finally:
+            self._writers.discard(writer)
             writer.close()
 
     async def close(self) -> None:
+        """Stop listening and drop every publisher (their requests fail on their side)."""
         if self._server is not None:
             self._server.close()
+        for writer in list(self._writers):
+            writer.close()
+        if self._server is not None:
             await self._server.wait_closed()
 
 
@@ -147,7 +154,8 @@ class _Route:
 
 class TokenPublisher:
     """The decode side: sends each request's engine outputs to the sink that asked for them.
-    ``connect``/``route``/``unroute`` run on the event loop, ``publish`` on the engine thread."""
+    ``connect``/``route``/``unroute`` run on the event loop (one loop: the replica's, where every
+    connection lives), ``publish`` on the engine thread, ``fail_all`` on any thread."""
 
     def __init__(self):
         self.publisher_id = uuid.uuid4().hex

@@ -57,7 +57,7 @@ class DecodeServer:
                 prefilled = await self._remote_prefill(req, prompt, timing)
             if prefilled is None:  # colocated, or nothing reserved: prefill here
                 await self.aengine.call(lambda e: e.add_request(prompt, req.params, rid))
-            timing.queued = time.time()
+                timing.queued = time.time()
             last = await route.done
         except BaseException:
             self.publisher.unroute(rid)
@@ -106,6 +106,7 @@ class DecodeServer:
         t = await landed
         if t.state is not TransferState.DONE:
             raise TransferError(f"KV of {rid} did not land: {t.error}")
+        timing.queued = time.time()
 
         def admit(engine):  # the first token goes out before any later step's
             self.publisher.publish([engine.admit(rid, result.first_token, result.first_logprob)])

@@ -52,7 +52,9 @@ def cmd_generate(args) -> None:
 def _start_ray(num_cpus: int | None = None) -> None:
     import ray
 
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    from deploy import ray_env
+
+    ray_env.apply()  # HAProxy ingress and Serve's throughput profile for this local cluster
     ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
              logging_level="ERROR")
 
@@ -87,7 +89,7 @@ def cmd_demo(args) -> None:
                 grpc_options={"port": grpc_port, "grpc_servicer_functions": [GRPC_SERVICER]})
     t0 = time.perf_counter()
     serve.run(build_app(config), name="baton", route_prefix="/", blocking=False)
-    _wait_ready(f"http://127.0.0.1:{http}", timeout=args.timeout)
+    wait_ready(f"http://127.0.0.1:{http}", timeout=args.timeout)
     print(f"ready in {time.perf_counter() - t0:.1f}s: http://127.0.0.1:{http}, "
           f"gRPC 127.0.0.1:{grpc_port}\n")
     try:
@@ -102,7 +104,8 @@ def cmd_demo(args) -> None:
     print("\ndone")
 
 
-def _wait_ready(url: str, timeout: float) -> None:
+def wait_ready(url: str, timeout: float) -> None:
+    """Wait until the app at ``url`` answers ``/health`` (TimeoutError after ``timeout`` s)."""
     import requests
     end = time.time() + timeout
     while time.time() < end:

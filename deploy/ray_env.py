@@ -47,13 +47,20 @@ def _free_port() -> str:
         return str(s.getsockname()[1])
 
 
+def local_env() -> dict[str, str]:
+    """:func:`serve_env` plus the settings of a local cluster (a short drain, free ports for
+    HAProxy's stats and metrics listeners)."""
+    env = {**serve_env(), **LOCAL}
+    if "RAY_SERVE_ENABLE_HA_PROXY" in env:
+        env |= {"RAY_SERVE_HAPROXY_STATS_PORT": _free_port(),
+                "RAY_SERVE_HAPROXY_METRICS_PORT": _free_port()}
+    return env
+
+
 def apply() -> dict[str, str]:
-    """Put :func:`serve_env` (and the local settings) into this process's environment (values
-    already set win), before ``ray.init`` starts a local cluster; returns what is in effect."""
-    wanted = {**serve_env(), **LOCAL}
-    if "RAY_SERVE_ENABLE_HA_PROXY" in wanted:
-        wanted |= {"RAY_SERVE_HAPROXY_STATS_PORT": _free_port(),
-                   "RAY_SERVE_HAPROXY_METRICS_PORT": _free_port()}
+    """Put :func:`local_env` into this process's environment (values already set win), before
+    ``ray.init`` starts a local cluster; returns what is in effect."""
+    wanted = local_env()
     for key, value in wanted.items():
         os.environ.setdefault(key, value)
     return {key: os.environ[key] for key in wanted}

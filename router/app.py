@@ -164,9 +164,8 @@ class Router:
         except RequestTimeout:
             outcome = "timeout"
             raise
-        except BaseException as exc:
-            outcome = "cancelled" if isinstance(exc, GeneratorExit) or \
-                type(exc).__name__ == "CancelledError" else "error"
+        except (asyncio.CancelledError, GeneratorExit):
+            outcome = "cancelled"  # the client went away
             raise
         finally:
             self.client.close(stream)
@@ -305,7 +304,7 @@ class Router:
         return ids, params
 
     async def _grpc_chunks(self, req, grpc_context):
-        """(chunk, stream, result) of one gRPC request; a bad request sets INVALID_ARGUMENT."""
+        """(chunk, stream) of one gRPC request; a bad request sets INVALID_ARGUMENT."""
         try:
             ids, params = self._grpc_inputs(req)
         except ValueError as exc:
@@ -314,8 +313,9 @@ class Router:
         try:
             async with self.request(ids, params, rid) as stream:
                 async for chunk in stream.chunks(stream.deadline):
-                    result = await self.finish(stream) if chunk.finished else None
-                    yield chunk, stream, result
+                    if chunk.finished:
+                        await self.finish(stream)  # transfer metrics
+                    yield chunk, stream
         except ValueError as exc:
             _fail(grpc_context, grpc.StatusCode.INVALID_ARGUMENT, exc)
         except RequestTimeout as exc:
@@ -332,7 +332,7 @@ class Router:
 
     async def Generate(self, request, grpc_context: RayServegRPCContext):
         resp = baton_pb2.GenerateResponse()
-        async for chunk, stream, _result in self._grpc_chunks(request, grpc_context):
+        async for chunk, stream in self._grpc_chunks(request, grpc_context):
             resp.request_id = stream.request_id
             resp.token_ids.extend(chunk.token_ids)
             resp.text += chunk.text
@@ -342,7 +342,7 @@ class Router:
         return resp
 
     async def GenerateStream(self, request, grpc_context: RayServegRPCContext):
-        async for chunk, stream, _result in self._grpc_chunks(request, grpc_context):
+        async for chunk, stream in self._grpc_chunks(request, grpc_context):
             msg = baton_pb2.GenerateResponse(request_id=stream.request_id,
                                              token_ids=chunk.token_ids, text=chunk.text,
                                              logprobs=chunk.logprobs or [],

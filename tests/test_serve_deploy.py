@@ -14,6 +14,7 @@ import pytest
 import requests
 import yaml
 
+from deploy import ray_env
 from deploy.config import BatonConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,7 +52,8 @@ def test_serve_deploy_on_ray_start(tmp_path):
     config_path = tmp_path / "serve_config.yaml"
     config_path.write_text(yaml.safe_dump(config))
     # A throwaway local cluster: no token authentication (clusters made with `ray up` keep it).
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONPATH": str(ROOT),
+    # As cluster.yaml starts Ray: HAProxy in front of direct-ingress replicas.
+    env = {**os.environ, **ray_env.local_env(), "PYTHONPATH": str(ROOT),
            "RAY_AUTH_MODE": "disabled"}
     env.pop("RAY_ADDRESS", None)
     head = subprocess.Popen(
@@ -107,3 +109,8 @@ def test_cluster_configs_install_baton_and_start_ray(name):
     assert any("torch==2.13.0" in c for c in cluster["setup_commands"])
     assert any("-e '~/baton[serve" in c for c in cluster["setup_commands"])
     assert any("ray start --head" in c for c in cluster["head_start_ray_commands"])
+    for key, value in ray_env.serve_env().items():  # the serving fast path on every node
+        if key != "RAY_USAGE_STATS_ENABLED":
+            for commands in ("head_start_ray_commands", "worker_start_ray_commands"):
+                assert any(f"{key}={value} " in c.split("ray start")[0]
+                           for c in cluster[commands] if "ray start" in c), (key, commands)

@@ -96,6 +96,43 @@ def test_stop_string_in_a_stream_is_never_sent(server, offline):
     assert text == full[: full.find(stop)]
 
 
+def _decode_engine_tokens() -> int:
+    """Output tokens the decode replica's engine has made so far (its step counters)."""
+    from ray import serve
+
+    handle = serve.get_deployment_handle("DecodeServer", "baton")
+    if not handle.is_initialized:  # the driver has no event loop for the handle's router
+        handle._init(_run_router_in_separate_loop=True)
+    return handle.engine_stats.remote().result(timeout_s=30)["output_tokens"]
+
+
+def _wait_idle(url) -> None:
+    deadline = time.time() + 30
+    while time.time() < deadline and (_gauge(url, "baton_kv_blocks_used") or
+                                      _gauge(url, "baton_kv_blocks_held_by_transfers")):
+        time.sleep(0.2)
+    assert _gauge(url, "baton_kv_blocks_used") == 0
+    assert _gauge(url, "baton_kv_blocks_held_by_transfers") == 0
+
+
+def test_stop_string_aborts_the_request_in_the_engine(server, offline):
+    """The engine stops on ids only; the ingress that finds the stop string cancels the call,
+    and the decode replica aborts the request: it stops making tokens and frees its blocks."""
+    _, url, _ = server
+    params = {"temperature": 0, "ignore_eos": True, "max_tokens": 1500}
+    full = offline.generate(PROMPTS[1], SamplingParams(**{**params, "max_tokens": 20}))[0]
+    stop = full.text[5:8]
+    want = offline.generate(PROMPTS[1], SamplingParams(**params, stop=[stop]))[0]
+    before = _decode_engine_tokens()
+    body = _post(f"{url}/v1/completions", {"prompt": PROMPTS[1], "stop": [stop], **params}).json()
+    choice = body["choices"][0]
+    assert choice["finish_reason"] == "stop" and choice["text"] == want.text
+    assert choice["token_ids"] == want.token_ids and len(want.token_ids) < 20
+    _wait_idle(url)
+    made = _decode_engine_tokens() - before
+    assert made < 100, f"the engine made {made} tokens for a request stopped after a few"
+
+
 def test_chat_uses_the_template(server, offline):
     _, url, _ = server
     messages = [{"role": "user", "content": "What is two plus two?"}]
@@ -167,19 +204,34 @@ def _gauge(url, name) -> float:
 
 def test_cancelled_stream_frees_every_block(server):
     _, url, _ = server
+    before = _decode_engine_tokens()
     resp = _post(f"{url}/v1/completions", {"prompt": PROMPTS[1], "stream": True,
                                            "max_tokens": 1500, "ignore_eos": True}, stream=True)
     events = _events(resp)
     next(events), next(events)
     resp.close()  # the client goes away mid-stream
-    deadline = time.time() + 30
-    while time.time() < deadline:
-        if _gauge(url, "baton_kv_blocks_used") == 0 and \
-                _gauge(url, "baton_kv_blocks_held_by_transfers") == 0:
-            break
-        time.sleep(0.2)
-    assert _gauge(url, "baton_kv_blocks_used") == 0
-    assert _gauge(url, "baton_kv_blocks_held_by_transfers") == 0
+    _wait_idle(url)
+    assert _decode_engine_tokens() - before < 1500  # aborted, not run to its end
+
+
+def test_timing_fields_when_asked(server):
+    mode, url, _ = server
+    t0 = time.time()
+    resp = _post(f"{url}/v1/completions", {"prompt": PROMPTS[0], "stream": True, **GREEDY,
+                                           "stream_options": {"include_timing": True}},
+                 stream=True)
+    events = [e for e in _events(resp) if e]
+    chunks, usage = [e for e in events if e["choices"]], events[-1]
+    assert all(t0 <= c["produced_at"] <= time.time() for c in chunks)
+    router, decode = usage["timing"]["router"], usage["timing"]["decode"]
+    assert t0 <= router["received"] <= router["submitted"] <= decode["received"]
+    assert decode["received"] <= decode["queued"] <= decode["first_token"] <= decode["finished"]
+    assert decode["first_token"] <= router["first_token"] <= router["finished"]
+    assert (decode["prefill_called"] > 0) == (mode == "disaggregated")
+    plain = [e for e in _events(_post(f"{url}/v1/completions", {"prompt": PROMPTS[0],
+                                                                 "stream": True, **GREEDY},
+                                      stream=True)) if e]
+    assert "produced_at" not in plain[0] and "timing" not in plain[-1]
 
 
 @pytest.fixture(scope="module")
@@ -203,6 +255,7 @@ def test_grpc_unary_and_stream_match_offline(stub, offline):
     assert resp.ttft_s > 0
     msgs = list(stub.GenerateStream(req, timeout=60))
     assert [t for m in msgs for t in m.token_ids] == want.token_ids
+    assert all(m.produced_at > 0 for m in msgs if m.token_ids)
     assert "".join(m.text for m in msgs) == want.text
     assert msgs[-1].finish_reason == "length" and msgs[-1].usage.prompt_tokens > 0
     ids = random_prompts([20], vocab=512, seed=53)[0]

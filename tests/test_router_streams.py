@@ -1,0 +1,91 @@
+"""The ingress's view of a request (no Ray): what arrived since the writer's last turn leaves as
+one chunk, a stop string ends the text and cancels the decode call, a failed call or a deadline
+ends the stream with an error instead of a hang."""
+
+import asyncio
+import time
+
+import pytest
+
+from contracts import TokenDelta
+from engine import SamplingParams
+from engine.detokenizer import IncrementalDetokenizer
+from engine.loader import load_tokenizer, resolve_model
+from router.streams import RequestStream, RequestTimeout
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer(resolve_model("tiny"))
+
+
+class FakeCall:
+    def __init__(self):
+        self.cancelled = False
+
+    def cancel(self):
+        self.cancelled = True
+
+
+def _stream(tok, **params):
+    p = SamplingParams(**params)
+    s = RequestStream("r", 4, p, IncrementalDetokenizer(tok, p.stop))
+    s.call = FakeCall()
+    return s
+
+
+async def _collect(stream, deadline_s=5.0):
+    return [c async for c in stream.chunks(time.monotonic() + deadline_s)]
+
+
+def test_tokens_that_arrive_together_leave_as_one_chunk(tok):
+    async def main():
+        ids = tok.encode("one two three four", add_special_tokens=False)
+        s = _stream(tok, max_tokens=len(ids), logprobs=True)
+        for i, t in enumerate(ids[:-1]):  # several steps before the writer's first turn
+            s.feed(TokenDelta("r", [t], [-float(i)], num_output_tokens=i + 1), 10.0 + i)
+        first = await s.chunks(time.monotonic() + 5).__anext__()
+        assert first.token_ids == ids[:-1] and first.produced_at == 10.0
+        assert first.logprobs == [-float(i) for i in range(len(ids) - 1)]
+        s.feed(TokenDelta("r", [ids[-1]], [-9.0], "length", None, len(ids)), 20.0)
+        rest = await _collect(s)
+        assert len(rest) == 1 and rest[0].finish_reason == "length"
+        assert first.text + rest[0].text == "one two three four"
+        assert not s.call.cancelled
+
+    asyncio.run(main())
+
+
+def test_a_stop_string_ends_the_text_and_cancels_the_call(tok):
+    async def main():
+        ids = tok.encode("alpha beta gamma delta", add_special_tokens=False)
+        s = _stream(tok, max_tokens=100, stop=["gamma"])
+        for i, t in enumerate(ids):
+            s.feed(TokenDelta("r", [t], num_output_tokens=i + 1), 1.0)
+        chunks = await _collect(s)
+        assert "".join(c.text for c in chunks) == "alpha beta "
+        assert s.finish_reason == "stop" and s.stop_reason == "gamma" and s.call.cancelled
+        assert "gamma" in tok.decode(s.token_ids) and len(s.token_ids) < len(ids)
+
+    asyncio.run(main())
+
+
+def test_a_failed_call_ends_the_stream_with_its_error(tok):
+    async def main():
+        s = _stream(tok)
+        s.feed(TokenDelta("r", [tok.encode("x", add_special_tokens=False)[0]],
+                          num_output_tokens=1), 1.0)
+        s.fail(ValueError("prompt: too long"))
+        with pytest.raises(ValueError, match="too long"):
+            await _collect(s)
+
+    asyncio.run(main())
+
+
+def test_a_stream_past_its_deadline_times_out(tok):
+    async def main():
+        s = _stream(tok)
+        with pytest.raises(RequestTimeout):
+            await _collect(s, deadline_s=0.2)
+
+    asyncio.run(main())

@@ -1,0 +1,127 @@
+"""The token channel on its own (no Ray): one frame per engine step per ingress, deltas reach
+their request's handler with the step's timestamp, a request's route ends with its last delta,
+and a publisher with the wrong key or a lost connection fails its requests instead of hanging."""
+
+import asyncio
+import threading
+
+import pytest
+
+from contracts import StreamAddress, TokenChannelLost, TokenPublisher, TokenSink
+from engine.outputs import RequestOutput
+
+
+def _run(coro, timeout=20):
+    return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+def _publish_from_thread(publisher, outputs, produced_at=None):
+    """The engine thread publishes; here a plain thread stands in for it."""
+    t = threading.Thread(target=publisher.publish, args=(outputs, produced_at))
+    t.start()
+    t.join()
+
+
+def test_one_frame_per_step_carries_every_request_of_that_ingress():
+    async def main():
+        sink, pub = TokenSink(), TokenPublisher()
+        address = await sink.start()
+        got = {"a": [], "b": []}
+        for rid in got:
+            sink.register(rid, lambda d, at, rid=rid: got[rid].append((d, at)))
+        conn = await pub.connect(address)
+        routes = {rid: pub.route(rid, conn) for rid in got}
+        _publish_from_thread(pub, [RequestOutput("a", [5], [-0.5], num_output_tokens=1),
+                                   RequestOutput("b", [7], num_output_tokens=1)], 100.0)
+        _publish_from_thread(pub, [RequestOutput("a", [6], [-0.25], True, "length", None, 2, 3),
+                                   RequestOutput("b", [8], num_output_tokens=2)], 101.0)
+        last = await routes["a"].done
+        while len(got["b"]) < 2:
+            await asyncio.sleep(0.01)
+        assert sink.num_frames == 2  # two steps, two requests each: two frames
+        (d1, at1), (d2, at2) = got["a"]
+        assert (d1.token_ids, d1.logprobs, d1.finished, at1) == ([5], [-0.5], False, 100.0)
+        assert (d2.token_ids, d2.finish_reason, d2.num_output_tokens, d2.num_cached_tokens,
+                at2) == ([6], "length", 2, 3, 101.0)
+        assert last.finish_reason == "length" and routes["a"].first_at == 100.0
+        assert not routes["b"].done.done() and pub.num_routes == 1
+        await pub.close()
+        await sink.close()
+
+    _run(main())
+
+
+def test_unrouted_and_unregistered_requests_are_dropped():
+    async def main():
+        sink, pub = TokenSink(), TokenPublisher()
+        conn = await pub.connect(await sink.start())
+        pub.route("kept", conn)
+        seen = []
+        sink.register("kept", lambda d, at: seen.append(d.request_id))
+        _publish_from_thread(pub, [RequestOutput("other", [1]), RequestOutput("kept", [2])])
+        pub.unroute("kept")
+        _publish_from_thread(pub, [RequestOutput("kept", [3])])
+        await asyncio.sleep(0.2)
+        assert seen == ["kept"] and sink.num_frames == 1
+        await pub.close()
+        await sink.close()
+
+    _run(main())
+
+
+def test_a_wrong_key_is_refused_and_its_requests_fail():
+    async def main():
+        sink, pub = TokenSink(), TokenPublisher()
+        real = await sink.start()
+        forged = StreamAddress(real.host, real.port, "not-the-key", real.sink_id)
+        seen = []
+        sink.register("r", lambda d, at: seen.append(d))
+        route = pub.route("r", await pub.connect(forged))
+        _publish_from_thread(pub, [RequestOutput("r", [1])])
+        with pytest.raises(TokenChannelLost):
+            await route.done
+        assert seen == [] and sink.num_frames == 0
+        await sink.close()
+
+    _run(main())
+
+
+def test_a_lost_ingress_fails_the_requests_routed_to_it():
+    async def main():
+        sink, pub = TokenSink(), TokenPublisher()
+        conn = await pub.connect(await sink.start())
+        route = pub.route("r", conn)
+        await sink.close()  # the ingress replica goes away: its connections close
+        with pytest.raises(TokenChannelLost):
+            await asyncio.wait_for(route.done, 10)
+        with pytest.raises(TokenChannelLost):
+            pub.route("late", conn)
+
+    _run(main())
+
+
+def test_fail_all_fails_every_route():
+    async def main():
+        sink, pub = TokenSink(), TokenPublisher()
+        conn = await pub.connect(await sink.start())
+        routes = [pub.route(rid, conn) for rid in ("a", "b")]
+        threading.Thread(target=pub.fail_all, args=(RuntimeError("engine died"),)).start()
+        for route in routes:
+            with pytest.raises(RuntimeError, match="engine died"):
+                await route.done
+        await pub.close()
+        await sink.close()
+
+    _run(main())
+
+
+def test_one_connection_per_ingress_however_many_requests():
+    async def main():
+        sink, pub = TokenSink(), TokenPublisher()
+        address = await sink.start()
+        conns = await asyncio.gather(*[pub.connect(address) for _ in range(5)])
+        assert all(c is conns[0] for c in conns)
+        await pub.close()
+        await sink.close()
+
+    _run(main())

@@ -211,6 +211,8 @@ class TokenPublisher:
         if not conn.alive:
             raise TokenChannelLost(f"token channel to {conn.address.host}:{conn.address.port} "
                                    "closed")
+        if request_id in self._routes:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
         route = self._routes[request_id] = _Route(conn, conn.loop.create_future())
         conn.routes.add(request_id)
         return route

@@ -309,7 +309,7 @@ class Router:
             ids, params = self._grpc_inputs(req)
         except ValueError as exc:
             _fail(grpc_context, grpc.StatusCode.INVALID_ARGUMENT, exc)
-        rid = req.request_id or f"grpc-{uuid.uuid4().hex}"
+        rid = f"grpc-{uuid.uuid4().hex}"  # the client's request_id is echoed, never a key
         try:
             async with self.request(ids, params, rid) as stream:
                 async for chunk in stream.chunks(stream.deadline):
@@ -333,7 +333,7 @@ class Router:
     async def Generate(self, request, grpc_context: RayServegRPCContext):
         resp = baton_pb2.GenerateResponse()
         async for chunk, stream in self._grpc_chunks(request, grpc_context):
-            resp.request_id = stream.request_id
+            resp.request_id = request.request_id or stream.request_id
             resp.token_ids.extend(chunk.token_ids)
             resp.text += chunk.text
             resp.logprobs.extend(chunk.logprobs or [])
@@ -343,7 +343,7 @@ class Router:
 
     async def GenerateStream(self, request, grpc_context: RayServegRPCContext):
         async for chunk, stream in self._grpc_chunks(request, grpc_context):
-            msg = baton_pb2.GenerateResponse(request_id=stream.request_id,
+            msg = baton_pb2.GenerateResponse(request_id=request.request_id or stream.request_id,
                                              token_ids=chunk.token_ids, text=chunk.text,
                                              logprobs=chunk.logprobs or [],
                                              produced_at=chunk.produced_at)

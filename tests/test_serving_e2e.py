@@ -265,6 +265,22 @@ def test_grpc_unary_and_stream_match_offline(stub, offline):
     assert stub.Health(baton_pb2.HealthRequest(), timeout=10).status == "ok"
 
 
+def test_grpc_client_request_ids_need_not_be_unique(stub, offline):
+    """A client's request_id is echoed, not used as a key: two at once with one id both
+    complete with their own tokens."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from proto import baton_pb2
+    prompts = random_prompts([12, 30], vocab=512, seed=54)
+    reqs = [baton_pb2.GenerateRequest(prompt_token_ids=p, max_tokens=12, temperature=0,
+                                      ignore_eos=True, request_id="mine") for p in prompts]
+    with ThreadPoolExecutor(2) as pool:
+        resps = list(pool.map(lambda r: stub.Generate(r, timeout=60), reqs))
+    for p, resp in zip(prompts, resps):
+        assert resp.request_id == "mine"
+        assert list(resp.token_ids) == offline.generate([p], SamplingParams(**GREEDY))[0].token_ids
+
+
 @pytest.mark.parametrize("fields, fragment", [
     (dict(prompt=""), "prompt: must not be empty"),
     (dict(prompt="hi", temperature=-1.0), "temperature"),

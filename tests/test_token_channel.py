@@ -115,6 +115,20 @@ def test_fail_all_fails_every_route():
     _run(main())
 
 
+def test_a_request_id_in_flight_cannot_be_routed_again():
+    async def main():
+        sink, pub = TokenSink(), TokenPublisher()
+        conn = await pub.connect(await sink.start())
+        first = pub.route("same", conn)
+        with pytest.raises(ValueError, match="already in use"):
+            pub.route("same", conn)
+        assert pub._routes["same"] is first
+        await pub.close()
+        await sink.close()
+
+    _run(main())
+
+
 def test_one_connection_per_ingress_however_many_requests():
     async def main():
         sink, pub = TokenSink(), TokenPublisher()

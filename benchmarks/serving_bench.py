@@ -360,11 +360,11 @@ def layout_config(layout: str, engine: dict, args) -> dict:
     if layout == "colo":
         return {"mode": "colocated", "engine": engine,
                 "decode": {"num_gpus": args.colo_gpus, "num_cpus": args.role_cpus,
-                           "max_ongoing_requests": 4096},
+                           "max_ongoing_requests": 4096, "max_queued_requests": -1},
                 "router": {"num_replicas": args.routers, "num_cpus": 0.25,
                            "request_timeout_s": args.timeout}}
     role = {"num_gpus": args.gpus_per_role, "num_cpus": args.role_cpus,
-            "max_ongoing_requests": 4096}
+            "max_ongoing_requests": 4096, "max_queued_requests": -1}  # throughput, not admission
     if "gpu_memory_utilization" in engine and args.gpus_per_role < 1:  # a share of one GPU each
         role["engine"] = {"gpu_memory_utilization":
                           engine["gpu_memory_utilization"] * args.gpus_per_role}

@@ -7,13 +7,15 @@ are kept, not asked for) → lease them to the KV endpoint → call a prefill re
 destination → the KV lands → admit into the running batch with the prefill's first token → after
 each engine step the publisher packs that step's tokens, one frame per ingress replica, on the
 engine thread → the call returns a :class:`GenerateResult` once the request has ended. In
-colocated mode (or when blocks cannot be reserved right now) the request is prefilled here.
-A cancelled call aborts the request and frees its blocks on both sides.
+colocated mode, when blocks cannot be reserved right now, or when the prefill replica refuses
+the call (its queue is full) or is gone, the request is prefilled here. A cancelled call aborts
+the request and frees its blocks on both sides.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 from contracts.messages import (DecodeTiming, GenerateRequest, GenerateResult, PrefillRequest,
@@ -22,12 +24,25 @@ from contracts.token_channel import TokenPublisher
 from engine.async_engine import AsyncEngine
 from kvtransfer import KVDestination, TransferError, TransferState, endpoint_for
 
+log = logging.getLogger(__name__)
+
+
+def prefill_unavailable(exc: BaseException) -> bool:
+    """The prefill replica refused the call (its queue is full) or is gone. Either way it wrote
+    nothing into our blocks (a refused call never started; a dead writer writes no more), so the
+    decode replica can release the lease and prefill the request itself at once."""
+    from ray.exceptions import RayActorError
+    from ray.serve.exceptions import BackPressureError
+
+    return isinstance(exc, (BackPressureError, RayActorError))
+
 
 class DecodeServer:
     """Engine in the decode role; ``prefill`` is the prefill deployment's handle (or None for
     colocated mode)."""
 
-    def __init__(self, config, backend: str, prefill=None, transfer_timeout_s: float = 30.0):
+    def __init__(self, config, backend: str, prefill=None, transfer_timeout_s: float = 30.0,
+                 **endpoint_kwargs):
         self.publisher = TokenPublisher()
         self.aengine = AsyncEngine(config, on_outputs=self.publisher.publish,
                                    on_error=self.publisher.fail_all)
@@ -35,7 +50,8 @@ class DecodeServer:
         self.timeout_s = transfer_timeout_s
         self.endpoint = None
         if prefill is not None:
-            self.endpoint = endpoint_for(self.aengine.engine, backend, polled=True)
+            self.endpoint = endpoint_for(self.aengine.engine, backend, polled=True,
+                                         **endpoint_kwargs)
             self.aengine.add_ticker(self.endpoint.poll)
 
     @property
@@ -97,8 +113,14 @@ class DecodeServer:
         try:
             result = await self.prefill.prefill.remote(
                 PrefillRequest(tuple(prompt), req.params, dest, self.endpoint.info()))
-        except BaseException:
+        except BaseException as exc:
+            # Releases the lease and, through on_finish, the reservation (engine thread, in
+            # order: before a local prefill of the same request id is queued).
             self.aengine.submit(lambda e: self.endpoint.abort(dest.transfer_id, "prefill failed"))
+            if isinstance(exc, Exception) and prefill_unavailable(exc):
+                log.info("request %s: prefill replica unavailable (%s); prefilling here", rid,
+                         type(exc).__name__)
+                return None
             raise
         timing.prefill_returned = time.time()
         if not self.endpoint.backend.native_notify:

@@ -24,11 +24,19 @@ PREFILL_ROUTER = "router.request_routers:PrefixAwareRouter"
 DECODE_ROUTER = "router.request_routers:LeastKVLoadRouter"
 
 
-def _options(role: RoleConfig, router_class: str, **router_kwargs) -> dict:
+def _backpressure(cfg: BatonConfig):
+    from ray.serve.config import BackpressureConfig
+
+    return BackpressureConfig(status_code=429, retry_after_s=cfg.admission.retry_after_s)
+
+
+def _options(cfg: BatonConfig, role: str, router_class: str, **router_kwargs) -> dict:
     from ray.serve.config import RequestRouterConfig
 
-    return dict(num_replicas=role.num_replicas, max_ongoing_requests=role.max_ongoing_requests,
-                ray_actor_options={"num_cpus": role.num_cpus, "num_gpus": role.num_gpus},
+    rc: RoleConfig = getattr(cfg, role)
+    return dict(num_replicas=rc.num_replicas, max_ongoing_requests=cfg.max_ongoing(role),
+                max_queued_requests=cfg.max_queued(role), backpressure_config=_backpressure(cfg),
+                ray_actor_options={"num_cpus": rc.num_cpus, "num_gpus": rc.num_gpus},
                 request_router_config=RequestRouterConfig(
                     request_router_class=router_class, request_router_kwargs=router_kwargs,
                     request_routing_stats_period_s=1.0))
@@ -44,11 +52,14 @@ def build_app(args: dict[str, Any] | BatonConfig | None = None) -> Application:
     prefill = None
     if cfg.mode == "disaggregated":
         prefill = PrefillDeployment.options(**_options(
-            cfg.prefill, PREFILL_ROUTER, block_size=cfg.engine.block_size)).bind(
+            cfg, "prefill", PREFILL_ROUTER, block_size=cfg.engine.block_size)).bind(
             cfg.engine_for("prefill").model_dump(), backend)
-    decode = DecodeDeployment.options(**_options(cfg.decode, DECODE_ROUTER)).bind(
+    decode = DecodeDeployment.options(**_options(cfg, "decode", DECODE_ROUTER)).bind(
         cfg.engine_for("decode").model_dump(), backend, prefill, cfg.transfer.timeout_s)
     router = Router.options(num_replicas=cfg.router.num_replicas,
+                            max_ongoing_requests=cfg.router.max_ongoing_requests,
+                            max_queued_requests=cfg.router.max_queued_requests,
+                            backpressure_config=_backpressure(cfg),
                             ray_actor_options={"num_cpus": cfg.router.num_cpus})
     return router.bind(decode, cfg.engine.model, cfg.served_model_name, cfg.engine.max_model_len,
                        cfg.router.request_timeout_s, cfg.router.max_tokens_default)

@@ -6,7 +6,16 @@
     decode:   replicas and resources of the decode deployment
     router:   the ingress (HTTP and gRPC)
     transfer: KV-transfer backend and deadline
+    admission: when overload is refused (``retry_after_s``)
 A prefill:decode ratio change is ``prefill.num_replicas`` / ``decode.num_replicas``.
+
+Admission: a replica holds at most ``max_ongoing_requests`` requests (default: twice its
+engine's ``max_num_seqs``, a running batch and one waiting in the engine); up to
+``max_queued_requests`` more (default: one batch, ``max_num_seqs``) wait in Serve at each caller,
+and the rest are refused at once: HTTP 429 with ``Retry-After``, gRPC ``RESOURCE_EXHAUSTED``.
+Serve counts a request as queued until it is assigned to a replica, so a bound smaller than the
+bursts you expect refuses some of a burst even with free replicas. A refused prefill call is
+prefilled by the decode replica itself instead.
 """
 
 from __future__ import annotations
@@ -26,16 +35,23 @@ class RoleConfig(_Strict):
     num_replicas: int = Field(1, ge=1)
     num_cpus: float = Field(0.5, ge=0)
     num_gpus: float = Field(0.0, ge=0)
-    max_ongoing_requests: int = Field(64, ge=1)
+    max_ongoing_requests: int | None = Field(None, ge=1)  # None: 2 x the engine's max_num_seqs
+    max_queued_requests: int | None = Field(None, ge=-1)  # None: max_num_seqs; -1: unbounded
     engine: dict = Field(default_factory=dict)  # per-role EngineConfig overrides
 
 
 class RouterConfig(_Strict):
     num_replicas: int = Field(1, ge=1)
     num_cpus: float = Field(0.25, ge=0)
+    max_ongoing_requests: int = Field(1024, ge=1)  # client connections one ingress replica serves
+    max_queued_requests: int = Field(64, ge=-1)
     model_name: str | None = None  # the name served in /v1/models (default: the model spec)
     request_timeout_s: float = Field(300.0, gt=0)
     max_tokens_default: int = Field(16, ge=1)
+
+
+class AdmissionConfig(_Strict):
+    retry_after_s: float = Field(1.0, gt=0)  # the Retry-After of a refused request
 
 
 class TransferConfig(_Strict):
@@ -50,10 +66,20 @@ class BatonConfig(_Strict):
     decode: RoleConfig = Field(default_factory=RoleConfig)
     router: RouterConfig = Field(default_factory=RouterConfig)
     transfer: TransferConfig = Field(default_factory=TransferConfig)
+    admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
 
     def engine_for(self, role: Literal["prefill", "decode"]) -> EngineConfig:
         overrides = (self.prefill if role == "prefill" else self.decode).engine
         return EngineConfig(**{**self.engine.model_dump(), **overrides})
+
+    def max_ongoing(self, role: Literal["prefill", "decode"]) -> int:
+        cfg = self.prefill if role == "prefill" else self.decode
+        return cfg.max_ongoing_requests or 2 * self.engine_for(role).max_num_seqs
+
+    def max_queued(self, role: Literal["prefill", "decode"]) -> int:
+        cfg = self.prefill if role == "prefill" else self.decode
+        q = cfg.max_queued_requests
+        return self.engine_for(role).max_num_seqs if q is None else q
 
     @property
     def served_model_name(self) -> str:

@@ -20,9 +20,9 @@ from kvtransfer import EndpointInfo, TransferError, TransferState, endpoint_for
 class PrefillServer:
     """Engine in the prefill role plus its KV endpoint (used by the Serve deployment)."""
 
-    def __init__(self, config, backend: str):
+    def __init__(self, config, backend: str, **endpoint_kwargs):
         self.aengine = AsyncEngine(config)
-        self.endpoint = endpoint_for(self.aengine.engine, backend, polled=True)
+        self.endpoint = endpoint_for(self.aengine.engine, backend, polled=True, **endpoint_kwargs)
         self.aengine.add_ticker(self.endpoint.poll)
 
     def info(self) -> EndpointInfo:

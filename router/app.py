@@ -10,6 +10,7 @@ an error, never a silent hang.
 
 import asyncio
 import json
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -21,6 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
+from ray.serve.exceptions import BackPressureError
 from ray.serve.grpc_util import RayServegRPCContext
 
 from contracts.messages import GenerateResult
@@ -53,12 +55,56 @@ def _event(obj: dict) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
 
-def _status(exc: BaseException) -> tuple[int, str]:
+class Refused(Exception):
+    """Raised by a streaming body before its first chunk: answer with this status instead."""
+
+    def __init__(self, response: JSONResponse):
+        super().__init__(response.status_code)
+        self.response = response
+
+
+def error_for(exc: BaseException) -> JSONResponse:
+    """The OpenAI-style error answer to a request that failed before its first token."""
+    if isinstance(exc, BackPressureError):  # a bounded queue is full: come back shortly
+        retry = math.ceil(exc.retry_after_s or 1)
+        resp = error_response(429, f"the server is at capacity; retry after {retry} s",
+                              "overloaded_error")
+        resp.headers["Retry-After"] = str(retry)
+        return resp
     if isinstance(exc, RequestTimeout):
-        return 504, "timeout"
+        return error_response(504, str(exc), "timeout")
     if isinstance(exc, ValueError):
-        return 400, "invalid_request_error"
-    return 500, "server_error"
+        return error_response(400, str(exc))
+    return error_response(500, f"{type(exc).__name__}: {exc}", "server_error")
+
+
+class DeferredStreamingResponse(StreamingResponse):
+    """A stream whose status is decided with its first chunk: a body that raises
+    :class:`Refused` before yielding anything is answered with that response instead (a 429 or
+    400 with its headers), not with a 200 and an in-band error."""
+
+    async def stream_response(self, send) -> None:
+        try:
+            first = await self.body_iterator.__anext__()
+        except Refused as refused:
+            await _send_whole(refused.response, send)
+            return
+        except StopAsyncIteration:
+            first = None
+        await send({"type": "http.response.start", "status": self.status_code,
+                    "headers": self.raw_headers})
+        for chunk in ([first] if first is not None else []):
+            await send({"type": "http.response.body", "body": chunk.encode(),
+                        "more_body": True})
+        async for chunk in self.body_iterator:
+            await send({"type": "http.response.body", "body": chunk.encode(), "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def _send_whole(response: Response, send) -> None:
+    await send({"type": "http.response.start", "status": response.status_code,
+                "headers": response.raw_headers})
+    await send({"type": "http.response.body", "body": response.body, "more_body": False})
 
 
 def _transfer(result: GenerateResult | None) -> dict | None:
@@ -138,9 +184,14 @@ class Router:
             ids = ids["input_ids"]
         return self.tokenize(list(ids))
 
-    def check_stop_strings(self, params: SamplingParams) -> None:
+    def check_params(self, ids: list[int], params: SamplingParams) -> None:
+        """What the engine cannot check: stop strings need text; the whole request must fit
+        the context (so a huge ``max_tokens`` is refused, not run for minutes)."""
         if params.stop and self.tokenizer is None:
             raise ValueError("stop: stop strings need a tokenizer; use stop_token_ids")
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(f"max_tokens: {params.max_tokens} new tokens after a {len(ids)}-token "
+                             f"prompt exceed the model's context of {self.max_model_len} tokens")
 
     @asynccontextmanager
     async def request(self, ids: list[int], params: SamplingParams, request_id: str):
@@ -163,6 +214,9 @@ class Router:
             outcome = stream.finish_reason or "error"
         except RequestTimeout:
             outcome = "timeout"
+            raise
+        except BackPressureError:
+            outcome = "refused"
             raise
         except (asyncio.CancelledError, GeneratorExit):
             outcome = "cancelled"  # the client went away
@@ -204,7 +258,7 @@ class Router:
         try:
             ids = self.tokenize(body.prompt)
             params = body.sampling_params(self.default_max_tokens, body.logprobs is not None)
-            self.check_stop_strings(params)
+            self.check_params(ids, params)
         except ValueError as exc:
             return error_response(400, str(exc))
         return await self._answer(ids, params, f"cmpl-{uuid.uuid4().hex}", "text_completion",
@@ -215,7 +269,7 @@ class Router:
         try:
             ids = self.chat_ids(body)
             params = body.sampling_params(self.default_max_tokens, body.logprobs)
-            self.check_stop_strings(params)
+            self.check_params(ids, params)
         except ValueError as exc:
             return error_response(400, str(exc))
         return await self._answer(ids, params, f"chatcmpl-{uuid.uuid4().hex}", "chat.completion",
@@ -223,9 +277,9 @@ class Router:
 
     async def _answer(self, ids, params, rid: str, kind: str, body):
         if body.stream:
-            return StreamingResponse(self._sse(ids, params, rid, f"{kind}.chunk"
-                                               if kind == "chat.completion" else kind, body),
-                                     media_type="text/event-stream")
+            return DeferredStreamingResponse(self._sse(ids, params, rid, f"{kind}.chunk"
+                                                       if kind == "chat.completion" else kind,
+                                                       body), media_type="text/event-stream")
         return await self._complete(ids, params, rid, kind)
 
     async def _complete(self, ids, params, rid, kind: str):
@@ -235,10 +289,8 @@ class Router:
                 async for chunk in stream.chunks(stream.deadline):
                     text.append(chunk.text)
                 result = await self.finish(stream)
-        except Exception as exc:  # noqa: BLE001 - a bad request, a failed replica or transfer
-            status, kind_ = _status(exc)
-            message = str(exc) if status != 500 else f"{type(exc).__name__}: {exc}"
-            return error_response(status, message, kind_)
+        except Exception as exc:  # noqa: BLE001 - a bad request, overload, a failed replica
+            return error_for(exc)
         choice = {"index": 0, "finish_reason": stream.finish_reason,
                   "token_ids": stream.token_ids}
         if kind == "chat.completion":
@@ -270,17 +322,21 @@ class Router:
                 obj["produced_at"] = chunk.produced_at
             return _event(obj)
 
-        if chat:
-            yield _event({**head, "choices": [{"index": 0, "finish_reason": None, "token_ids": [],
-                                               "delta": {"role": "assistant", "content": ""}}]})
+        sent = False
         try:
             async with self.request(ids, params, rid) as stream:
                 async for chunk in stream.chunks(stream.deadline):
+                    if chat and not sent:
+                        yield _event({**head, "choices": [{
+                            "index": 0, "finish_reason": None, "token_ids": [],
+                            "delta": {"role": "assistant", "content": ""}}]})
+                    sent = True
                     yield event(chunk)
                 result = await self.finish(stream)
-        except Exception as exc:  # noqa: BLE001 - the stream is open: report in-band
-            status, _ = _status(exc)
-            yield _event({"error": {"message": f"{exc}", "code": status}})
+        except Exception as exc:  # noqa: BLE001 - before the first chunk: a real status code
+            if not sent:
+                raise Refused(error_for(exc)) from exc
+            yield _event({"error": {"message": f"{exc}", "code": error_for(exc).status_code}})
             yield "data: [DONE]\n\n"
             return
         if options is None or options.include_usage:
@@ -300,7 +356,7 @@ class Router:
         fields.setdefault("max_tokens", self.default_max_tokens)
         params = SamplingParams(stop=list(req.stop), stop_token_ids=list(req.stop_token_ids),
                                 ignore_eos=req.ignore_eos, logprobs=req.logprobs, **fields)
-        self.check_stop_strings(params)
+        self.check_params(ids, params)
         return ids, params
 
     async def _grpc_chunks(self, req, grpc_context):
@@ -320,6 +376,10 @@ class Router:
             _fail(grpc_context, grpc.StatusCode.INVALID_ARGUMENT, exc)
         except RequestTimeout as exc:
             _fail(grpc_context, grpc.StatusCode.DEADLINE_EXCEEDED, exc)
+        except BackPressureError as exc:  # the hint rides in the details: Serve's gRPC path
+            retry = math.ceil(exc.retry_after_s or 1)  # drops an erroring call's trailing metadata
+            _fail(grpc_context, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                  RuntimeError(f"the server is at capacity; retry after {retry} s"))
 
     @staticmethod
     def _grpc_final(msg, stream: RequestStream) -> None:

@@ -174,6 +174,7 @@ def test_shared_prefix_moves_fewer_blocks(server):
     ({"prompt": "hi", "best_of": 3}, "best_of"),
     ({"prompt": "hi", "frobnicate": 1}, "frobnicate"),
     ({"prompt": [1] * 5000}, "leave no room"),
+    ({"prompt": "hi", "max_tokens": 10**9}, "exceed the model's context"),
     ({}, "prompt"),
 ])
 def test_bad_input_is_a_400_with_a_message(server, body, fragment):

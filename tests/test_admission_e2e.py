@@ -1,0 +1,91 @@
+"""Overload is refused at once: with small bounds, a burst far beyond them gets HTTP 429 with
+Retry-After (gRPC RESOURCE_EXHAUSTED) in well under a second of queueing, streaming too (the
+status comes before any body), and every admitted request completes with the offline tokens."""
+
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+
+from engine import LLM, SamplingParams
+from tests.models import random_prompts
+from tests.test_serving_e2e import GRPC_SERVICER, _free_port
+
+pytestmark = pytest.mark.e2e
+BURST = 12
+PROMPTS = random_prompts([8 + i for i in range(BURST)], vocab=512, seed=81)
+PARAMS = dict(temperature=0, max_tokens=200, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def app(ray_cluster):
+    from ray import serve
+
+    from deploy.app import build_app
+
+    port, grpc_port = _free_port(), _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port},
+                grpc_options={"port": grpc_port, "grpc_servicer_functions": [GRPC_SERVICER]})
+    serve.run(build_app({
+        "mode": "colocated", "engine": {"model": "tiny", "num_blocks": 256, "max_num_seqs": 2},
+        "decode": {"max_ongoing_requests": 2, "max_queued_requests": 1},
+        "admission": {"retry_after_s": 2}, "router": {"request_timeout_s": 60}}),
+        name="baton", route_prefix="/")
+    yield f"http://127.0.0.1:{port}", f"127.0.0.1:{grpc_port}"
+    serve.shutdown()
+
+
+@pytest.fixture(scope="module")
+def offline():
+    return [o.token_ids for o in LLM("tiny").generate(PROMPTS, SamplingParams(**PARAMS))]
+
+
+def _stream(url, prompt):
+    t0 = time.time()
+    resp = requests.post(f"{url}/v1/completions", timeout=120, stream=True,
+                         json={"prompt": prompt, "stream": True, **PARAMS})
+    answered = time.time() - t0
+    if resp.status_code != 200:
+        return resp.status_code, answered, resp.headers.get("Retry-After"), resp.json()
+    tokens = [t for line in resp.iter_lines() if line.startswith(b"data: {")
+              for c in json.loads(line[6:]).get("choices", []) for t in c["token_ids"]]
+    return 200, answered, None, tokens
+
+
+def test_a_burst_beyond_the_bounds_gets_fast_429s_and_the_rest_complete(app, offline):
+    url, _ = app
+    with ThreadPoolExecutor(BURST) as pool:
+        results = list(pool.map(lambda p: _stream(url, p), PROMPTS))
+    refused = [r for r in results if r[0] == 429]
+    served = [(i, r) for i, r in enumerate(results) if r[0] == 200]
+    assert refused and served and len(refused) + len(served) == BURST, [r[0] for r in results]
+    for _, answered, retry, body in refused:
+        assert retry == "2" and answered < 5
+        assert body["error"]["code"] == 429 and "capacity" in body["error"]["message"]
+    for i, (_, _, _, tokens) in served:
+        assert tokens == offline[i]
+
+
+def test_grpc_refuses_with_resource_exhausted(app):
+    import grpc
+
+    from proto import baton_pb2, baton_pb2_grpc
+
+    _, address = app
+    with grpc.insecure_channel(address) as channel:
+        stub = baton_pb2_grpc.BatonStub(channel)
+
+        def call(prompt):
+            req = baton_pb2.GenerateRequest(prompt_token_ids=prompt, **PARAMS)
+            try:
+                return len(list(stub.GenerateStream(req, timeout=120))), None
+            except grpc.RpcError as err:
+                return err.code(), err.details()
+
+        with ThreadPoolExecutor(BURST) as pool:
+            outcomes = list(pool.map(call, PROMPTS))
+    refused = [o for o in outcomes if o[0] == grpc.StatusCode.RESOURCE_EXHAUSTED]
+    assert refused and any(isinstance(o[0], int) for o in outcomes), outcomes
+    assert all("retry after 2 s" in details for _, details in refused), refused

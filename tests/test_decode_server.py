@@ -1,0 +1,168 @@
+"""The decode and prefill roles as they ship (``DecodeServer``, ``PrefillServer``), driven in one
+process without Ray: the `local` transport, a token sink standing in for the ingress, and a
+stand-in for the prefill deployment's handle. Offline tokens colocated and disaggregated; a
+prefill replica that refuses or is gone is replaced by a local prefill at once; a cancelled
+request stops and gives back every block and lease, wherever it was."""
+
+import asyncio
+
+import pytest
+from ray.exceptions import ActorDiedError
+from ray.serve.exceptions import BackPressureError
+
+from contracts import GenerateRequest, TokenSink
+from decode_worker.server import DecodeServer
+from engine import LLM, EngineConfig, SamplingParams
+from kvtransfer.backends.local import LocalFabric
+from prefill_worker.server import PrefillServer
+from tests.models import random_prompts
+
+CONFIG = EngineConfig(model="tiny", num_blocks=256, max_num_seqs=8, show_progress=False)
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+PROMPTS = random_prompts([5, 40], vocab=512, seed=71)
+
+
+class PrefillHandle:
+    """Stands in for the prefill deployment's handle: ``.prefill.remote(req)`` runs the server
+    (or raises ``fail``; ``hang`` never answers)."""
+
+    def __init__(self, server=None, fail: Exception | None = None, hang: bool = False):
+        self.prefill = self
+        self.server, self.fail, self.hang = server, fail, hang
+        self.calls = 0
+
+    def remote(self, req):
+        self.calls += 1
+
+        async def call():
+            if self.hang:
+                await asyncio.Event().wait()
+            if self.fail is not None:
+                raise self.fail
+            return await self.server.prefill(req)
+        return asyncio.ensure_future(call())
+
+
+@pytest.fixture(scope="module")
+def offline():
+    llm = LLM("tiny")
+    return [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+
+
+@pytest.fixture
+def roles():
+    """A prefill and a decode server sharing an in-process fabric; shut down afterwards."""
+    made = []
+
+    def make(handle_kw=None, disaggregated=True):
+        fabric = LocalFabric()
+        prefill = PrefillServer(CONFIG, "local", fabric=fabric) if disaggregated else None
+        handle = PrefillHandle(prefill, **(handle_kw or {})) if disaggregated else None
+        decode = DecodeServer(CONFIG, "local", handle, 2.0, fabric=fabric)
+        made.extend(s for s in (prefill, decode) if s is not None)
+        return prefill, handle, decode
+
+    yield make
+    for server in made:
+        server.aengine.shutdown()
+
+
+async def _generate(decode, sink, prompt, rid, params=GREEDY):
+    tokens, done = [], asyncio.Event()
+
+    def on_delta(delta, _at):
+        tokens.extend(delta.token_ids)
+        if delta.finished:
+            done.set()
+
+    sink.register(rid, on_delta)
+    result = await decode.generate(GenerateRequest(tuple(prompt), params, rid, await sink.start()))
+    await asyncio.wait_for(done.wait(), 10)
+    return tokens, result
+
+
+def _idle(server) -> bool:
+    return server.aengine.engine.pool.num_used_blocks == 0 and \
+        not server.aengine.engine.has_unfinished_requests() and \
+        (server.endpoint is None or server.endpoint.held_blocks == 0)
+
+
+async def _until_idle(*servers, timeout=10.0):
+    end = asyncio.get_running_loop().time() + timeout
+    while not all(_idle(s) for s in servers):
+        assert asyncio.get_running_loop().time() < end, "not back to idle"
+        await asyncio.sleep(0.02)
+
+
+@pytest.mark.parametrize("disaggregated", [False, True], ids=["colocated", "disaggregated"])
+def test_offline_tokens_and_idle_afterwards(roles, offline, disaggregated):
+    prefill, handle, decode = roles(disaggregated=disaggregated)
+
+    async def main():
+        sink = TokenSink()
+        for i, prompt in enumerate(PROMPTS):
+            tokens, result = await _generate(decode, sink, prompt, f"r{i}")
+            assert tokens == offline[i] and result.num_output_tokens == len(tokens)
+            assert result.finish_reason == "length"
+            assert (result.transfer is not None) == disaggregated
+            if disaggregated:
+                assert result.transfer.blocks_sent > 0 and result.timing.prefill_called > 0
+        await _until_idle(*(s for s in (prefill, decode) if s is not None))
+        await sink.close()
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("failure", [BackPressureError(1, 1), ActorDiedError()],
+                         ids=["refused", "replica-gone"])
+def test_unavailable_prefill_falls_back_to_a_local_prefill(roles, offline, failure):
+    _, handle, decode = roles({"fail": failure})
+
+    async def main():
+        sink = TokenSink()
+        tokens, result = await _generate(decode, sink, PROMPTS[1], "r")
+        assert handle.calls == 1 and result.transfer is None  # asked once, then prefilled here
+        assert tokens == offline[1]
+        await _until_idle(decode)
+        await sink.close()
+
+    asyncio.run(main())
+
+
+def test_a_failing_transfer_is_an_error_not_a_fallback(roles):
+    _, _, decode = roles({"fail": RuntimeError("push broke")})
+
+    async def main():
+        sink = TokenSink()
+        with pytest.raises(RuntimeError, match="push broke"):
+            await _generate(decode, sink, PROMPTS[0], "r")
+        await _until_idle(decode)
+        await sink.close()
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("where", ["prefill call", "decoding"])
+def test_cancelled_request_stops_and_gives_everything_back(roles, where):
+    prefill, handle, decode = roles({"hang": where == "prefill call"})
+    params = SamplingParams(temperature=0, max_tokens=2000, ignore_eos=True)
+
+    async def main():
+        sink = TokenSink()
+        got = []
+        sink.register("r", lambda d, _at: got.extend(d.token_ids))
+        task = asyncio.ensure_future(decode.generate(
+            GenerateRequest(tuple(PROMPTS[1]), params, "r", await sink.start())))
+        while (handle.calls == 0) if where == "prefill call" else len(got) < 3:
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await _until_idle(prefill, decode)
+        made = decode.aengine.engine.stats.output_tokens
+        await asyncio.sleep(0.3)
+        assert decode.aengine.engine.stats.output_tokens == made  # nothing runs on
+        assert len(got) < 2000
+        await sink.close()
+
+    asyncio.run(main())

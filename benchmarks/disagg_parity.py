@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from benchmarks.engine_peers import Peer
+from benchmarks.engine_peers import Peer, finish
 from decode_worker.core import DecodeCore
 from engine import LLM, EngineConfig, SamplingParams
 
@@ -89,10 +89,7 @@ def main(argv=None) -> None:
                 dest = decode.begin(prompt, greedy, timeout_s=60)
                 result, _ = prefill.call("prefill", prompt, greedy, dest, decode.info(), 0)
                 t_land = time.perf_counter()
-                out = decode.complete(result)
-                while not out.finished:
-                    out = next((o for o in decode.engine.step()
-                                if o.request_id == out.request_id and o.finished), out)
+                out = finish(decode.engine, decode.complete(result))
                 diverge = next((i for i, (a, b) in enumerate(zip(out.token_ids, want))
                                 if a != b), None)
                 rows.append(dict(backend=backend, prompt_tokens=len(prompt),

@@ -43,7 +43,7 @@ def measure(batch: int, steps: int, prompt_len: int) -> dict[str, float]:
         due = engine.scheduler.advance(batch_)
         t.append(time.perf_counter())
         tokens, _ = engine.sampler(logits[: len(due)], [s.params for s in due],
-                                   [s.generator for s in due])
+                                   [s.generator for s in due], [s.num_tokens for s in due])
         tokens = tokens.tolist()
         t.append(time.perf_counter())
         for seq, token in zip(due, tokens):

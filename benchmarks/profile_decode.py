@@ -63,7 +63,8 @@ def main() -> None:
         logits = graphs.run(step)
         t3 = time.perf_counter()
         due = sched.advance(batch)
-        tokens, _ = engine.sampler(logits, [s.params for s in due], [s.generator for s in due])
+        tokens, _ = engine.sampler(logits, [s.params for s in due], [s.generator for s in due],
+                                   [s.num_tokens for s in due])
         tokens = tokens.tolist()
         t4 = time.perf_counter()
         for seq, tok in zip(due, tokens):

@@ -161,7 +161,7 @@ class LLMEngine:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         seq = Sequence(request_id or uuid.uuid4().hex, ids, params)
         if params.seed is not None:
-            seq.generator = self.sampler.new_generator(params.seed)
+            seq.generator = self.sampler.new_generator()
         return seq
 
     # -- prefill role -----------------------------------------------------------------------
@@ -199,8 +199,6 @@ class LLMEngine:
         if not 0 <= first_token < self.vocab_size:
             raise ValueError(f"first_token: {first_token} is outside the vocabulary")
         self.scheduler.admit_transferred(seq)
-        if seq.generator is not None and not seq.params.greedy:
-            self.sampler.skip_draw(seq.generator, self.vocab_size)  # the draw prefill made
         self._append_token(seq, first_token, first_logprob)
         return self._output(seq, [first_token], [first_logprob] if seq.params.logprobs else None)
 
@@ -256,7 +254,8 @@ class LLMEngine:
         step = LaunchedStep(due)
         if due:
             tokens, logprobs = self.sampler(logits, [s.params for s in due],
-                                            [s.generator for s in due])
+                                            [s.generator for s in due],
+                                            [s.num_tokens for s in due])
             step.tokens = tokens
             step.host_tokens, step.host_logprobs = self._to_host(tokens), self._to_host(logprobs)
             for row, seq in enumerate(due):

@@ -2,8 +2,11 @@
 
 Greedy rows take the argmax. Other rows are scaled by temperature, cut by top-k and top-p, and
 sampled with the exponential trick (``argmax(probs / q)``, ``q ~ Exp(1)``), drawing ``q`` from the
-request's own generator when it has a seed, else from the engine's. Per-row parameters go to the
-device without a host sync (:mod:`engine.uploads`), so sampling queues behind the forward pass.
+engine's generator, or for a request with a seed from its own generator seeded by
+(seed, position of the token being sampled): a seeded request draws the same numbers however it
+is batched, split between a prefill and a decode engine, or resumed on another replica with its
+tokens so far as the prompt. Per-row parameters go to the device without a host sync
+(:mod:`engine.uploads`), so sampling queues behind the forward pass.
 """
 
 from __future__ import annotations
@@ -15,29 +18,38 @@ import torch
 from engine.sampling_params import SamplingParams
 from engine.uploads import upload
 
+_MASK64 = (1 << 64) - 1
+
+
+def position_seed(seed: int, position: int) -> int:
+    """The seed of a seeded request's draw for the token at ``position`` (its index in prompt +
+    output): splitmix64 of the pair, so neighbouring positions and seeds draw unrelated noise."""
+    x = (seed * 0x9E3779B97F4A7C15 + position) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
 
 class Sampler:
     def __init__(self, device: torch.device, seed: int = 0):
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
 
-    def new_generator(self, seed: int) -> torch.Generator:
-        return torch.Generator(device=self.device).manual_seed(seed)
-
-    def skip_draw(self, generator: torch.Generator, vocab_size: int) -> None:
-        """Advance a request's generator past one sampled row (taken by another engine), so a
-        seeded request continues exactly as it would have on one engine."""
-        torch.empty(vocab_size, device=self.device).exponential_(generator=generator)
+    def new_generator(self) -> torch.Generator:
+        """A seeded request's generator (re-seeded for each draw by :func:`position_seed`)."""
+        return torch.Generator(device=self.device)
 
     def __call__(self, logits: torch.Tensor, params: Seq[SamplingParams],
-                 generators: Seq[torch.Generator | None]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``logits``: ``[B, V]`` float32 → (token ids ``[B]``, logprobs ``[B]`` or None)."""
+                 generators: Seq[torch.Generator | None],
+                 positions: Seq[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``logits``: ``[B, V]`` float32; ``positions``: the index in prompt + output of each
+        row's token → (token ids ``[B]``, logprobs ``[B]`` or None)."""
         greedy_ids = logits.argmax(dim=-1)
         if all(p.greedy for p in params):
             tokens = greedy_ids
         else:
             tokens = torch.where(self._greedy_mask(params, logits.device), greedy_ids,
-                                 self._sample(logits, params, generators))
+                                 self._sample(logits, params, generators, positions))
         logprobs = None
         if any(p.logprobs for p in params):
             logprobs = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None]).squeeze(1)
@@ -47,7 +59,7 @@ class Sampler:
     def _greedy_mask(params, device) -> torch.Tensor:
         return upload([p.greedy for p in params], torch.bool, device)
 
-    def _sample(self, logits, params, generators) -> torch.Tensor:
+    def _sample(self, logits, params, generators, positions) -> torch.Tensor:
         temps = upload([p.temperature if p.temperature > 0 else 1.0 for p in params],
                        torch.float32, logits.device).to(logits.dtype)
         logits = logits / temps[:, None]
@@ -57,6 +69,7 @@ class Sampler:
         q = torch.empty_like(probs).exponential_(generator=self.generator)
         for i, gen in enumerate(generators):
             if gen is not None:
+                gen.manual_seed(position_seed(params[i].seed, positions[i]))
                 q[i].exponential_(generator=gen)
         return (probs / q).argmax(dim=-1)
 

@@ -13,11 +13,19 @@ PROMPTS = random_prompts([3, 16, 17, 40, 70], vocab=512, seed=21)
 
 
 def _outputs(llm, prompts, params):
-    """Tokens, finish and stop reasons, texts; logprobs rounded (batches differ between the two
-    modes, so float sums may differ in the last bits)."""
-    return [(o.token_ids, o.finish_reason, o.stop_reason, o.text,
-             [round(lp, 4) for lp in o.logprobs] if o.logprobs else None)
+    """Tokens, finish and stop reasons, texts and logprobs."""
+    return [(o.token_ids, o.finish_reason, o.stop_reason, o.text, o.logprobs)
             for o in llm.generate(prompts, params)]
+
+
+def _same(got, want) -> bool:
+    """Equal, logprobs within 1e-4 (batches differ between the two modes, so float sums may
+    differ in the last bits)."""
+    def close(a, b):
+        return a == b or (a is not None and b is not None and len(a) == len(b)
+                          and all(abs(x - y) < 1e-4 for x, y in zip(a, b)))
+    return len(got) == len(want) and all(
+        g[:4] == w[:4] and close(g[4], w[4]) for g, w in zip(got, want))
 
 
 def _mixed_params(stop_token: int) -> list[SamplingParams]:
@@ -53,10 +61,10 @@ def test_async_gives_the_same_outputs_as_one_step_at_a_time(engine_kw, stop_toke
     assert expected[1][1] == "stop" and len(expected[1][0]) < 30  # the stop really cut it
     assert expected[4][1] == "stop" and expected[4][2] == "e"
     assert len(expected[3][0]) == 1
-    assert _outputs(ahead, PROMPTS, params) == expected
+    assert _same(_outputs(ahead, PROMPTS, params), expected)
     # Second round: prompts extending the first ones hit the prefix cache.
     extended = [p + [9, 8, 7] * 6 for p in PROMPTS]
-    assert _outputs(ahead, extended, params) == _outputs(sync, extended, params)
+    assert _same(_outputs(ahead, extended, params), _outputs(sync, extended, params))
     for llm in (sync, ahead):
         assert llm.engine.pool.num_used_blocks == 0
         assert not llm.engine.has_unfinished_requests()
@@ -67,7 +75,7 @@ def test_async_gives_the_same_tokens_under_preemption():
               SamplingParams(temperature=0.8, seed=5, max_tokens=40, ignore_eos=True)] * 2
     sync = LLM("tiny", async_scheduling=False, num_blocks=10)
     ahead = LLM("tiny", async_scheduling=True, num_blocks=10)
-    assert _outputs(ahead, PROMPTS[1:], params) == _outputs(sync, PROMPTS[1:], params)
+    assert _same(_outputs(ahead, PROMPTS[1:], params), _outputs(sync, PROMPTS[1:], params))
     assert ahead.engine.scheduler.num_preemptions > 0
     assert ahead.engine.pool.num_used_blocks == 0
 

@@ -37,12 +37,11 @@ def _run(engine: LLMEngine, prompts, max_tokens: int, prefix: str = "r") -> dict
     """Greedy-generate; return {request id: tokens}."""
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     ids = [engine.add_request(p, params, request_id=f"{prefix}{i}") for i, p in enumerate(prompts)]
-    tokens = {}
+    tokens = {i: [] for i in ids}
     while engine.has_unfinished_requests():
         for out in engine.step():
-            if out.finished:
-                tokens[out.request_id] = out.token_ids
-    return {i: tokens[i] for i in ids}
+            tokens[out.request_id] += out.new_token_ids
+    return tokens
 
 
 class TwoBackends:
@@ -192,12 +191,13 @@ def test_async_scheduling_matches_one_step_at_a_time(flashinfer_engine):
     def run(engine, tag, prompts, params):
         ids = [engine.add_request(p, q, request_id=f"{tag}{i}")
                for i, (p, q) in enumerate(zip(prompts, params))]
-        done = {}
+        tokens, reasons = {i: [] for i in ids}, {}
         while engine.has_unfinished_requests():
             for out in engine.step():
+                tokens[out.request_id] += out.new_token_ids
                 if out.finished:
-                    done[out.request_id] = (out.token_ids, out.finish_reason)
-        return [done[i] for i in ids]
+                    reasons[out.request_id] = out.finish_reason
+        return [(tokens[i], reasons[i]) for i in ids]
 
     assert run(flashinfer_engine, "ahead", prompts, params) == run(sync, "sync", prompts, params)
     stop_at = run(sync, "probe", prompts[1:2], params[:1])[0][0][5]

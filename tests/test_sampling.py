@@ -28,6 +28,23 @@ def test_same_seed_same_tokens_whatever_the_batch(llm):
     assert other_seed != alone
 
 
+def test_seeded_request_resumed_from_its_tokens_continues_the_same(llm):
+    """Draws are keyed by (seed, position): a request restarted with its prompt plus the tokens
+    it had made (as after a replica's death) goes on with the very same tokens."""
+    params = SamplingParams(temperature=1.0, seed=77, max_tokens=24, ignore_eos=True)
+    whole = _tokens(llm, PROMPTS[1:2], params)[0]
+    for cut in (1, 9, 23):
+        rest = _tokens(llm, [PROMPTS[1] + whole[:cut]],
+                       params.model_copy(update={"max_tokens": 24 - cut}))[0]
+        assert rest == whole[cut:], cut
+
+
+def test_position_seeds_differ_by_seed_and_position():
+    from engine.sampler import position_seed
+    seeds = {position_seed(s, p) for s in (0, 1, 2**40, -3) for p in range(50)}
+    assert len(seeds) == 200 and all(0 <= x < 2**64 for x in seeds)
+
+
 def test_unseeded_sampling_varies(llm):
     params = SamplingParams(temperature=1.5, max_tokens=20, ignore_eos=True)
     runs = {tuple(_tokens(llm, PROMPTS[:1], params)[0]) for _ in range(3)}
@@ -50,10 +67,10 @@ def test_tiny_top_p_equals_greedy(llm):
 def test_top_k_and_top_p_keep_only_allowed_tokens():
     logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]] * 200)
     s = Sampler(torch.device("cpu"), seed=0)
-    tokens, _ = s(logits, [SamplingParams(top_k=2)] * 200, [None] * 200)
+    tokens, _ = s(logits, [SamplingParams(top_k=2)] * 200, [None] * 200, [0] * 200)
     assert set(tokens.tolist()) == {0, 1}
     # softmax([4,3,2,1,0]) ≈ [.64, .23, .09, .03, .01]: top_p=0.8 keeps the first two.
-    tokens, _ = s(logits, [SamplingParams(top_p=0.8)] * 200, [None] * 200)
+    tokens, _ = s(logits, [SamplingParams(top_p=0.8)] * 200, [None] * 200, [0] * 200)
     assert set(tokens.tolist()) == {0, 1}
 
 

@@ -226,6 +226,7 @@ class Router:
             metrics.in_flight.dec()
             metrics.requests.labels(outcome).inc()
             metrics.tokens.inc(len(stream.token_ids))
+            metrics.migrations.inc(stream.migrations)
             metrics.e2e.observe(time.monotonic() - start)
 
     async def finish(self, stream: RequestStream) -> GenerateResult | None:

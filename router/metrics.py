@@ -22,6 +22,9 @@ class RouterMetrics:
         self.in_flight = Gauge("baton_requests_in_flight", "Requests being served (queue depth)",
                                registry=r)
         self.tokens = Counter("baton_output_tokens", "Output tokens", registry=r)
+        self.migrations = Counter("baton_request_migrations",
+                                  "Requests moved to another decode replica after theirs was lost",
+                                  registry=r)
         self.kv_used = Gauge("baton_kv_blocks_used", "KV blocks in use (decode replica)",
                              registry=r)
         self.kv_free = Gauge("baton_kv_blocks_free", "KV blocks free (decode replica)",

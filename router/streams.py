@@ -9,22 +9,45 @@ takes everything that arrived since its last turn as one :class:`Chunk`, so a bu
 fewer, larger chunks instead of falling behind → the call returns a ``GenerateResult`` (usage,
 transfer stats, timings). A stop string, a client that leaves or a deadline cancels the call,
 which aborts the request on the decode replica and frees its blocks.
+
+Migration: when the call fails because its decode replica (or its token channel, or its engine)
+is gone, the request is submitted again, under a new internal id, with the prompt plus every
+token the stream already has as its prompt and the rest of ``max_tokens``; its tokens join the
+same stream, so the client sees one stream with nothing missing or repeated. Greedy tokens are
+those of an uninterrupted run, and so are seeded ones (draws are keyed by seed and position).
+The resumed request is prefilled anew (a prefix-cache hit where the replica holds the blocks).
+A token that ends a request comes in the same delta as its finish reason, so a stream that has
+not finished always has tokens left to make.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from contracts.messages import GenerateRequest, GenerateResult, TokenDelta
-from contracts.token_channel import TokenSink
+from contracts.token_channel import TokenChannelLost, TokenSink
 from engine import SamplingParams
+from engine.async_engine import EngineDeadError
 from engine.detokenizer import IncrementalDetokenizer
+
+log = logging.getLogger(__name__)
 
 # A call may return just before the last frame of its tokens arrives (they travel apart).
 RESULT_GRACE_S = 5.0
+MAX_MIGRATIONS = 32  # moves of one request; the deadline bounds them too
+MIGRATION_BACKOFF_S = (0.05, 0.2, 0.5, 1.0)  # then 1 s: Serve learns of a death in about that
+
+
+def replica_lost(exc: BaseException) -> bool:
+    """The decode replica that ran a request is gone (or its channel or engine is): the request
+    can go on elsewhere. Any other error is the request's own."""
+    from ray.exceptions import RayActorError
+
+    return isinstance(exc, (RayActorError, TokenChannelLost, EngineDeadError))
 
 
 class RequestTimeout(Exception):
@@ -72,7 +95,10 @@ class RequestStream:
     error: BaseException | None = None
     result: GenerateResult | None = None
     timing: RouterTiming = field(default_factory=RouterTiming)
-    call: object = None  # the Serve call's DeploymentResponse
+    call: object = None  # the current Serve call's DeploymentResponse
+    call_id: str = ""  # the current call's internal request id (another after each migration)
+    prompt_token_ids: tuple[int, ...] = ()
+    migrations: int = 0
     deadline: float = float("inf")  # time.monotonic() by which it must have ended
     cancelled: bool = False
     call_done: asyncio.Event = field(default_factory=asyncio.Event)
@@ -171,31 +197,61 @@ class DecodeClient:
 
     async def start(self, ids: list[int], params: SamplingParams, request_id: str,
                     on_token=None, received: float | None = None) -> RequestStream:
-        address = await self.sink.start()
+        await self.sink.start()
         detok = IncrementalDetokenizer(self.tokenizer, params.stop) if self.tokenizer else None
         stream = RequestStream(request_id, len(ids), params, detok, on_token)
+        stream.prompt_token_ids = tuple(ids)
         stream.timing.received = received or time.time()
-        self.sink.register(request_id, stream.feed)
         stream.timing.submitted = time.time()
-        stream.call = self.decode.generate.remote(
-            GenerateRequest(tuple(ids), params, request_id, address))
-        asyncio.ensure_future(self._follow(stream))
+        self._submit(stream)
         return stream
 
-    async def _follow(self, stream: RequestStream) -> None:
-        """The call's outcome: an error fails the stream; a result that arrives before the last
-        tokens waits for them a little."""
+    def _submit(self, stream: RequestStream) -> None:
+        """Call a decode replica for what the stream still lacks (all of it the first time)."""
+        have = stream.token_ids
+        rid = stream.request_id if not stream.migrations else \
+            f"{stream.request_id}~{stream.migrations}"
+        params = stream.params if not have else \
+            stream.params.model_copy(update={"max_tokens": stream.params.max_tokens - len(have)})
+        stream.call_id = rid
+        self.sink.register(rid, stream.feed)
+        stream.call = self.decode.generate.remote(GenerateRequest(
+            stream.prompt_token_ids + tuple(have), params, rid, self.sink.address))
+        asyncio.ensure_future(self._follow(stream, rid))
+
+    async def _follow(self, stream: RequestStream, rid: str) -> None:
+        """The call's outcome: a lost replica moves the request; another error fails the stream;
+        a result that arrives before the last tokens waits for them a little."""
         try:
-            stream.result = await stream.call
+            result = await stream.call
         except BaseException as exc:  # noqa: BLE001 - the writer raises it
+            self.sink.unregister(rid)
+            if replica_lost(exc) and await self._may_migrate(stream):
+                log.warning("request %s: decode replica lost (%s: %s); moving it with %d tokens",
+                            stream.request_id, type(exc).__name__, exc, len(stream.token_ids))
+                stream.migrations += 1
+                self._submit(stream)
+                return
             stream.fail(exc)
-            return
-        finally:
             stream.call_done.set()
+            return
+        stream.result = result
+        stream.call_done.set()
         if not stream.finished:
             await asyncio.sleep(RESULT_GRACE_S)
             stream.fail(ConnectionError(f"request {stream.request_id} ended but its last tokens "
                                         "never arrived"))
+
+    @staticmethod
+    async def _may_migrate(stream: RequestStream) -> bool:
+        """Whether to move the request (after a pause, so Serve can learn of the death)."""
+        if stream.finished or stream.cancelled or stream.migrations >= MAX_MIGRATIONS:
+            return False
+        pause = MIGRATION_BACKOFF_S[min(stream.migrations, len(MIGRATION_BACKOFF_S) - 1)]
+        if time.monotonic() + pause >= stream.deadline:
+            return False
+        await asyncio.sleep(pause)
+        return not (stream.finished or stream.cancelled)
 
     async def result(self, stream: RequestStream, timeout_s: float = RESULT_GRACE_S
                      ) -> GenerateResult | None:
@@ -209,6 +265,7 @@ class DecodeClient:
 
     def close(self, stream: RequestStream) -> None:
         """The writer is done (or gone): stop routing its tokens, cancel what still runs."""
-        self.sink.unregister(stream.request_id)
+        self.sink.unregister(stream.call_id)
+        stream.cancelled = stream.cancelled or not stream.finished
         if not stream.finished:  # a finished request's call ends by itself
             stream.cancel()

@@ -110,9 +110,10 @@ class DecodeServer:
 
         await self.aengine.call(lambda e: self.endpoint.expect(dest, on_finish))
         timing.prefill_called = time.time()
+        call = self.prefill.prefill.remote(
+            PrefillRequest(tuple(prompt), req.params, dest, self.endpoint.info()))
         try:
-            result = await self.prefill.prefill.remote(
-                PrefillRequest(tuple(prompt), req.params, dest, self.endpoint.info()))
+            result = await _answer_or_lease_failure(call, landed)
         except BaseException as exc:
             # Releases the lease and, through on_finish, the reservation (engine thread, in
             # order: before a local prefill of the same request id is queued).
@@ -122,6 +123,11 @@ class DecodeServer:
                          type(exc).__name__)
                 return None
             raise
+        if result is None:  # the lease failed first (its deadline passed): frozen or too slow
+            call.cancel()  # the lease's failure already released the reservation
+            log.warning("request %s: no KV from the prefill replica by the deadline (%s); "
+                        "prefilling here", rid, landed.result().error)
+            return None
         timing.prefill_returned = time.time()
         if not self.endpoint.backend.native_notify:
             await self.aengine.call(lambda e: self.endpoint.mark_landed(dest.transfer_id))
@@ -135,6 +141,26 @@ class DecodeServer:
 
         await self.aengine.call(admit)
         return result
+
+
+async def _answer_or_lease_failure(call, landed: asyncio.Future) -> PrefillResult | None:
+    """The prefill call's answer, or None when the KV lease fails before it (the lease fails at
+    its deadline, a little after the sender stops writing). A lease that is done first (the
+    transport notified the landing) still waits for the answer, which carries the first
+    token."""
+    async def answer():
+        return await call
+
+    task = asyncio.ensure_future(answer())
+    try:
+        await asyncio.wait({task, landed}, return_when=asyncio.FIRST_COMPLETED)
+        if not task.done() and landed.result().state is TransferState.FAILED:
+            task.cancel()
+            return None
+        return await task
+    except BaseException:
+        task.cancel()
+        raise
 
 
 def _resolve(fut: asyncio.Future, value) -> None:

@@ -1,7 +1,11 @@
-"""A decode replica killed mid-stream (SIGKILL) loses no request: its streams go on, on the other
-replica or on the one Serve starts in its place, and every client gets one continuous stream with
-exactly the tokens of an undisturbed run, greedy and seeded (the ingress re-submits each request
-with the tokens it already has; draws are keyed by seed and position)."""
+"""Replicas that die or freeze under load lose no request.
+
+A decode replica killed mid-stream (SIGKILL): its streams go on, on the other replica or on the
+one Serve starts in its place, and every client gets one continuous stream with exactly the
+tokens of an undisturbed run, greedy and seeded (the ingress re-submits each request with the
+tokens it already has; draws are keyed by seed and position). The only prefill replica frozen
+(SIGSTOP) or killed: every request is prefilled by its decode replica instead, at the latest at
+the transfer deadline, with the same tokens; a frozen replica that wakes gives its blocks back."""
 
 import json
 import os
@@ -30,25 +34,35 @@ def expected():
     return [o.token_ids for o in llm.generate(PROMPTS, [SamplingParams(**p) for p in PARAMS])]
 
 
-def _deploy(decode_replicas: int) -> str:
+ENGINE = {"model": "tiny", "num_blocks": 512, "max_num_seqs": 8}
+
+
+def _deploy(decode_replicas: int, disaggregated: bool = False) -> str:
     from ray import serve
 
     from deploy.app import build_app
 
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app({
-        "mode": "colocated", "engine": {"model": "tiny", "num_blocks": 512, "max_num_seqs": 8},
-        "decode": {"num_replicas": decode_replicas, "num_cpus": 0.5},
-        "router": {"request_timeout_s": 120}}), name="baton", route_prefix="/")
+    config = {"mode": "colocated", "engine": ENGINE,
+              "decode": {"num_replicas": decode_replicas, "num_cpus": 0.5},
+              "router": {"request_timeout_s": 120}}
+    if disaggregated:
+        config |= {"mode": "disaggregated", "prefill": {"num_cpus": 0.5},
+                   "transfer": {"timeout_s": 2}}
+    serve.run(build_app(config), name="baton", route_prefix="/")
     return f"http://127.0.0.1:{port}"
 
 
-def _decode_pids() -> list[int]:
+def _pids(deployment: str) -> list[int]:
     from ray.thirdparty_files import psutil
 
     return [p.pid for p in psutil.process_iter(["cmdline"])
-            if "ServeReplica:baton:DecodeServer" in " ".join(p.info["cmdline"] or [])]
+            if f"ServeReplica:baton:{deployment}" in " ".join(p.info["cmdline"] or [])]
+
+
+def _decode_pids() -> list[int]:
+    return _pids("DecodeServer")
 
 
 def _stream(url, prompt, params, got: list, errors: list):
@@ -97,5 +111,48 @@ def test_killing_a_decode_replica_loses_no_stream(ray_cluster, expected, decode_
         for i, want in enumerate(expected):
             assert got[i] == want, f"stream {i}: {len(got[i])} tokens"
         assert _migrations(url) >= 1
+    finally:
+        serve.shutdown()
+
+
+def _prefill_used_blocks() -> int:
+    from ray import serve
+
+    handle = serve.get_deployment_handle("PrefillServer", "baton")
+    if not handle.is_initialized:
+        handle._init(_run_router_in_separate_loop=True)
+    return handle.kv_load.remote().result(timeout_s=30)["used_blocks"]
+
+
+@pytest.mark.parametrize("how", ["SIGSTOP", "SIGKILL"])
+def test_a_lost_prefill_replica_is_replaced_by_local_prefill(ray_cluster, expected, how):
+    from ray import serve
+
+    url = _deploy(1, disaggregated=True)
+    try:
+        warm = requests.post(f"{url}/v1/completions", timeout=60,
+                             json={"prompt": PROMPTS[0], **PARAMS[0], "max_tokens": 4}).json()
+        assert warm["usage"]["kv_transfer"]["blocks_sent"] > 0  # prefilled over there
+        [pid] = _pids("PrefillServer")
+        os.kill(pid, getattr(signal, how))
+        t0 = time.time()
+        got = [[] for _ in PROMPTS]
+        errors = [[] for _ in PROMPTS]
+        threads = [threading.Thread(target=_stream, args=(url, p, q, got[i], errors[i]))
+                   for i, (p, q) in enumerate(zip(PROMPTS, PARAMS))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=150)
+        assert errors == [[] for _ in PROMPTS]
+        for i, want in enumerate(expected):
+            assert got[i] == want, f"stream {i}: {len(got[i])} tokens"
+        assert time.time() - t0 < 90
+        if how == "SIGSTOP":
+            os.kill(pid, signal.SIGCONT)  # it wakes with pushes past their deadline
+            deadline = time.time() + 30
+            while _prefill_used_blocks() and time.time() < deadline:
+                time.sleep(0.2)
+            assert _prefill_used_blocks() == 0
     finally:
         serve.shutdown()

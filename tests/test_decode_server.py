@@ -129,6 +129,24 @@ def test_unavailable_prefill_falls_back_to_a_local_prefill(roles, offline, failu
     asyncio.run(main())
 
 
+def test_a_prefill_that_never_answers_is_replaced_at_the_deadline(roles, offline):
+    """A frozen prefill replica: the KV lease fails at its deadline (2 s here) and the decode
+    replica prefills the request itself; nothing waits longer, nothing leaks."""
+    _, handle, decode = roles({"hang": True})
+
+    async def main():
+        sink = TokenSink()
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        tokens, result = await _generate(decode, sink, PROMPTS[1], "r")
+        assert tokens == offline[1] and result.transfer is None and handle.calls == 1
+        assert 2.0 <= loop.time() - t0 < 8.0
+        await _until_idle(decode)
+        await sink.close()
+
+    asyncio.run(main())
+
+
 def test_a_failing_transfer_is_an_error_not_a_fallback(roles):
     _, _, decode = roles({"fail": RuntimeError("push broke")})
 

@@ -346,7 +346,7 @@ def offline_runs(engine_kw: dict, prompts, streams: list[int], max_tokens: int,
         torch.cuda.empty_cache()
     except Exception:  # noqa: BLE001
         pass
-    return tok_s, tokens, statistics.median(first)
+    return tok_s, tokens, statistics.median(first) if first else float("nan")
 
 
 # -- serving --------------------------------------------------------------------------------

@@ -86,8 +86,9 @@ class AsyncEngine:
             await self.call(lambda e: e.add_request(prompt, params, request_id, hold_blocks))
             return await done
         except BaseException:
-            if not done.done():
-                self.abort(request_id)
+            # Always: a cancel also cancels ``done``, so "done" cannot tell whether the request
+            # ended; aborting a finished request is a no-op.
+            self.abort(request_id)
             raise
         finally:
             self._waiters.pop(request_id, None)

@@ -35,3 +35,19 @@ def ray_cluster():
                                        "RAY_USAGE_STATS_ENABLED": "0"}})
     yield ray
     ray.shutdown()
+
+
+def shutdown_serve(timeout_s: float = 60.0) -> None:
+    """``serve.shutdown()``, then wait (bounded) until the replicas' CPUs are free again: Ray
+    frees a killed replica's resources a little after ``shutdown`` returns, and an actor the next
+    test starts would otherwise wait for them."""
+    import time
+
+    import ray
+    from ray import serve
+
+    serve.shutdown()
+    total = ray.cluster_resources().get("CPU", 0.0)
+    deadline = time.time() + timeout_s
+    while ray.available_resources().get("CPU", 0.0) < total and time.time() < deadline:
+        time.sleep(0.2)

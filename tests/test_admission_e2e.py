@@ -10,6 +10,7 @@ import pytest
 import requests
 
 from engine import LLM, SamplingParams
+from tests.conftest import shutdown_serve
 from tests.models import random_prompts
 from tests.test_serving_e2e import GRPC_SERVICER, _free_port
 
@@ -34,7 +35,7 @@ def app(ray_cluster):
         "admission": {"retry_after_s": 2}, "router": {"request_timeout_s": 60}}),
         name="baton", route_prefix="/")
     yield f"http://127.0.0.1:{port}", f"127.0.0.1:{grpc_port}"
-    serve.shutdown()
+    shutdown_serve()
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,7 @@ import pytest
 import requests
 
 from engine import LLM, SamplingParams
+from tests.conftest import shutdown_serve
 from tests.models import random_prompts
 from tests.test_serving_e2e import _free_port
 
@@ -112,7 +113,7 @@ def test_killing_a_decode_replica_loses_no_stream(ray_cluster, expected, decode_
             assert got[i] == want, f"stream {i}: {len(got[i])} tokens"
         assert _migrations(url) >= 1
     finally:
-        serve.shutdown()
+        shutdown_serve()
 
 
 def _prefill_used_blocks() -> int:
@@ -155,4 +156,4 @@ def test_a_lost_prefill_replica_is_replaced_by_local_prefill(ray_cluster, expect
                 time.sleep(0.2)
             assert _prefill_used_blocks() == 0
     finally:
-        serve.shutdown()
+        shutdown_serve()

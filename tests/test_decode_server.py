@@ -5,6 +5,7 @@ prefill replica that refuses or is gone is replaced by a local prefill at once; 
 request stops and gives back every block and lease, wherever it was."""
 
 import asyncio
+import random
 
 import pytest
 from ray.exceptions import ActorDiedError
@@ -181,6 +182,38 @@ def test_cancelled_request_stops_and_gives_everything_back(roles, where):
         await asyncio.sleep(0.3)
         assert decode.aengine.engine.stats.output_tokens == made  # nothing runs on
         assert len(got) < 2000
+        await sink.close()
+
+    asyncio.run(main())
+
+
+def test_cancellation_at_random_points_leaves_nothing_behind(roles):
+    """Requests cancelled at random moments (reserving, leased, prefilling, pushing, landing,
+    admitting, decoding): both roles end idle and make no more tokens."""
+    prefill, _, decode = roles()
+    params = SamplingParams(temperature=0, max_tokens=300, ignore_eos=True)
+    rng = random.Random(5)
+    prompts = random_prompts([rng.randint(3, 90) for _ in range(30)], vocab=512, seed=72)
+
+    async def one(i, address):
+        task = asyncio.ensure_future(decode.generate(
+            GenerateRequest(tuple(prompts[i]), params, f"r{i}", address)))
+        await asyncio.sleep(rng.uniform(0, 0.08))
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+
+    async def main():
+        sink = TokenSink()
+        address = await sink.start()
+        await asyncio.gather(*[one(i, address) for i in range(len(prompts))])
+        await _until_idle(prefill, decode, timeout=20)
+        made = decode.aengine.engine.stats.output_tokens
+        await asyncio.sleep(0.3)
+        assert decode.aengine.engine.stats.output_tokens == made
+        assert decode.publisher.num_routes == 0
         await sink.close()
 
     asyncio.run(main())

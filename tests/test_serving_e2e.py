@@ -10,6 +10,7 @@ import pytest
 import requests
 
 from engine import LLM, SamplingParams
+from tests.conftest import shutdown_serve
 from tests.models import random_prompts
 
 pytestmark = pytest.mark.e2e
@@ -17,6 +18,7 @@ ENGINE = {"model": "tiny", "num_blocks": 256, "max_num_seqs": 16}
 GREEDY = dict(temperature=0, max_tokens=12, ignore_eos=True)
 GRPC_SERVICER = "proto.baton_pb2_grpc.add_BatonServicer_to_server"
 PROMPTS = ["The quick brown fox", "Hello world! Hello there, how are you today?", "a"]
+PROMPTS_IDS = random_prompts([24], vocab=512, seed=55)[0]
 
 
 def _free_port() -> int:
@@ -42,7 +44,7 @@ def server(request, ray_cluster):
     serve.run(build_app({"mode": request.param, "engine": ENGINE,
                          "router": {"request_timeout_s": 60}}), name="baton", route_prefix="/")
     yield request.param, f"http://127.0.0.1:{port}", f"127.0.0.1:{grpc_port}"
-    serve.shutdown()
+    shutdown_serve()
 
 
 def _post(url, body, **kw):
@@ -280,6 +282,30 @@ def test_grpc_client_request_ids_need_not_be_unique(stub, offline):
     for p, resp in zip(prompts, resps):
         assert resp.request_id == "mine"
         assert list(resp.token_ids) == offline.generate([p], SamplingParams(**GREEDY))[0].token_ids
+
+
+@pytest.mark.parametrize("how", ["cancel", "deadline"])
+def test_grpc_cancel_and_deadline_stop_the_request(server, stub, how):
+    """A gRPC client that cancels, or whose deadline passes, ends the request on the server:
+    the engine stops making its tokens and every block comes back."""
+    import grpc
+
+    from proto import baton_pb2
+    _, url, _ = server
+    before = _decode_engine_tokens()
+    req = baton_pb2.GenerateRequest(prompt_token_ids=PROMPTS_IDS, max_tokens=1500,
+                                    temperature=0, ignore_eos=True)
+    call = stub.GenerateStream(req, timeout=1.0 if how == "deadline" else 60)
+    with pytest.raises(grpc.RpcError) as err:
+        for i, _msg in enumerate(call):
+            if how == "cancel" and i == 2:
+                call.cancel()
+    assert err.value.code() == (grpc.StatusCode.CANCELLED if how == "cancel"
+                                else grpc.StatusCode.DEADLINE_EXCEEDED)
+    _wait_idle(url)
+    made = _decode_engine_tokens() - before
+    time.sleep(0.5)
+    assert _decode_engine_tokens() - before == made < 1500
 
 
 @pytest.mark.parametrize("fields, fragment", [

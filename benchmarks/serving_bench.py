@@ -532,6 +532,8 @@ def main(argv=None) -> None:
     p.add_argument("--zero-load", type=int, default=8, help="single requests for zero-load TTFT")
     p.add_argument("--stub-forward", action="store_true")
     p.add_argument("--switch-interval", type=float, default=None)
+    p.add_argument("--no-gc-freeze", action="store_true",
+                   help="leave the replicas' start-up heap to the garbage collector")
     p.add_argument("--py-spy", type=int, default=0,
                    help="seconds of py-spy (GIL holders) on the decode replica per point")
     p.add_argument("--profile-dir", default="results/serving-profile")
@@ -593,6 +595,8 @@ def main(argv=None) -> None:
         env_vars["BENCH_STUB_FORWARD"] = "1"
     if args.switch_interval:
         env_vars["BENCH_SWITCH_INTERVAL"] = str(args.switch_interval)
+    if args.no_gc_freeze:
+        env_vars["BATON_GC_FREEZE"] = "0"
     runtime_env = {"env_vars": env_vars,
                    "worker_process_setup_hook": "benchmarks.serving_bench.worker_setup"}
     ray.init(num_cpus=max(4, cpus), include_dashboard=False, log_to_driver=False,

@@ -9,6 +9,7 @@ Per engine step, over the token channel (:mod:`contracts.token_channel`):
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 from engine import SamplingParams
@@ -97,3 +98,20 @@ class PrefillResult:
     num_cached_tokens: int
     stats: TransferStats = field(default_factory=TransferStats)
     prefill_seconds: float = 0.0
+
+
+# Each serving module logs under Serve's logger, so its lines land in the replica's Serve log
+# (``logs/serve/replica_<app>_<deployment>_<id>.log``) with Serve's format, level and encoding
+# (``logging_config`` of the deployment); ``baton.timeline`` is one line per request and role.
+TIMELINE = logging.getLogger("ray.serve.baton.timeline")
+
+
+def serve_logger(name: str) -> logging.Logger:
+    return logging.getLogger(f"ray.serve.{name}")
+
+
+def timeline(**marks: float) -> str:
+    """``name +ms`` for each milestone that happened (non-zero ``time.time()`` values), relative
+    to the first one, in the given order: ``received +0.0 queued +1.3 first_token +14.2``."""
+    start = next((t for t in marks.values() if t), 0.0)
+    return " ".join(f"{name} +{(t - start) * 1e3:.1f}" for name, t in marks.items() if t)

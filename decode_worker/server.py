@@ -18,13 +18,13 @@ import asyncio
 import logging
 import time
 
-from contracts.messages import (DecodeTiming, GenerateRequest, GenerateResult, PrefillRequest,
-                                PrefillResult)
+from contracts.messages import (TIMELINE, DecodeTiming, GenerateRequest, GenerateResult,
+                                PrefillRequest, PrefillResult, serve_logger, timeline)
 from contracts.token_channel import TokenPublisher
 from engine.async_engine import AsyncEngine
 from kvtransfer import KVDestination, TransferError, TransferState, endpoint_for
 
-log = logging.getLogger(__name__)
+log = serve_logger(__name__)
 
 
 def prefill_unavailable(exc: BaseException) -> bool:
@@ -75,11 +75,16 @@ class DecodeServer:
                 await self.aengine.call(lambda e: e.add_request(prompt, req.params, rid))
                 timing.queued = time.time()
             last = await route.done
-        except BaseException:
+        except BaseException as exc:
             self.publisher.unroute(rid)
             self.aengine.abort(rid)
+            timing.first_token, timing.finished = route.first_at, time.time()
+            outcome = "cancelled" if isinstance(exc, asyncio.CancelledError) else \
+                f"error {type(exc).__name__}"
+            _log_timeline(rid, outcome, timing, prefilled, None)
             raise
         timing.first_token, timing.finished = route.first_at, time.time()
+        _log_timeline(rid, last.finish_reason, timing, prefilled, last.num_output_tokens)
         return GenerateResult(
             request_id=rid, num_prompt_tokens=len(prompt),
             num_output_tokens=last.num_output_tokens, num_cached_tokens=last.num_cached_tokens,
@@ -141,6 +146,23 @@ class DecodeServer:
 
         await self.aengine.call(admit)
         return result
+
+
+def _log_timeline(rid: str, outcome: str | None, timing: DecodeTiming,
+                  prefilled: PrefillResult | None, tokens: int | None) -> None:
+    if not TIMELINE.isEnabledFor(logging.INFO):
+        return
+    where = "prefilled here" if timing.queued else "not prefilled"
+    if prefilled is not None:
+        st = prefilled.stats
+        where = (f"prefilled remotely in {prefilled.prefill_seconds * 1e3:.1f} ms, "
+                 f"{st.blocks_sent} blocks ({st.bytes} B, {st.blocks_skipped} skipped) over "
+                 f"{st.backend} in {st.seconds * 1e3:.1f} ms")
+    made = "" if tokens is None else f", {tokens} tokens"
+    TIMELINE.info("request %s decode: %s%s, %s; %s", rid, outcome, made, where,
+                  timeline(received=timing.received, prefill_called=timing.prefill_called,
+                           prefill_returned=timing.prefill_returned, queued=timing.queued,
+                           first_token=timing.first_token, finished=timing.finished))
 
 
 async def _answer_or_lease_failure(call, landed: asyncio.Future) -> PrefillResult | None:

@@ -13,7 +13,9 @@ otherwise sleeps until a command wakes it.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
+import os
 import queue
 import threading
 from collections.abc import Callable
@@ -50,6 +52,7 @@ class AsyncEngine:
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, daemon=True, name="baton-engine")
         self._thread.start()
+        freeze_startup_heap()
 
     # -- commands ---------------------------------------------------------------------------
     def submit(self, fn: Callable[[LLMEngine], Any]) -> Future:
@@ -139,6 +142,16 @@ class AsyncEngine:
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout=5)
+
+
+def freeze_startup_heap() -> None:
+    """Move every object alive now (the model, Ray, Serve, FastAPI: the whole start-up heap) out
+    of the garbage collector's reach, as vLLM's engine does after start-up. A full collection
+    otherwise walks that heap from inside whichever engine step triggers it; a prefill step
+    allocates enough to trigger collections. ``BATON_GC_FREEZE=0`` turns it off (to measure)."""
+    if os.environ.get("BATON_GC_FREEZE", "1") != "0":
+        gc.collect()
+        gc.freeze()
 
 
 def _set_result(fut: asyncio.Future, value) -> None:

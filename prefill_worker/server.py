@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from contracts.messages import PrefillRequest, PrefillResult
+from contracts.messages import TIMELINE, PrefillRequest, PrefillResult, timeline
 from engine.async_engine import AsyncEngine
 from kvtransfer import EndpointInfo, TransferError, TransferState, endpoint_for
 
@@ -34,16 +34,18 @@ class PrefillServer:
 
     async def prefill(self, req: PrefillRequest) -> PrefillResult:
         rid = req.dest.request_id
-        t0 = time.perf_counter()
+        received, t0 = time.time(), time.perf_counter()
         params = req.params.model_copy(update={"max_tokens": 1})
         try:
             first = await self.aengine.run(list(req.prompt_token_ids), params, rid,
                                            hold_blocks=True)
-        except BaseException:  # it may have finished, blocks held, just before the cancel
+        except BaseException as exc:  # it may have finished, blocks held, just before the cancel
             if self.aengine.error is None:
                 self.aengine.submit(lambda e: e.release_held_blocks(rid))
+            TIMELINE.info("request %s prefill: %s before its KV was pushed; %s", rid,
+                          type(exc).__name__, timeline(received=received, ended=time.time()))
             raise
-        prefill_s = time.perf_counter() - t0
+        prefill_s, prefilled = time.perf_counter() - t0, time.time()
         loop = asyncio.get_running_loop()
         done: asyncio.Future = loop.create_future()
 
@@ -62,6 +64,11 @@ class PrefillServer:
         # blocks are always released by on_finish (or by push's own failure path).
         await asyncio.shield(asyncio.wrap_future(self.aengine.submit(push)))
         transfer = await done
+        st = transfer.stats
+        TIMELINE.info("request %s prefill: push %s, %d prompt tokens (%d cached), %d blocks "
+                      "(%d B) over %s; %s", rid, transfer.state.name.lower(), len(req.prompt_token_ids),
+                      first.num_cached_tokens, st.blocks_sent, st.bytes, st.backend,
+                      timeline(received=received, prefilled=prefilled, pushed=time.time()))
         if transfer.state is not TransferState.DONE:
             raise TransferError(f"push of {rid} failed: {transfer.error}")
         return PrefillResult(

@@ -25,7 +25,7 @@ from ray import serve
 from ray.serve.exceptions import BackPressureError
 from ray.serve.grpc_util import RayServegRPCContext
 
-from contracts.messages import GenerateResult
+from contracts.messages import TIMELINE, GenerateResult, timeline
 from engine import SamplingParams
 from engine.loader import load_tokenizer, resolve_model
 from proto import baton_pb2
@@ -121,6 +121,18 @@ def _usage(stream: RequestStream, result: GenerateResult | None) -> dict:
             "total_tokens": stream.num_prompt_tokens + n_out,
             "prompt_tokens_details": {"cached_tokens": stream.num_cached_tokens},
             "kv_transfer": _transfer(result)}
+
+
+def _log_timeline(stream: RequestStream, outcome: str) -> None:
+    """One line per request at the ingress; the decode replica logs its own under the same id
+    (``<id>~<n>`` after the n-th migration)."""
+    t = stream.timing
+    moves = {f"moved{i + 1}": at for i, at in enumerate(stream.moved_at)}
+    TIMELINE.info("request %s ingress: %s, %d prompt + %d output tokens, %d migrations; %s",
+                  stream.request_id, outcome, stream.num_prompt_tokens, len(stream.token_ids),
+                  stream.migrations, timeline(received=t.received, submitted=t.submitted,
+                                              first_token=t.first_token, **moves,
+                                              finished=t.finished or time.time()))
 
 
 def _timing(stream: RequestStream, result: GenerateResult | None) -> dict:
@@ -228,6 +240,7 @@ class Router:
             metrics.tokens.inc(len(stream.token_ids))
             metrics.migrations.inc(stream.migrations)
             metrics.e2e.observe(time.monotonic() - start)
+            _log_timeline(stream, outcome)
 
     async def finish(self, stream: RequestStream) -> GenerateResult | None:
         """The decode replica's result (usage, transfer stats), recorded in the metrics."""

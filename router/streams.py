@@ -23,18 +23,17 @@ not finished always has tokens left to make.
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from contracts.messages import GenerateRequest, GenerateResult, TokenDelta
+from contracts.messages import GenerateRequest, GenerateResult, TokenDelta, serve_logger
 from contracts.token_channel import TokenChannelLost, TokenSink
 from engine import SamplingParams
 from engine.async_engine import EngineDeadError
 from engine.detokenizer import IncrementalDetokenizer
 
-log = logging.getLogger(__name__)
+log = serve_logger(__name__)
 
 # A call may return just before the last frame of its tokens arrives (they travel apart).
 RESULT_GRACE_S = 5.0
@@ -99,6 +98,7 @@ class RequestStream:
     call_id: str = ""  # the current call's internal request id (another after each migration)
     prompt_token_ids: tuple[int, ...] = ()
     migrations: int = 0
+    moved_at: list[float] = field(default_factory=list)  # time.time() of each migration
     deadline: float = float("inf")  # time.monotonic() by which it must have ended
     cancelled: bool = False
     call_done: asyncio.Event = field(default_factory=asyncio.Event)
@@ -230,6 +230,7 @@ class DecodeClient:
                 log.warning("request %s: decode replica lost (%s: %s); moving it with %d tokens",
                             stream.request_id, type(exc).__name__, exc, len(stream.token_ids))
                 stream.migrations += 1
+                stream.moved_at.append(time.time())
                 self._submit(stream)
                 return
             stream.fail(exc)

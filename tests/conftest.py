@@ -28,6 +28,8 @@ def ray_cluster():
     root = Path(__file__).resolve().parents[1]
     os.environ.setdefault("RAY_TMPDIR", "/tmp/ray-baton")
     ray_env.apply()
+    # Serve's throughput profile buffers 1000 log lines per replica; tests read them at once.
+    os.environ.setdefault("RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE", "1")
     path = os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p)
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": path,
@@ -37,17 +39,29 @@ def ray_cluster():
     ray.shutdown()
 
 
-def shutdown_serve(timeout_s: float = 60.0) -> None:
-    """``serve.shutdown()``, then wait (bounded) until the replicas' CPUs are free again: Ray
-    frees a killed replica's resources a little after ``shutdown`` returns, and an actor the next
-    test starts would otherwise wait for them."""
+def shutdown_serve(timeout_s: float = 90.0) -> None:
+    """``serve.shutdown()``, then wait (bounded) until Serve's actors are gone and their CPUs are
+    free: Ray ends a killed or draining replica a little after ``shutdown`` returns, and an actor
+    the next test starts would otherwise wait for its CPUs. What is still there after the bound
+    is printed (shown with a later failure)."""
     import time
 
     import ray
     from ray import serve
+    from ray._private import state
+
+    def leftovers() -> list[str]:
+        return [f"{a['ActorClassName']}:{a['State']}:{a.get('Pid')}"
+                for a in state.actors().values()
+                if a["State"] != "DEAD" and "Serve" in a["ActorClassName"]]
 
     serve.shutdown()
     total = ray.cluster_resources().get("CPU", 0.0)
     deadline = time.time() + timeout_s
-    while ray.available_resources().get("CPU", 0.0) < total and time.time() < deadline:
+    while (leftovers() or ray.available_resources().get("CPU", 0.0) < total) \
+            and time.time() < deadline:
         time.sleep(0.2)
+    free = ray.available_resources().get("CPU", 0.0)
+    if free < total or leftovers():
+        print(f"after serve.shutdown: {free:g} of {total:g} CPUs free; alive: {leftovers()}",
+              flush=True)

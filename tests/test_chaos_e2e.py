@@ -38,6 +38,16 @@ def expected():
 ENGINE = {"model": "tiny", "num_blocks": 512, "max_num_seqs": 8}
 
 
+def _config(decode_replicas: int, disaggregated: bool = False) -> dict:
+    config = {"mode": "colocated", "engine": ENGINE,
+              "decode": {"num_replicas": decode_replicas, "num_cpus": 0.5},
+              "router": {"request_timeout_s": 120}}
+    if disaggregated:
+        config |= {"mode": "disaggregated", "prefill": {"num_cpus": 0.5},
+                   "transfer": {"timeout_s": 2}}
+    return config
+
+
 def _deploy(decode_replicas: int, disaggregated: bool = False) -> str:
     from ray import serve
 
@@ -45,14 +55,22 @@ def _deploy(decode_replicas: int, disaggregated: bool = False) -> str:
 
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    config = {"mode": "colocated", "engine": ENGINE,
-              "decode": {"num_replicas": decode_replicas, "num_cpus": 0.5},
-              "router": {"request_timeout_s": 120}}
-    if disaggregated:
-        config |= {"mode": "disaggregated", "prefill": {"num_cpus": 0.5},
-                   "transfer": {"timeout_s": 2}}
-    serve.run(build_app(config), name="baton", route_prefix="/")
+    serve.run(build_app(_config(decode_replicas, disaggregated)), name="baton", route_prefix="/")
     return f"http://127.0.0.1:{port}"
+
+
+def _start_streams(url):
+    got = [[] for _ in PROMPTS]
+    errors = [[] for _ in PROMPTS]
+    threads = [threading.Thread(target=_stream, args=(url, p, q, got[i], errors[i]))
+               for i, (p, q) in enumerate(zip(PROMPTS, PARAMS))]
+    for t in threads:
+        t.start()
+    deadline = time.time() + 60
+    while min(len(g) for g in got) < 20 and time.time() < deadline:
+        time.sleep(0.05)
+    assert max(len(g) for g in got) < MAX_TOKENS
+    return threads, got, errors
 
 
 def _pids(deployment: str) -> list[int]:
@@ -94,17 +112,9 @@ def test_killing_a_decode_replica_loses_no_stream(ray_cluster, expected, decode_
 
     url = _deploy(decode_replicas)
     try:
-        got = [[] for _ in PROMPTS]
-        errors = [[] for _ in PROMPTS]
-        threads = [threading.Thread(target=_stream, args=(url, p, q, got[i], errors[i]))
-                   for i, (p, q) in enumerate(zip(PROMPTS, PARAMS))]
-        for t in threads:
-            t.start()
-        deadline = time.time() + 60
-        while min(len(g) for g in got) < 20 and time.time() < deadline:
-            time.sleep(0.05)
+        threads, got, errors = _start_streams(url)
         pids = _decode_pids()
-        assert len(pids) == decode_replicas and max(len(g) for g in got) < MAX_TOKENS
+        assert len(pids) == decode_replicas
         os.kill(pids[0], signal.SIGKILL)
         for t in threads:
             t.join(timeout=150)
@@ -155,5 +165,30 @@ def test_a_lost_prefill_replica_is_replaced_by_local_prefill(ray_cluster, expect
             while _prefill_used_blocks() and time.time() < deadline:
                 time.sleep(0.2)
             assert _prefill_used_blocks() == 0
+    finally:
+        shutdown_serve()
+
+
+def test_a_redeploy_that_scales_decode_down_cuts_no_stream(ray_cluster, expected):
+    """``serve.run`` again with one decode replica instead of two while streams run: the one
+    Serve stops drains (its streams finish there, or move once it is gone) and the ingress keeps
+    every client's stream."""
+    from ray import serve
+
+    from deploy.app import build_app
+
+    url = _deploy(2)
+    try:
+        threads, got, errors = _start_streams(url)
+        serve.run(build_app(_config(1)), name="baton", route_prefix="/")
+        for t in threads:
+            t.join(timeout=150)
+        assert errors == [[] for _ in PROMPTS]
+        for i, want in enumerate(expected):
+            assert got[i] == want, f"stream {i}: {len(got[i])} tokens"
+        deadline = time.time() + 60
+        while len(_decode_pids()) != 1 and time.time() < deadline:
+            time.sleep(0.2)
+        assert len(_decode_pids()) == 1
     finally:
         shutdown_serve()

@@ -5,6 +5,7 @@ prefill replica that refuses or is gone is replaced by a local prefill at once; 
 request stops and gives back every block and lease, wherever it was."""
 
 import asyncio
+import logging
 import random
 
 import pytest
@@ -12,6 +13,7 @@ from ray.exceptions import ActorDiedError
 from ray.serve.exceptions import BackPressureError
 
 from contracts import GenerateRequest, TokenSink
+from contracts.messages import TIMELINE
 from decode_worker.server import DecodeServer
 from engine import LLM, EngineConfig, SamplingParams
 from kvtransfer.backends.local import LocalFabric
@@ -96,7 +98,8 @@ async def _until_idle(*servers, timeout=10.0):
 
 
 @pytest.mark.parametrize("disaggregated", [False, True], ids=["colocated", "disaggregated"])
-def test_offline_tokens_and_idle_afterwards(roles, offline, disaggregated):
+def test_offline_tokens_and_idle_afterwards(roles, offline, disaggregated, caplog):
+    caplog.set_level(logging.INFO, logger=TIMELINE.name)
     prefill, handle, decode = roles(disaggregated=disaggregated)
 
     async def main():
@@ -112,6 +115,16 @@ def test_offline_tokens_and_idle_afterwards(roles, offline, disaggregated):
         await sink.close()
 
     asyncio.run(main())
+    # One timeline line per request and role, in the order of its milestones.
+    lines = [r.getMessage() for r in caplog.records if r.name == TIMELINE.name]
+    decode_lines = [m for m in lines if m.startswith("request r1 decode:")]
+    assert len(decode_lines) == 1
+    want = ["received", "prefill_called", "prefill_returned", "queued", "first_token",
+            "finished"] if disaggregated else ["received", "queued", "first_token", "finished"]
+    assert [w for w in decode_lines[0].split("; ")[1].split() if not w.startswith("+")] == want
+    assert "length, 12 tokens" in decode_lines[0]
+    assert ("prefilled remotely" in decode_lines[0]) == disaggregated
+    assert any(m.startswith("request r1 prefill: push done") for m in lines) == disaggregated
 
 
 @pytest.mark.parametrize("failure", [BackPressureError(1, 1), ActorDiedError()],

@@ -172,3 +172,27 @@ def test_default_backend_per_placement():
     assert default_backend(same_node=True, device_type="cpu") == "nixl"
     with pytest.raises(ValueError, match="unknown backend 'rdma'"):
         KVEndpoint(torch.zeros(2, 4, 2, 2, 4, 4), LAYOUT, "rdma")
+
+
+def test_importing_nixl_keeps_the_process_log_handlers():
+    """nixl's import reconfigures logging and closes every handler; a Serve replica's log (a
+    buffering handler in front of a file) must keep working after the backend is imported."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent("""
+        import logging, logging.handlers, sys, tempfile
+        path = tempfile.mktemp()
+        log = logging.getLogger("ray.serve")
+        log.addHandler(logging.handlers.MemoryHandler(1, target=logging.FileHandler(path)))
+        log.setLevel(logging.INFO)
+        log.info("before")
+        from kvtransfer.backends.nixl import _import_nixl
+        _import_nixl()
+        log.info("after")
+        print(open(path).read().split())
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True).stdout
+    assert out.strip().endswith("['before', 'after']")

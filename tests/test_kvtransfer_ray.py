@@ -46,12 +46,22 @@ class DecodeActor:
 @pytest.mark.parametrize("backend", ["nixl", "nccl"])
 def test_ray_actors_hand_over_kv(ray_cluster, backend):
     ray = ray_cluster
+    print("before the actors:", ray.available_resources().get("CPU"), "CPUs free", flush=True)
     prefill = ray.remote(num_cpus=0.5)(PrefillActor).remote(backend)
     decode = ray.remote(num_cpus=0.5)(DecodeActor).remote(backend)
     try:
         prompts = random_prompts([9, 32, 45], vocab=512, seed=31)
         expected = [o.token_ids for o in LLM("tiny").generate(prompts, GREEDY)]
-        decode_info = ray.get(decode.info.remote(), timeout=120)
+        try:
+            decode_info = ray.get(decode.info.remote(), timeout=120)
+        except ray.exceptions.GetTimeoutError:
+            from ray._private import state
+            print("resources free:", ray.available_resources(), "of", ray.cluster_resources())
+            for actor in state.actors().values():
+                if actor["State"] != "DEAD":
+                    print(actor["ActorClassName"], actor["State"], actor.get("Pid"),
+                          actor.get("RequiredResources"))
+            raise
         for prompt, tokens in zip(prompts, expected):
             dest = ray.get(decode.begin.remote(prompt, GREEDY), timeout=30)
             result, src_kv = ray.get(prefill.prefill.remote(prompt, GREEDY, dest, decode_info),

@@ -5,6 +5,7 @@ cancelled stream leaves no KV block held."""
 import json
 import socket
 import time
+from pathlib import Path
 
 import pytest
 import requests
@@ -215,6 +216,30 @@ def test_cancelled_stream_frees_every_block(server):
     resp.close()  # the client goes away mid-stream
     _wait_idle(url)
     assert _decode_engine_tokens() - before < 1500  # aborted, not run to its end
+
+
+def test_each_request_leaves_a_timeline_in_each_roles_serve_log(server):
+    """One line per role under the request's id in the replicas' Serve logs (the decode and
+    prefill replicas' lines among them: importing NIXL once closed their log handlers)."""
+    import ray
+
+    mode, url, _ = server
+    rid = _post(f"{url}/v1/completions", {"prompt": PROMPTS[1], **GREEDY}).json()["id"]
+    logs = Path(ray._private.worker._global_node.get_logs_dir_path()) / "serve"
+    roles = ["ingress", "decode"] + (["prefill"] if mode == "disaggregated" else [])
+    deadline, found = time.time() + 20, {}
+    while len(found) < len(roles) and time.time() < deadline:
+        for f in logs.glob("replica_baton_*.log"):
+            for line in f.read_text(errors="replace").splitlines():
+                for role in roles:
+                    if f"request {rid} {role}:" in line:
+                        found[role] = line
+        time.sleep(0.2)
+    assert sorted(found) == sorted(roles)
+    assert "length" in found["ingress"] and "first_token +" in found["ingress"]
+    assert ("prefilled remotely" in found["decode"]) == (mode == "disaggregated")
+    if mode == "disaggregated":
+        assert "push done" in found["prefill"]
 
 
 def test_timing_fields_when_asked(server):

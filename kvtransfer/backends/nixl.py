@@ -24,6 +24,23 @@ _HEADER = struct.Struct("<QqI")  # base address, device id, number of blocks
 _NOTHING_TO_WRITE = object()
 
 
+def _import_nixl():
+    """``nixl._api``, imported without losing this process's log handlers. Importing nixl runs
+    ``logging.config.dictConfig``, which closes every handler already installed; a closed
+    ``MemoryHandler`` drops its target, so everything a Serve replica logs afterwards (its
+    replica log is a buffering handler in front of a file) would vanish without an error."""
+    import logging.handlers
+
+    handlers = {id(h): h for ref in list(logging._handlerList) if (h := ref()) is not None}
+    targets = {k: h.target for k, h in handlers.items()
+               if isinstance(h, logging.handlers.MemoryHandler)}
+    from nixl._api import nixl_agent, nixl_agent_config
+    for k, target in targets.items():
+        if handlers[k].target is None:
+            handlers[k].target = target  # a closed FileHandler reopens on its next record
+    return nixl_agent, nixl_agent_config
+
+
 class NixlBackend(TransportBackend):
     name = "nixl"
 
@@ -33,8 +50,7 @@ class NixlBackend(TransportBackend):
         on_gpu = kv_cache.is_cuda
         if not on_gpu:
             os.environ.setdefault("UCX_TLS", "sm,self")
-        from nixl._api import nixl_agent, nixl_agent_config
-
+        nixl_agent, nixl_agent_config = _import_nixl()
         self.agent = nixl_agent(endpoint_id, nixl_agent_config(enable_prog_thread=progress_thread,
                                                                backends=[]))
         params = dict(ucx_params or ({} if on_gpu else {"ucx_error_handling_mode": "none"}))

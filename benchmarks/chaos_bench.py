@@ -1,0 +1,171 @@
+"""Kill a decode replica under load and measure what the clients saw.
+
+A disaggregated app (1 prefill + ``--decode-replicas`` decode replicas), ``--streams`` streaming
+requests of ``--output-len`` tokens (greedy, ``ignore_eos``); once every stream has
+``--kill-after`` tokens, one decode replica's process gets SIGKILL. Reported: failed streams,
+streams cut short, migrations (``baton_request_migrations_total``), and the stall of each moved
+stream (its longest gap between two tokens) against the others' longest gap.
+
+    python -m benchmarks.chaos_bench --model dummy:Qwen3-8B --gpus-per-role 0.3
+    python -m benchmarks.chaos_bench --model tiny           # CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import sys
+import threading
+import time
+
+import requests
+
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def replica_pids(deployment: str) -> list[int]:
+    from ray.thirdparty_files import psutil
+
+    return [p.pid for p in psutil.process_iter(["cmdline"])
+            if f"ServeReplica:baton:{deployment}" in " ".join(p.info["cmdline"] or [])]
+
+
+def stream(url: str, prompt: list[int], max_tokens: int, rec: dict, timeout: float) -> None:
+    """One streaming completion; ``rec`` gets token count, arrival times and any error."""
+    rec.update(tokens=0, times=[], error=None)
+    try:
+        resp = requests.post(f"{url}/v1/completions", timeout=timeout, stream=True,
+                             json={"prompt": prompt, "stream": True, "max_tokens": max_tokens,
+                                   "temperature": 0, "ignore_eos": True})
+        if resp.status_code != 200:
+            rec["error"] = f"HTTP {resp.status_code}: {resp.text[:200]}"
+            return
+        for line in resp.iter_lines():
+            if not line.startswith(b"data: {"):
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                rec["error"] = str(event["error"])[:200]
+            for choice in event.get("choices", []):
+                n = len(choice.get("token_ids") or [])
+                if n:
+                    rec["tokens"] += n
+                    rec["times"].append(time.perf_counter())
+    except Exception as exc:  # noqa: BLE001 - reported
+        rec["error"] = repr(exc)[:200]
+
+
+def migrations(url: str) -> float:
+    for line in requests.get(f"{url}/metrics", timeout=10).text.splitlines():
+        if line.startswith("baton_request_migrations_total "):
+            return float(line.split()[1])
+    return 0.0
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--streams", type=int, default=16)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=512)
+    p.add_argument("--kill-after", type=int, default=64, help="tokens every stream has first")
+    p.add_argument("--decode-replicas", type=int, default=2)
+    p.add_argument("--gpus-per-role", type=float, default=None)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    p.add_argument("--backend", default="auto")
+    p.add_argument("--timeout", type=float, default=300)
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+
+    import ray
+    import torch
+    from ray import serve
+
+    from deploy import ray_env
+    from deploy.app import build_app
+    from deploy.cli import wait_ready
+    from engine.loader import resolve_model
+
+    gpu = torch.cuda.is_available()
+    share = args.gpus_per_role if args.gpus_per_role is not None else \
+        (round(0.95 / (1 + args.decode_replicas), 2) if gpu else 0.0)
+    engine = {"model": args.model, "show_progress": False}
+    if gpu:
+        engine["gpu_memory_utilization"] = args.gpu_memory_utilization * share
+    role = {"num_gpus": share, "num_cpus": 1.0 if gpu else 0.5}
+    config = {"mode": "disaggregated", "engine": engine, "prefill": role,
+              "decode": {**role, "num_replicas": args.decode_replicas},
+              "router": {"num_replicas": 2, "request_timeout_s": args.timeout},
+              "transfer": {"backend": args.backend}}
+    ray_env.apply()
+    path = os.pathsep.join(x for x in (HERE, os.environ.get("PYTHONPATH", "")) if x)
+    ray.init(num_cpus=max(4, os.cpu_count() or 2), include_dashboard=False,
+             log_to_driver=False, logging_level="ERROR",
+             runtime_env={"env_vars": {"PYTHONPATH": path}})
+    port = 18000 + os.getpid() % 1000
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    t0 = time.time()
+    serve.run(build_app(config), name="baton", route_prefix="/", blocking=False)
+    url = f"http://127.0.0.1:{port}"
+    wait_ready(url, args.timeout)
+    print(f"1P{args.decode_replicas}D of {args.model} ready in {time.time() - t0:.0f}s "
+          f"({share:g} GPU each)", flush=True)
+
+    g = torch.Generator().manual_seed(0)
+    vocab = min(resolve_model(args.model).config.vocab_size, 150000)
+    prompts = torch.randint(10, vocab, (args.streams, args.input_len), generator=g).tolist()
+    stream(url, prompts[0][:16], 4, {}, args.timeout)  # warm-up
+    recs = [{} for _ in prompts]
+    threads = [threading.Thread(target=stream, args=(url, pr, args.output_len, r, args.timeout))
+               for pr, r in zip(prompts, recs)]
+    for t in threads:
+        t.start()
+    deadline = time.time() + args.timeout
+    while time.time() < deadline and min(r.get("tokens", 0) for r in recs) < args.kill_after:
+        time.sleep(0.01)
+    victims = replica_pids("DecodeServer")
+    killed_at = time.perf_counter()
+    os.kill(victims[0], signal.SIGKILL)
+    print(f"SIGKILL decode replica pid {victims[0]} of {len(victims)}", flush=True)
+    for t in threads:
+        t.join(timeout=args.timeout)
+    moved = migrations(url)
+
+    def longest_gap(r):
+        ts = r["times"]
+        return max((b - a for a, b in zip(ts, ts[1:])), default=0.0)
+
+    def gap_across_kill(r):
+        ts = r["times"]
+        return max((b - a for a, b in zip(ts, ts[1:]) if a <= killed_at <= b), default=0.0)
+
+    failed = [r for r in recs if r["error"]]
+    short = [r for r in recs if not r["error"] and r["tokens"] != args.output_len]
+    across = sorted(gap_across_kill(r) * 1e3 for r in recs if not r["error"])
+    typical = statistics.median(
+        statistics.median([b - a for a, b in zip(r["times"], r["times"][1:])] or [0.0])
+        for r in recs if not r["error"]) * 1e3
+    out = {"model": args.model, "device": torch.cuda.get_device_name() if gpu else "cpu",
+           "date": time.strftime("%Y-%m-%d"), "streams": args.streams,
+           "output_len": args.output_len, "decode_replicas": args.decode_replicas,
+           "gpus_per_role": share, "failed": len(failed), "cut_short": len(short),
+           "migrations": moved, "gap_across_kill_ms": across,
+           "typical_gap_ms": typical, "longest_gap_ms": max(longest_gap(r) for r in recs) * 1e3,
+           "first_error": failed[0]["error"] if failed else None}
+    print(f"streams {args.streams}, failed {len(failed)}, cut short {len(short)}, "
+          f"migrations {moved:g}; token gap across the kill (ms): p50 "
+          f"{statistics.median(across):.0f}, max {max(across):.0f}; typical gap "
+          f"{typical:.1f} ms", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    serve.shutdown()
+    ray.shutdown()
+    sys.exit(1 if failed or short else 0)
+
+
+if __name__ == "__main__":
+    main()

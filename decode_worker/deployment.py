@@ -35,6 +35,11 @@ class DecodeDeployment:
         total = load["used_blocks"] + load["free_blocks"]
         return {"kv_used_fraction": load["used_blocks"] / total if total else 0.0}
 
+    def __del__(self):
+        server = getattr(self, "server", None)
+        if server is not None:
+            server.close()
+
     def check_health(self) -> None:
         if self.server.aengine.error is not None:
             raise RuntimeError(f"engine thread died: {self.server.aengine.error!r}")

@@ -54,6 +54,14 @@ class DecodeServer:
                                          **endpoint_kwargs)
             self.aengine.add_ticker(self.endpoint.poll)
 
+    def close(self) -> None:
+        """At shutdown (Serve calls the deployment's ``__del__`` once it has drained): stop the
+        engine thread, then fail every transfer still pending, so blocks and leases on both
+        sides are released now rather than at their deadlines."""
+        self.aengine.shutdown()
+        if self.endpoint is not None:
+            self.endpoint.close()
+
     @property
     def held_blocks(self) -> int:
         return self.endpoint.held_blocks if self.endpoint is not None else 0

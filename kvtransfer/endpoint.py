@@ -31,6 +31,7 @@ from kvtransfer.types import (PROTOCOL_VERSION, EndpointInfo, KVDestination, KVL
 log = logging.getLogger(__name__)
 POLL_INTERVAL_S = 0.0005
 SPIN_S = 0.005
+DEADLINE = "deadline"  # how a failure by deadline starts (it keeps the peer connected)
 # A receiver gives up a little after the deadline, so that the sender (which stops writing at
 # the deadline) has given up first: a one-sided write can then never land in released blocks.
 RECV_GRACE_S = 0.25
@@ -119,7 +120,7 @@ class KVEndpoint:
         with self._lock:
             self._sending[t.transfer_id] = t
         if dest.expired():
-            self._finish(t, TransferState.FAILED, "deadline passed before the push started")
+            self._finish(t, TransferState.FAILED, f"{DEADLINE} passed before the push started")
             return t
         try:
             self.backend.connect(peer)
@@ -206,7 +207,7 @@ class KVEndpoint:
         except Exception as exc:  # noqa: BLE001
             state, t.error = TransferState.FAILED, f"{type(exc).__name__}: {exc}"
         if state is TransferState.IN_FLIGHT and (now or time.time()) >= t.deadline:
-            state, t.error = TransferState.FAILED, "deadline passed before the write completed"
+            state, t.error = TransferState.FAILED, f"{DEADLINE} passed before the write completed"
         if state.is_terminal:
             self._finish(t, state, t.error)
 
@@ -238,7 +239,22 @@ class KVEndpoint:
                 log.debug("release of %s failed", t.transfer_id, exc_info=True)
         if state is TransferState.FAILED and t.peer_id:
             log.warning("transfer %s to %s failed: %s", t.transfer_id, t.peer_id, error)
+            if t.role == "send" and not (error or "").startswith(DEADLINE):
+                self._forget_peer(t.peer_id)
         t.update(state, error)
+
+    def _forget_peer(self, peer_id: str) -> None:
+        """A write to ``peer_id`` failed in the transport: the peer is likely gone (a restarted
+        replica is a new endpoint). Drop what the backend keeps of it (a remote agent, a mapped
+        cache) unless another write to it is still in flight; a live peer is connected again
+        by its next push."""
+        with self._lock:
+            if any(s.peer_id == peer_id for s in self._sending.values()):
+                return
+        try:
+            self.backend.disconnect(peer_id)
+        except Exception:  # noqa: BLE001 - best effort
+            log.debug("disconnecting %s failed", peer_id, exc_info=True)
 
     def close(self) -> None:
         with self._lock:

@@ -30,6 +30,11 @@ class PrefillDeployment:
     async def prefill(self, req: PrefillRequest):
         return await self.server.prefill(req)
 
+    def __del__(self):
+        server = getattr(self, "server", None)
+        if server is not None:
+            server.close()
+
     def check_health(self) -> None:
         if self.server.aengine.error is not None:
             raise RuntimeError(f"engine thread died: {self.server.aengine.error!r}")

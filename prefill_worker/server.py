@@ -25,6 +25,13 @@ class PrefillServer:
         self.endpoint = endpoint_for(self.aengine.engine, backend, polled=True, **endpoint_kwargs)
         self.aengine.add_ticker(self.endpoint.poll)
 
+    def close(self) -> None:
+        """At shutdown (Serve calls the deployment's ``__del__`` once it has drained): stop the
+        engine thread, then fail every transfer still pending, so blocks and leases on both
+        sides are released now rather than at their deadlines."""
+        self.aengine.shutdown()
+        self.endpoint.close()
+
     def info(self) -> EndpointInfo:
         return self.endpoint.info()
 

@@ -5,7 +5,8 @@ one Serve starts in its place, and every client gets one continuous stream with 
 tokens of an undisturbed run, greedy and seeded (the ingress re-submits each request with the
 tokens it already has; draws are keyed by seed and position). The only prefill replica frozen
 (SIGSTOP) or killed: every request is prefilled by its decode replica instead, at the latest at
-the transfer deadline, with the same tokens; a frozen replica that wakes gives its blocks back."""
+the transfer deadline, with the same tokens; a frozen replica that wakes gives its blocks back,
+and the woken or restarted replica prefills for the decode replica again."""
 
 import json
 import os
@@ -165,6 +166,17 @@ def test_a_lost_prefill_replica_is_replaced_by_local_prefill(ray_cluster, expect
             while _prefill_used_blocks() and time.time() < deadline:
                 time.sleep(0.2)
             assert _prefill_used_blocks() == 0
+        else:  # Serve starts a new replica: a new peer, which the decode replica then uses
+            deadline = time.time() + 90
+            while _pids("PrefillServer") in ([], [pid]) and time.time() < deadline:
+                time.sleep(0.5)
+        deadline, sent = time.time() + 60, 0
+        while not sent and time.time() < deadline:  # until Serve routes to it again
+            body = requests.post(f"{url}/v1/completions", timeout=60, json={
+                "prompt": PROMPTS[1], **PARAMS[0], "max_tokens": 4}).json()
+            sent = (body["usage"]["kv_transfer"] or {}).get("blocks_sent", 0)
+            time.sleep(0.5)
+        assert sent > 0  # prefilled over there again, not here
     finally:
         shutdown_serve()
 

@@ -67,7 +67,7 @@ def roles():
 
     yield make
     for server in made:
-        server.aengine.shutdown()
+        server.close()
 
 
 async def _generate(decode, sink, prompt, rid, params=GREEDY):
@@ -227,6 +227,27 @@ def test_cancellation_at_random_points_leaves_nothing_behind(roles):
         await asyncio.sleep(0.3)
         assert decode.aengine.engine.stats.output_tokens == made
         assert decode.publisher.num_routes == 0
+        await sink.close()
+
+    asyncio.run(main())
+
+
+def test_closing_a_replica_releases_its_pending_leases(roles):
+    """At shutdown a decode replica waiting for a prefill's KV fails that lease at once: its
+    blocks come back without waiting for the deadline."""
+    _, handle, decode = roles({"hang": True})
+
+    async def main():
+        sink = TokenSink()
+        task = asyncio.ensure_future(decode.generate(
+            GenerateRequest(tuple(PROMPTS[1]), GREEDY, "r", await sink.start())))
+        while handle.calls == 0:
+            await asyncio.sleep(0.01)
+        assert decode.held_blocks > 0
+        decode.close()
+        assert decode.held_blocks == 0 and decode.aengine.engine.pool.num_used_blocks == 0
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
         await sink.close()
 
     asyncio.run(main())

@@ -196,3 +196,24 @@ def test_importing_nixl_keeps_the_process_log_handlers():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120, check=True).stdout
     assert out.strip().endswith("['before', 'after']")
+
+
+def test_a_failed_write_forgets_the_peer_but_a_deadline_does_not():
+    """A restarted replica is a new endpoint; a write to the old one fails in the transport and
+    the sender drops what it kept of it (a NIXL remote agent, a mapped CUDA cache). A write that
+    merely ran out of time keeps the peer."""
+    fabric = LocalFabric()
+    cache = torch.zeros(2, 8, 2, 2, 4, 4)
+    sender = KVEndpoint(cache.clone(), LAYOUT, "local", fabric=fabric)
+    forgotten = []
+    sender.backend.disconnect = forgotten.append
+    gone = KVEndpoint(cache.clone(), LAYOUT, "local", fabric=fabric)
+    peer = gone.info()
+    gone.close()  # the receiver's process is gone
+    t = sender.push(peer, KVDestination("r1", peer.endpoint_id, (1,), 0, time.time() + 5), [2])
+    assert t.state is TransferState.FAILED and forgotten == [peer.endpoint_id]
+    late = KVEndpoint(cache.clone(), LAYOUT, "local", fabric=fabric)
+    t = sender.push(late.info(), KVDestination("r2", late.endpoint_id, (1,), 0, time.time() - 1),
+                    [2])
+    assert t.state is TransferState.FAILED and "deadline" in t.error
+    assert forgotten == [peer.endpoint_id]

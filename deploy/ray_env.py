@@ -4,6 +4,8 @@
   and gRPC ports and forwards each connection straight to an ingress replica's own server
   ("direct ingress"). Serve's Python proxy otherwise relays every streamed chunk as a Ray
   message, which caps a node at a few thousand chunks per second.
+- ``RAY_SERVE_HAPROXY_RETRY_ON=conn-failure empty-response``: HAProxy also retries, on another
+  ingress replica, a request whose replica closed the connection without answering (it died).
 - ``RAY_SERVE_THROUGHPUT_OPTIMIZED=1``: Serve's own throughput profile (user code on the
   replica's event loop, gRPC between handles and replicas, direct ingress).
 
@@ -26,7 +28,11 @@ import shutil
 import socket
 
 THROUGHPUT = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
-HAPROXY = {"RAY_SERVE_ENABLE_HA_PROXY": "1"}
+# A request HAProxy sent to an ingress replica that died before answering (its keep-alive
+# connection was still open) is sent to another one instead of failing: nothing had reached the
+# client, and the decode replicas abort whatever the dead ingress had started.
+HAPROXY = {"RAY_SERVE_ENABLE_HA_PROXY": "1",
+           "RAY_SERVE_HAPROXY_RETRY_ON": "conn-failure empty-response"}
 LOCAL = {"RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1"}
 
 

@@ -112,5 +112,6 @@ def test_cluster_configs_install_baton_and_start_ray(name):
     for key, value in ray_env.serve_env().items():  # the serving fast path on every node
         if key != "RAY_USAGE_STATS_ENABLED":
             for commands in ("head_start_ray_commands", "worker_start_ray_commands"):
-                assert any(f"{key}={value} " in c.split("ray start")[0]
+                setting = f'{key}="{value}" ' if " " in value else f"{key}={value} "
+                assert any(setting in c.split("ray start")[0]
                            for c in cluster[commands] if "ray start" in c), (key, commands)

@@ -80,8 +80,10 @@ class DecodeServer:
             if self.prefill is not None:
                 prefilled = await self._remote_prefill(req, prompt, timing)
             if prefilled is None:  # colocated, or nothing reserved: prefill here
-                await self.aengine.call(lambda e: e.add_request(prompt, req.params, rid))
-                timing.queued = time.time()
+                def add(engine):  # stamped here: the first token may come before the loop runs
+                    engine.add_request(prompt, req.params, rid)
+                    timing.queued = time.time()
+                await self.aengine.call(add)
             last = await route.done
         except BaseException as exc:
             self.publisher.unroute(rid)
@@ -106,22 +108,30 @@ class DecodeServer:
         """Reserve, have a prefill replica push, admit (publishing the prefill's first token).
         None when no blocks could be reserved right now."""
         rid = req.request_id
-        reserved = await self.aengine.call(lambda e: e.reserve(prompt, req.params, rid))
-        if reserved is None:
-            return None
-        _, blocks, present = reserved
         loop = asyncio.get_running_loop()
         landed: asyncio.Future = loop.create_future()
-        dest = KVDestination(request_id=rid, endpoint_id=self.endpoint.endpoint_id,
-                             block_ids=tuple(blocks), num_present_tokens=present,
-                             deadline=time.time() + self.timeout_s)
 
         def on_finish(t):  # engine thread, once
             if t.state is TransferState.FAILED:
                 self.aengine.engine.abort_request(rid)
             loop.call_soon_threadsafe(_resolve, landed, t)
 
-        await self.aengine.call(lambda e: self.endpoint.expect(dest, on_finish))
+        def reserve_and_lease(engine) -> KVDestination | None:
+            """One engine command: blocks are never reserved without their lease (a cancel
+            between the two would otherwise leave them to the request's abort alone)."""
+            reserved = engine.reserve(prompt, req.params, rid)
+            if reserved is None:
+                return None
+            _, blocks, present = reserved
+            dest = KVDestination(request_id=rid, endpoint_id=self.endpoint.endpoint_id,
+                                 block_ids=tuple(blocks), num_present_tokens=present,
+                                 deadline=time.time() + self.timeout_s)
+            self.endpoint.expect(dest, on_finish)
+            return dest
+
+        dest = await self.aengine.call(reserve_and_lease)
+        if dest is None:
+            return None
         timing.prefill_called = time.time()
         call = self.prefill.prefill.remote(
             PrefillRequest(tuple(prompt), req.params, dest, self.endpoint.info()))

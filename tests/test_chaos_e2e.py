@@ -17,6 +17,8 @@ import time
 import pytest
 import requests
 
+from benchmarks.chaos_bench import migrations
+from benchmarks.chaos_bench import replica_pids as _pids
 from engine import LLM, SamplingParams
 from tests.conftest import shutdown_serve
 from tests.models import random_prompts
@@ -62,7 +64,9 @@ def _deploy(decode_replicas: int, disaggregated: bool = False, prefill_replicas:
     return f"http://127.0.0.1:{port}"
 
 
-def _start_streams(url):
+def _start_streams(url, until_tokens: int = 20):
+    """Every prompt's stream on its own thread; returns once each has ``until_tokens`` tokens
+    (and none has all of them)."""
     got = [[] for _ in PROMPTS]
     errors = [[] for _ in PROMPTS]
     threads = [threading.Thread(target=_stream, args=(url, p, q, got[i], errors[i]))
@@ -70,17 +74,20 @@ def _start_streams(url):
     for t in threads:
         t.start()
     deadline = time.time() + 60
-    while min(len(g) for g in got) < 20 and time.time() < deadline:
+    while min(len(g) for g in got) < until_tokens and time.time() < deadline:
         time.sleep(0.05)
     assert max(len(g) for g in got) < MAX_TOKENS
     return threads, got, errors
 
 
-def _pids(deployment: str) -> list[int]:
-    from ray.thirdparty_files import psutil
-
-    return [p.pid for p in psutil.process_iter(["cmdline"])
-            if f"ServeReplica:baton:{deployment}" in " ".join(p.info["cmdline"] or [])]
+def _join_streams(threads, got, errors, expected) -> None:
+    """Wait for the streams; each ended without an error and with exactly the undisturbed
+    run's tokens."""
+    for t in threads:
+        t.join(timeout=150)
+    assert errors == [[] for _ in PROMPTS]
+    for i, want in enumerate(expected):
+        assert got[i] == want, f"stream {i}: {len(got[i])} tokens"
 
 
 def _decode_pids() -> list[int]:
@@ -102,13 +109,6 @@ def _stream(url, prompt, params, got: list, errors: list):
         errors.append(repr(exc))
 
 
-def _migrations(url) -> float:
-    for line in requests.get(f"{url}/metrics", timeout=10).text.splitlines():
-        if line.startswith("baton_request_migrations_total "):
-            return float(line.split()[1])
-    return 0.0
-
-
 @pytest.mark.parametrize("decode_replicas", [2, 1])
 def test_killing_a_decode_replica_loses_no_stream(ray_cluster, expected, decode_replicas):
     url = _deploy(decode_replicas)
@@ -117,12 +117,8 @@ def test_killing_a_decode_replica_loses_no_stream(ray_cluster, expected, decode_
         pids = _decode_pids()
         assert len(pids) == decode_replicas
         os.kill(pids[0], signal.SIGKILL)
-        for t in threads:
-            t.join(timeout=150)
-        assert errors == [[] for _ in PROMPTS]
-        for i, want in enumerate(expected):
-            assert got[i] == want, f"stream {i}: {len(got[i])} tokens"
-        assert _migrations(url) >= 1
+        _join_streams(threads, got, errors, expected)
+        assert migrations(url) >= 1
         _assert_decode_idle()
     finally:
         shutdown_serve()
@@ -166,17 +162,7 @@ def test_a_lost_prefill_replica_is_replaced_by_local_prefill(ray_cluster, expect
         pid = pids[0]
         os.kill(pid, getattr(signal, how))
         t0 = time.time()
-        got = [[] for _ in PROMPTS]
-        errors = [[] for _ in PROMPTS]
-        threads = [threading.Thread(target=_stream, args=(url, p, q, got[i], errors[i]))
-                   for i, (p, q) in enumerate(zip(PROMPTS, PARAMS))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=150)
-        assert errors == [[] for _ in PROMPTS]
-        for i, want in enumerate(expected):
-            assert got[i] == want, f"stream {i}: {len(got[i])} tokens"
+        _join_streams(*_start_streams(url, until_tokens=0), expected)
         assert time.time() - t0 < 90
         if how == "SIGSTOP":
             os.kill(pid, signal.SIGCONT)  # it wakes with pushes past their deadline
@@ -212,11 +198,7 @@ def test_a_redeploy_that_scales_decode_down_cuts_no_stream(ray_cluster, expected
     try:
         threads, got, errors = _start_streams(url)
         serve.run(build_app(_config(1)), name="baton", route_prefix="/")
-        for t in threads:
-            t.join(timeout=150)
-        assert errors == [[] for _ in PROMPTS]
-        for i, want in enumerate(expected):
-            assert got[i] == want, f"stream {i}: {len(got[i])} tokens"
+        _join_streams(threads, got, errors, expected)
         deadline = time.time() + 60
         while len(_decode_pids()) != 1 and time.time() < deadline:
             time.sleep(0.2)

@@ -31,7 +31,6 @@ from kvtransfer.types import (PROTOCOL_VERSION, EndpointInfo, KVDestination, KVL
 log = logging.getLogger(__name__)
 POLL_INTERVAL_S = 0.0005
 SPIN_S = 0.005
-DEADLINE = "deadline"  # how a failure by deadline starts (it keeps the peer connected)
 # A receiver gives up a little after the deadline, so that the sender (which stops writing at
 # the deadline) has given up first: a one-sided write can then never land in released blocks.
 RECV_GRACE_S = 0.25
@@ -120,7 +119,7 @@ class KVEndpoint:
         with self._lock:
             self._sending[t.transfer_id] = t
         if dest.expired():
-            self._finish(t, TransferState.FAILED, f"{DEADLINE} passed before the push started")
+            self._finish(t, TransferState.FAILED, "deadline passed before the push started")
             return t
         try:
             self.backend.connect(peer)
@@ -128,7 +127,7 @@ class KVEndpoint:
             t.handle = self.backend.start_write(peer, t.transfer_id, src, dest.block_ids)
         except Exception as exc:  # noqa: BLE001 - any transport error fails the transfer
             log.warning("push %s failed to start: %s", t.transfer_id, exc)
-            self._finish(t, TransferState.FAILED, f"{type(exc).__name__}: {exc}")
+            self._finish(t, TransferState.FAILED, f"{type(exc).__name__}: {exc}", peer_gone=True)
             return t
         t.update(TransferState.IN_FLIGHT)
         self._poll_send(t)
@@ -206,10 +205,11 @@ class KVEndpoint:
             state = self.backend.check_write(t.handle)
         except Exception as exc:  # noqa: BLE001
             state, t.error = TransferState.FAILED, f"{type(exc).__name__}: {exc}"
+        transport_failed = state is TransferState.FAILED  # not a deadline: that follows
         if state is TransferState.IN_FLIGHT and (now or time.time()) >= t.deadline:
-            state, t.error = TransferState.FAILED, f"{DEADLINE} passed before the write completed"
+            state, t.error = TransferState.FAILED, "deadline passed before the write completed"
         if state.is_terminal:
-            self._finish(t, state, t.error)
+            self._finish(t, state, t.error, peer_gone=transport_failed)
 
     @contextmanager
     def _landing(self, transfer_id: str):
@@ -227,7 +227,9 @@ class KVEndpoint:
                 return
         self._finish(t, TransferState.DONE)
 
-    def _finish(self, t: Transfer, state: TransferState, error: str | None = None) -> None:
+    def _finish(self, t: Transfer, state: TransferState, error: str | None = None,
+                peer_gone: bool = False) -> None:
+        """``peer_gone``: a write failed in the transport (not by deadline, abort or close)."""
         with self._lock:
             table = self._sending if t.role == "send" else self._receiving
             if table.get(t.transfer_id) is t:
@@ -239,7 +241,7 @@ class KVEndpoint:
                 log.debug("release of %s failed", t.transfer_id, exc_info=True)
         if state is TransferState.FAILED and t.peer_id:
             log.warning("transfer %s to %s failed: %s", t.transfer_id, t.peer_id, error)
-            if t.role == "send" and not (error or "").startswith(DEADLINE):
+            if peer_gone:
                 self._forget_peer(t.peer_id)
         t.update(state, error)
 

@@ -31,13 +31,12 @@ def _import_nixl():
     replica log is a buffering handler in front of a file) would vanish without an error."""
     import logging.handlers
 
-    handlers = {id(h): h for ref in list(logging._handlerList) if (h := ref()) is not None}
-    targets = {k: h.target for k, h in handlers.items()
-               if isinstance(h, logging.handlers.MemoryHandler)}
+    buffers = [(h, h.target) for ref in list(logging._handlerList)
+               if isinstance(h := ref(), logging.handlers.MemoryHandler)]
     from nixl._api import nixl_agent, nixl_agent_config
-    for k, target in targets.items():
-        if handlers[k].target is None:
-            handlers[k].target = target  # a closed FileHandler reopens on its next record
+    for handler, target in buffers:
+        if handler.target is None:
+            handler.target = target  # a closed FileHandler reopens on its next record
     return nixl_agent, nixl_agent_config
 
 

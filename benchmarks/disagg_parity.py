@@ -1,4 +1,4 @@
-"""1 prefill + 1 decode engine on the GPU host: same greedy tokens as a colocated engine, and
+"""1 prefill + 1 decode server (the roles as they ship) on the GPU host: same greedy tokens as a colocated engine, and
 the hand-over time next to the prefill time (is overlapping the push with prefill worth it?).
 
     python -m benchmarks.disagg_parity --model dummy:Qwen3-8B --backends cuda_ipc nixl
@@ -9,14 +9,16 @@ the hand-over time next to the prefill time (is overlapping the push with prefil
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import time
 
 import torch
 
-from benchmarks.engine_peers import Peer, finish
-from decode_worker.core import DecodeCore
+from contracts import TokenSink
+from decode_worker.server import DecodeServer
 from engine import LLM, EngineConfig, SamplingParams
+from tests.roles import Peer, PeerPrefillHandle, generate
 
 
 def _reference_tokens(config: EngineConfig, prompts, params, queue) -> None:
@@ -81,25 +83,29 @@ def main(argv=None) -> None:
               f"first differences per prompt: {firsts}")
 
     rows, errors = [], {}
+
+    async def run(decode, backend):
+        sink = TokenSink()
+        for i, (prompt, want) in enumerate(zip(prompts, expected)):
+            got, result = await generate(decode, sink, prompt, f"{backend}-{i}", greedy)
+            st, timing = result.transfer, result.timing
+            diverge = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
+            rows.append(dict(backend=backend, prompt_tokens=len(prompt),
+                             same_tokens=got == want, first_difference=diverge,
+                             tokens=got, expected=want,
+                             prefill_ms=result.prefill_seconds * 1e3,
+                             handover_ms=st.seconds * 1e3 if st else float("nan"),
+                             mbytes=st.bytes / 1e6 if st else 0.0,
+                             blocks_sent=st.blocks_sent if st else 0,
+                             admit_ms=(timing.queued - timing.prefill_returned) * 1e3))
+        await sink.close()
+
     for backend in args.backends:
         prefill = Peer("prefill", config(args.prefill_device), backend)
-        decode = DecodeCore(config(args.decode_device), backend)
+        handle = PeerPrefillHandle(prefill)
+        decode = DecodeServer(config(args.decode_device), backend, handle, 60.0)
         try:
-            for prompt, want in zip(prompts, expected):
-                dest = decode.begin(prompt, greedy, timeout_s=60)
-                result, _ = prefill.call("prefill", prompt, greedy, dest, decode.info(), 0)
-                t_land = time.perf_counter()
-                out = finish(decode.engine, decode.complete(result))
-                diverge = next((i for i, (a, b) in enumerate(zip(out.token_ids, want))
-                                if a != b), None)
-                rows.append(dict(backend=backend, prompt_tokens=len(prompt),
-                                 same_tokens=out.token_ids == want, first_difference=diverge,
-                                 tokens=out.token_ids, expected=want,
-                                 prefill_ms=result.prefill_seconds * 1e3,
-                                 handover_ms=result.stats.seconds * 1e3,
-                                 mbytes=result.stats.bytes / 1e6,
-                                 blocks_sent=result.stats.blocks_sent,
-                                 admit_ms=(time.perf_counter() - t_land) * 1e3))
+            asyncio.run(run(decode, backend))
         except Exception as exc:  # noqa: BLE001 - report, go on with the next backend
             errors[backend] = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
             print(f"{backend}: FAILED: {errors[backend]}")

@@ -1,15 +1,21 @@
-"""The decode deployment: reserves KV blocks, has a prefill replica fill them, decodes, and sends
-every engine step's tokens to the ingress over the token channel.
+"""The decode role as it ships: reserves KV blocks, has a prefill replica fill them, decodes,
+and sends every engine step's tokens to the ingress over the token channel.
 
 Queues per request: the Serve call arrives naming its ingress's token sink → dial it (once per
-ingress replica) and route the request to that connection → reserve blocks (local prefix hits
-are kept, not asked for) → lease them to the KV endpoint → call a prefill replica with the
-destination → the KV lands → admit into the running batch with the prefill's first token → after
-each engine step the publisher packs that step's tokens, one frame per ingress replica, on the
-engine thread → the call returns a :class:`GenerateResult` once the request has ended. In
-colocated mode, when blocks cannot be reserved right now, or when the prefill replica refuses
-the call (its queue is full) or is gone, the request is prefilled here. A cancelled call aborts
-the request and frees its blocks on both sides.
+ingress replica) and route the request to that connection → :meth:`DecodeServer.reserve`
+reserves blocks (local prefix hits are kept, not asked for) and leases them to the KV endpoint
+in one engine command → call a prefill replica with the destination → :meth:`DecodeServer.admit`
+waits for the KV to land and admits the request into the running batch with the prefill's first
+token → after each engine step the publisher packs that step's tokens, one frame per ingress
+replica, on the engine thread → the call returns a :class:`GenerateResult` once the request has
+ended. In colocated mode, when blocks cannot be reserved right now, or when the prefill replica
+refuses the call (its queue is full) or is gone, the request is prefilled here.
+
+Each hand-over has one owner, a :class:`HandOver` kept by request id from the reservation to the
+admission; :meth:`DecodeServer.abort` works wherever the request is and is harmless twice. A
+request abandoned while a prefill replica may still be writing into its blocks (one-sided
+transports) keeps them fenced until that replica answers or the lease ends, so a late write can
+never land in blocks another request has been given.
 """
 
 from __future__ import annotations
@@ -22,7 +28,8 @@ from contracts.messages import (TIMELINE, DecodeTiming, GenerateRequest, Generat
                                 PrefillRequest, PrefillResult, serve_logger, timeline)
 from contracts.token_channel import TokenPublisher
 from engine.async_engine import AsyncEngine
-from kvtransfer import KVDestination, TransferError, TransferState, endpoint_for
+from engine.sampling_params import SamplingParams
+from kvtransfer import KVDestination, Transfer, TransferError, TransferState, endpoint_for
 
 log = serve_logger(__name__)
 
@@ -37,6 +44,22 @@ def prefill_unavailable(exc: BaseException) -> bool:
     return isinstance(exc, (BackPressureError, RayActorError))
 
 
+class HandOver:
+    """One request's hand-over on the decode side, from reservation to admission. ``transfer``
+    and ``abandoned`` are touched on the engine thread only; ``landed`` resolves (on the event
+    loop) with the transfer once it is terminal; ``call`` is the prefill call, once made."""
+
+    __slots__ = ("request_id", "dest", "transfer", "landed", "call", "abandoned")
+
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop):
+        self.request_id = request_id
+        self.dest: KVDestination | None = None
+        self.transfer: Transfer | None = None
+        self.landed: asyncio.Future = loop.create_future()
+        self.call: asyncio.Future | None = None
+        self.abandoned = False
+
+
 class DecodeServer:
     """Engine in the decode role; ``prefill`` is the prefill deployment's handle (or None for
     colocated mode)."""
@@ -49,6 +72,7 @@ class DecodeServer:
         self.prefill = prefill
         self.timeout_s = transfer_timeout_s
         self.endpoint = None
+        self._handovers: dict[str, HandOver] = {}
         if prefill is not None:
             self.endpoint = endpoint_for(self.aengine.engine, backend, polled=True,
                                          **endpoint_kwargs)
@@ -87,7 +111,7 @@ class DecodeServer:
             last = await route.done
         except BaseException as exc:
             self.publisher.unroute(rid)
-            self.aengine.abort(rid)
+            self.abort(rid)
             timing.first_token, timing.finished = route.first_at, time.time()
             outcome = "cancelled" if isinstance(exc, asyncio.CancelledError) else \
                 f"error {type(exc).__name__}"
@@ -106,64 +130,139 @@ class DecodeServer:
     async def _remote_prefill(self, req: GenerateRequest, prompt: list[int],
                               timing: DecodeTiming) -> PrefillResult | None:
         """Reserve, have a prefill replica push, admit (publishing the prefill's first token).
-        None when no blocks could be reserved right now."""
+        None when no blocks could be reserved right now, or when the prefill replica could not
+        deliver and the request is to be prefilled here."""
         rid = req.request_id
-        loop = asyncio.get_running_loop()
-        landed: asyncio.Future = loop.create_future()
+        dest = await self.reserve(prompt, req.params, rid)
+        if dest is None:
+            return None
+        h = self._handovers[rid]
+        timing.prefill_called = time.time()
+        h.call = asyncio.ensure_future(_answer(self.prefill.prefill.remote(
+            PrefillRequest(tuple(prompt), req.params, dest, self.endpoint.info()))))
+        # The call's answer carries the first token; the lease may land before it (the
+        # transport's notification) or fail before it (its deadline: a frozen or slow prefill
+        # replica). A cancel here leaves the call running: the caller's abort decides about it.
+        await asyncio.wait({h.call, h.landed}, return_when=asyncio.FIRST_COMPLETED)
+        if not h.call.done() and h.landed.result().state is TransferState.DONE:
+            await asyncio.wait({h.call})
+        if not h.call.done():  # the lease failed: it released the reservation, and the
+            h.call.cancel()  # writer has stopped (it gives up at the deadline, before us)
+            self._handovers.pop(rid, None)
+            log.warning("request %s: no KV from the prefill replica by the deadline (%s); "
+                        "prefilling here", rid, h.landed.result().error)
+            return None
+        if (exc := h.call.exception()) is not None:
+            if prefill_unavailable(exc):
+                log.info("request %s: prefill replica unavailable (%s); prefilling here", rid,
+                         type(exc).__name__)
+                self._release(h, "prefill unavailable")  # before the local prefill is queued
+                return None
+            raise exc
+        result = h.call.result()
+        timing.prefill_returned = time.time()
+        await self.admit(result, timing)
+        return result
 
-        def on_finish(t):  # engine thread, once
-            if t.state is TransferState.FAILED:
-                self.aengine.engine.abort_request(rid)
-            loop.call_soon_threadsafe(_resolve, landed, t)
+    # -- the hand-over, step by step ---------------------------------------------------------
+    async def reserve(self, prompt: list[int], params: SamplingParams, request_id: str,
+                      timeout_s: float | None = None) -> KVDestination | None:
+        """Reserve blocks for the part of ``prompt`` the local prefix cache lacks and lease
+        them to the KV endpoint until ``timeout_s`` (the server's transfer timeout by default),
+        in one engine command: blocks are never reserved without their lease. None when blocks
+        or sequence slots are short right now."""
+        if request_id in self._handovers:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        h = self._handovers[request_id] = HandOver(request_id, asyncio.get_running_loop())
+        deadline = time.time() + (self.timeout_s if timeout_s is None else timeout_s)
+
+        def on_finish(t: Transfer) -> None:  # engine thread, once
+            if t.state is TransferState.FAILED or h.abandoned:
+                self.aengine.engine.abort_request(request_id)
+            h.landed.get_loop().call_soon_threadsafe(_resolve, h.landed, t)
 
         def reserve_and_lease(engine) -> KVDestination | None:
-            """One engine command: blocks are never reserved without their lease (a cancel
-            between the two would otherwise leave them to the request's abort alone)."""
-            reserved = engine.reserve(prompt, req.params, rid)
+            reserved = engine.reserve(prompt, params, request_id)
             if reserved is None:
                 return None
             _, blocks, present = reserved
-            dest = KVDestination(request_id=rid, endpoint_id=self.endpoint.endpoint_id,
-                                 block_ids=tuple(blocks), num_present_tokens=present,
-                                 deadline=time.time() + self.timeout_s)
-            self.endpoint.expect(dest, on_finish)
-            return dest
+            h.dest = KVDestination(request_id=request_id, endpoint_id=self.endpoint.endpoint_id,
+                                   block_ids=tuple(blocks), num_present_tokens=present,
+                                   deadline=deadline)
+            h.transfer = self.endpoint.expect(h.dest, on_finish)
+            return h.dest
 
-        dest = await self.aengine.call(reserve_and_lease)
-        if dest is None:
-            return None
-        timing.prefill_called = time.time()
-        call = self.prefill.prefill.remote(
-            PrefillRequest(tuple(prompt), req.params, dest, self.endpoint.info()))
         try:
-            result = await _answer_or_lease_failure(call, landed)
-        except BaseException as exc:
-            # Releases the lease and, through on_finish, the reservation (engine thread, in
-            # order: before a local prefill of the same request id is queued).
-            self.aengine.submit(lambda e: self.endpoint.abort(dest.transfer_id, "prefill failed"))
-            if isinstance(exc, Exception) and prefill_unavailable(exc):
-                log.info("request %s: prefill replica unavailable (%s); prefilling here", rid,
-                         type(exc).__name__)
-                return None
+            dest = await self.aengine.call(reserve_and_lease)
+        except BaseException:
+            self.abort(request_id)  # the command may still run: the abort is queued after it
             raise
-        if result is None:  # the lease failed first (its deadline passed): frozen or too slow
-            call.cancel()  # the lease's failure already released the reservation
-            log.warning("request %s: no KV from the prefill replica by the deadline (%s); "
-                        "prefilling here", rid, landed.result().error)
-            return None
-        timing.prefill_returned = time.time()
-        if not self.endpoint.backend.native_notify:
-            await self.aengine.call(lambda e: self.endpoint.mark_landed(dest.transfer_id))
-        t = await landed
-        if t.state is not TransferState.DONE:
-            raise TransferError(f"KV of {rid} did not land: {t.error}")
-        timing.queued = time.time()
+        if dest is None:
+            self._handovers.pop(request_id, None)
+        return dest
 
-        def admit(engine):  # the first token goes out before any later step's
-            self.publisher.publish([engine.admit(rid, result.first_token, result.first_logprob)])
+    async def landed(self, request_id: str) -> Transfer:
+        """The request's transfer, once it has landed or failed."""
+        return await self._handovers[request_id].landed
+
+    async def admit(self, result: PrefillResult, timing: DecodeTiming | None = None) -> None:
+        """The prefill replica has pushed ``result.request_id``'s KV: wait for it to land, then
+        admit the request into the running batch with the prefill's first token (published
+        before any later step's tokens). Raises :class:`TransferError` if the KV did not land."""
+        h = self._handovers[result.request_id]
+        if not self.endpoint.backend.native_notify:  # the answer is the transport's word
+            await self.aengine.call(lambda e: self.endpoint.mark_landed(h.dest.transfer_id))
+        t = await h.landed
+        if t.state is not TransferState.DONE:
+            raise TransferError(f"KV of {result.request_id} did not land: {t.error}")
+
+        def admit(engine):
+            if timing is not None:
+                timing.queued = time.time()
+            self.publisher.publish([engine.admit(result.request_id, result.first_token,
+                                                 result.first_logprob)])
 
         await self.aengine.call(admit)
-        return result
+        self._handovers.pop(result.request_id, None)
+
+    def abort(self, request_id: str) -> None:
+        """Stop the request wherever it is (reserving, leased, landing, decoding); harmless
+        twice. A hand-over whose prefill call is still running on a one-sided transport keeps
+        its blocks fenced until the prefill replica answers (its push is then over) or the
+        lease ends; everything else is released at once."""
+        h = self._handovers.pop(request_id, None)
+        if h is None:
+            self.aengine.abort(request_id)
+            return
+        fenced = (h.call is not None and not h.call.done()
+                  and not self.endpoint.backend.receiver_writes)
+        if self.aengine.error is None:
+            self.aengine.submit(lambda e: self._abandon(e, h, fenced))
+        if fenced:
+            asyncio.ensure_future(self._release_after_answer(h))
+
+    def _abandon(self, engine, h: HandOver, fenced: bool) -> None:  # engine thread
+        h.abandoned = True
+        t = h.transfer
+        if t is None or t.state.is_terminal:  # nothing reserved, or landed (maybe admitted)
+            engine.abort_request(h.request_id)
+        elif not fenced:  # on_finish aborts the request and so frees its blocks
+            self.endpoint.abort(t.transfer_id, "request aborted")
+
+    def _release(self, h: HandOver, reason: str) -> None:
+        """End the lease now (no writer can still write): on_finish frees the blocks."""
+        self._handovers.pop(h.request_id, None)
+        if self.aengine.error is None:
+            self.aengine.submit(lambda e: self.endpoint.abort(h.dest.transfer_id, reason))
+
+    async def _release_after_answer(self, h: HandOver) -> None:
+        """An abandoned hand-over: once the prefill call has answered (its push is over, landed
+        or failed) end the lease; if the lease ends first (its deadline), drop the call."""
+        await asyncio.wait({h.call, h.landed}, return_when=asyncio.FIRST_COMPLETED)
+        if not h.landed.done():
+            self._release(h, "request aborted; its prefill has answered")
+        else:
+            h.call.cancel()
 
 
 def _log_timeline(rid: str, outcome: str | None, timing: DecodeTiming,
@@ -183,24 +282,9 @@ def _log_timeline(rid: str, outcome: str | None, timing: DecodeTiming,
                            first_token=timing.first_token, finished=timing.finished))
 
 
-async def _answer_or_lease_failure(call, landed: asyncio.Future) -> PrefillResult | None:
-    """The prefill call's answer, or None when the KV lease fails before it (the lease fails at
-    its deadline, a little after the sender stops writing). A lease that is done first (the
-    transport notified the landing) still waits for the answer, which carries the first
-    token."""
-    async def answer():
-        return await call
-
-    task = asyncio.ensure_future(answer())
-    try:
-        await asyncio.wait({task, landed}, return_when=asyncio.FIRST_COMPLETED)
-        if not task.done() and landed.result().state is TransferState.FAILED:
-            task.cancel()
-            return None
-        return await task
-    except BaseException:
-        task.cancel()
-        raise
+async def _answer(call) -> PrefillResult:
+    """Await the prefill call (a Serve response; awaitable, not a future)."""
+    return await call
 
 
 def _resolve(fut: asyncio.Future, value) -> None:

@@ -19,31 +19,11 @@ from engine import LLM, EngineConfig, SamplingParams
 from kvtransfer.backends.local import LocalFabric
 from prefill_worker.server import PrefillServer
 from tests.models import random_prompts
+from tests.roles import PrefillHandle, generate, until_idle
 
 CONFIG = EngineConfig(model="tiny", num_blocks=256, max_num_seqs=8, show_progress=False)
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 PROMPTS = random_prompts([5, 40], vocab=512, seed=71)
-
-
-class PrefillHandle:
-    """Stands in for the prefill deployment's handle: ``.prefill.remote(req)`` runs the server
-    (or raises ``fail``; ``hang`` never answers)."""
-
-    def __init__(self, server=None, fail: Exception | None = None, hang: bool = False):
-        self.prefill = self
-        self.server, self.fail, self.hang = server, fail, hang
-        self.calls = 0
-
-    def remote(self, req):
-        self.calls += 1
-
-        async def call():
-            if self.hang:
-                await asyncio.Event().wait()
-            if self.fail is not None:
-                raise self.fail
-            return await self.server.prefill(req)
-        return asyncio.ensure_future(call())
 
 
 @pytest.fixture(scope="module")
@@ -70,33 +50,6 @@ def roles():
         server.close()
 
 
-async def _generate(decode, sink, prompt, rid, params=GREEDY):
-    tokens, done = [], asyncio.Event()
-
-    def on_delta(delta, _at):
-        tokens.extend(delta.token_ids)
-        if delta.finished:
-            done.set()
-
-    sink.register(rid, on_delta)
-    result = await decode.generate(GenerateRequest(tuple(prompt), params, rid, await sink.start()))
-    await asyncio.wait_for(done.wait(), 10)
-    return tokens, result
-
-
-def _idle(server) -> bool:
-    return server.aengine.engine.pool.num_used_blocks == 0 and \
-        not server.aengine.engine.has_unfinished_requests() and \
-        (server.endpoint is None or server.endpoint.held_blocks == 0)
-
-
-async def _until_idle(*servers, timeout=10.0):
-    end = asyncio.get_running_loop().time() + timeout
-    while not all(_idle(s) for s in servers):
-        assert asyncio.get_running_loop().time() < end, "not back to idle"
-        await asyncio.sleep(0.02)
-
-
 @pytest.mark.parametrize("disaggregated", [False, True], ids=["colocated", "disaggregated"])
 def test_offline_tokens_and_idle_afterwards(roles, offline, disaggregated, caplog):
     caplog.set_level(logging.INFO, logger=TIMELINE.name)
@@ -105,13 +58,13 @@ def test_offline_tokens_and_idle_afterwards(roles, offline, disaggregated, caplo
     async def main():
         sink = TokenSink()
         for i, prompt in enumerate(PROMPTS):
-            tokens, result = await _generate(decode, sink, prompt, f"r{i}")
+            tokens, result = await generate(decode, sink, prompt, f"r{i}", GREEDY)
             assert tokens == offline[i] and result.num_output_tokens == len(tokens)
             assert result.finish_reason == "length"
             assert (result.transfer is not None) == disaggregated
             if disaggregated:
                 assert result.transfer.blocks_sent > 0 and result.timing.prefill_called > 0
-        await _until_idle(*(s for s in (prefill, decode) if s is not None))
+        await until_idle(*(s for s in (prefill, decode) if s is not None))
         await sink.close()
 
     asyncio.run(main())
@@ -134,10 +87,10 @@ def test_unavailable_prefill_falls_back_to_a_local_prefill(roles, offline, failu
 
     async def main():
         sink = TokenSink()
-        tokens, result = await _generate(decode, sink, PROMPTS[1], "r")
+        tokens, result = await generate(decode, sink, PROMPTS[1], "r", GREEDY)
         assert handle.calls == 1 and result.transfer is None  # asked once, then prefilled here
         assert tokens == offline[1]
-        await _until_idle(decode)
+        await until_idle(decode)
         await sink.close()
 
     asyncio.run(main())
@@ -152,10 +105,10 @@ def test_a_prefill_that_never_answers_is_replaced_at_the_deadline(roles, offline
         sink = TokenSink()
         loop = asyncio.get_running_loop()
         t0 = loop.time()
-        tokens, result = await _generate(decode, sink, PROMPTS[1], "r")
+        tokens, result = await generate(decode, sink, PROMPTS[1], "r", GREEDY)
         assert tokens == offline[1] and result.transfer is None and handle.calls == 1
         assert 2.0 <= loop.time() - t0 < 8.0
-        await _until_idle(decode)
+        await until_idle(decode)
         await sink.close()
 
     asyncio.run(main())
@@ -167,8 +120,8 @@ def test_a_failing_transfer_is_an_error_not_a_fallback(roles):
     async def main():
         sink = TokenSink()
         with pytest.raises(RuntimeError, match="push broke"):
-            await _generate(decode, sink, PROMPTS[0], "r")
-        await _until_idle(decode)
+            await generate(decode, sink, PROMPTS[0], "r", GREEDY)
+        await until_idle(decode)
         await sink.close()
 
     asyncio.run(main())
@@ -190,7 +143,7 @@ def test_cancelled_request_stops_and_gives_everything_back(roles, where):
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        await _until_idle(prefill, decode)
+        await until_idle(prefill, decode)
         made = decode.aengine.engine.stats.output_tokens
         await asyncio.sleep(0.3)
         assert decode.aengine.engine.stats.output_tokens == made  # nothing runs on
@@ -222,7 +175,7 @@ def test_cancellation_at_random_points_leaves_nothing_behind(roles):
         sink = TokenSink()
         address = await sink.start()
         await asyncio.gather(*[one(i, address) for i in range(len(prompts))])
-        await _until_idle(prefill, decode, timeout=20)
+        await until_idle(prefill, decode, timeout=20)
         made = decode.aengine.engine.stats.output_tokens
         await asyncio.sleep(0.3)
         assert decode.aengine.engine.stats.output_tokens == made
@@ -248,6 +201,54 @@ def test_closing_a_replica_releases_its_pending_leases(roles):
         assert decode.held_blocks == 0 and decode.aengine.engine.pool.num_used_blocks == 0
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+        await sink.close()
+
+    asyncio.run(main())
+
+
+def test_a_request_abandoned_during_the_push_keeps_its_blocks_until_the_prefill_answers(roles):
+    """The client goes away while a prefill replica may still write into the request's blocks
+    (a one-sided transport): the blocks stay fenced until that replica has answered (its push is
+    over), then everything is released; no block is handed to another request in between."""
+    prefill, handle, decode = roles({"delay": 0.5})
+
+    async def main():
+        sink = TokenSink()
+        task = asyncio.ensure_future(decode.generate(
+            GenerateRequest(tuple(PROMPTS[1]), GREEDY, "r", await sink.start())))
+        while handle.calls == 0:
+            await asyncio.sleep(0.01)
+        fenced = decode.held_blocks
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await asyncio.sleep(0.1)
+        assert fenced > 0 and decode.held_blocks == fenced  # still fenced: the push may come
+        assert decode.aengine.engine.pool.num_used_blocks >= fenced
+        await until_idle(prefill, decode)  # the prefill answered: released
+        assert handle.answered == 1
+        await sink.close()
+
+    asyncio.run(main())
+
+
+def test_abort_anywhere_is_harmless_twice_and_ids_stay_apart(roles, offline):
+    """``abort`` of a reserved hand-over, of an unknown id, and twice; a reservation under an id
+    still in use is refused rather than mixed up with the first."""
+    prefill, _, decode = roles()
+
+    async def main():
+        dest = await decode.reserve(PROMPTS[1], GREEDY, "x")
+        assert decode.held_blocks == len(dest.block_ids) > 0
+        with pytest.raises(ValueError, match="already in use"):
+            await decode.reserve(PROMPTS[1], GREEDY, "x")
+        decode.abort("x")
+        decode.abort("x")
+        decode.abort("never-seen")
+        await until_idle(decode)
+        sink = TokenSink()
+        tokens, _ = await generate(decode, sink, PROMPTS[1], "x", GREEDY)  # the id is free again
+        assert tokens == offline[1]
+        await until_idle(prefill, decode)
         await sink.close()
 
     asyncio.run(main())

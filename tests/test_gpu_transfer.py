@@ -1,13 +1,16 @@
-"""On a GPU: a prefill process pushes KV into a decode engine over CUDA IPC and NIXL (VRAM):
-byte-identical blocks and the same greedy tokens as a colocated engine."""
+"""On a GPU: a prefill server in a child process pushes KV into a decode server over CUDA IPC and
+NIXL (VRAM): byte-identical blocks and the same greedy tokens as a colocated engine."""
+
+import asyncio
 
 import pytest
 import torch
 
-from benchmarks.engine_peers import Peer, finish
-from decode_worker.core import DecodeCore
+from contracts import TokenSink
+from decode_worker.server import DecodeServer
 from engine import LLM, EngineConfig, SamplingParams
 from tests.models import random_prompts
+from tests.roles import Peer, PeerPrefillHandle, capture_landed_kv, generate, until_idle
 
 pytestmark = pytest.mark.gpu
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -22,20 +25,28 @@ def test_gpu_hand_over(backend, model, dtype):
                           max_num_seqs=8, show_progress=False)
     prompts = random_prompts([7, 16, 45, 300], vocab=512, seed=41)
     colocated = LLM(**config.model_dump())
-    # One prompt at a time, as the decode engine below runs them (in bf16 the batch size picks
+    # One prompt at a time, as the decode server below runs them (in bf16 the batch size picks
     # the kernels, so a batch of four could round differently).
     expected = [colocated.generate([p], GREEDY)[0].token_ids for p in prompts]
     del colocated
     prefill = Peer("prefill", config, backend)
-    decode = DecodeCore(config, backend)
+    handle = PeerPrefillHandle(prefill)
+    decode = DecodeServer(config, backend, handle)
+    landed = capture_landed_kv(decode)
+
+    async def main():
+        sink = TokenSink()
+        for i, (prompt, tokens) in enumerate(zip(prompts, expected)):
+            got, result = await generate(decode, sink, prompt, f"r{i}", GREEDY)
+            assert result.transfer is not None
+            assert torch.equal(handle.pushed[f"r{i}"], landed[f"r{i}"])
+            assert got == tokens
+        await until_idle(decode)
+        await sink.close()
+
     try:
-        for prompt, tokens in zip(prompts, expected):
-            dest = decode.begin(prompt, GREEDY)
-            result, src_kv = prefill.call("prefill", prompt, GREEDY, dest, decode.info(), 0)
-            first = decode.complete(result)
-            assert torch.equal(src_kv.cuda(), decode.endpoint.kv_cache[:, list(dest.block_ids)])
-            assert finish(decode.engine, first).token_ids == tokens
-        assert decode.held_blocks == 0 and decode.engine.pool.num_used_blocks == 0
+        asyncio.run(main())
+        assert prefill.call("gauges") == (0, 0)
     finally:
         prefill.stop()
         decode.close()

@@ -1,23 +1,28 @@
-"""The transfer contracts in one process: the local backend, a fake slow transport, the state
-machine, the layout handshake and lease release on every path."""
+"""The transfer contracts in one process: the local backend between the role servers as they
+ship, a fake slow transport, the state machine, the layout handshake and lease release on every
+path."""
 
+import asyncio
 import time
 
 import pytest
 import torch
 
-from decode_worker.core import DecodeCore
+from contracts import TokenSink
+from contracts.messages import PrefillRequest
+from decode_worker.server import DecodeServer
 from engine import LLM, EngineConfig, SamplingParams
 from kvtransfer import (KVDestination, KVEndpoint, KVLayout, LayoutMismatchError,
                         TransferError, TransferState)
 from kvtransfer.backends.base import TransportBackend, block_runs, region_offsets
 from kvtransfer.backends.local import LocalFabric
 from kvtransfer.types import advance, check_compatible
-from prefill_worker.core import PrefillCore
-from benchmarks.engine_peers import finish, prefill_capturing_kv
+from prefill_worker.server import PrefillServer
 from tests.models import random_prompts
+from tests.roles import (PrefillHandle, capture_landed_kv, capture_pushed_kv, generate,
+                         until_idle)
 
-CONFIG = EngineConfig(model="tiny", num_blocks=128)
+CONFIG = EngineConfig(model="tiny", num_blocks=128, show_progress=False)
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 LAYOUT = KVLayout(model="m", dtype="float32", num_layers=2, num_kv_heads=2, head_dim=4,
                   block_size=4)
@@ -26,71 +31,77 @@ LAYOUT = KVLayout(model="m", dtype="float32", num_layers=2, num_kv_heads=2, head
 @pytest.fixture(scope="module")
 def pair():
     fabric = LocalFabric()
-    prefill, decode = PrefillCore(CONFIG, "local", fabric=fabric), DecodeCore(CONFIG, "local",
-                                                                              fabric=fabric)
-    yield prefill, decode
+    prefill = PrefillServer(CONFIG, "local", fabric=fabric)
+    decode = DecodeServer(CONFIG, "local", PrefillHandle(prefill), fabric=fabric)
+    pushed, landed = capture_pushed_kv(prefill), capture_landed_kv(decode)
+    yield prefill, decode, pushed, landed
     prefill.close()
     decode.close()
 
 
-def _run(prefill, decode, prompt, params=GREEDY):
-    dest = decode.begin(prompt, params)
-    result, src_kv = prefill_capturing_kv(prefill, prompt, params, dest, decode.info())
-    first = decode.complete(result)
-    # Compare before decoding writes the next tokens' KV into the last block.
-    assert torch.equal(src_kv, decode.endpoint.kv_cache[:, list(dest.block_ids)])
-    return dest, result, finish(decode.engine, first)
+def _run(pair, prompt, rid, params=GREEDY):
+    prefill, decode, pushed, landed = pair
+
+    async def main():
+        sink = TokenSink()
+        tokens, result = await generate(decode, sink, prompt, rid, params)
+        await until_idle(prefill, decode)
+        await sink.close()
+        return tokens, result
+
+    tokens, result = asyncio.run(main())
+    if result.transfer is not None and result.transfer.blocks_sent:
+        assert torch.equal(pushed[rid], landed[rid])
+    return tokens, result
 
 
 def test_local_hand_over_matches_colocated_and_copies_bytes(pair):
-    prefill, decode = pair
     prompts = random_prompts([3, 16, 50], vocab=512, seed=21)
     expected = [o.token_ids for o in LLM("tiny").generate(prompts, GREEDY)]
-    for prompt, tokens in zip(prompts, expected):
-        dest, result, out = _run(prefill, decode, prompt)
-        assert out.token_ids == tokens
-        assert result.stats.blocks_sent == len(dest.block_ids) == -(-len(prompt) // 16)
-    assert decode.held_blocks == prefill.endpoint.held_blocks == 0
-    assert decode.engine.pool.num_used_blocks == prefill.engine.pool.num_used_blocks == 0
+    for i, (prompt, tokens) in enumerate(zip(prompts, expected)):
+        got, result = _run(pair, prompt, f"a{i}")
+        assert got == tokens
+        assert result.transfer.blocks_sent == -(-len(prompt) // 16)
+        assert result.transfer.bytes == pair[2][f"a{i}"].numel() * 4
 
 
 def test_full_hit_on_decode_side_moves_nothing(pair):
-    prefill, decode = pair
     prompt = random_prompts([32], vocab=512, seed=22)[0]
-    _run(prefill, decode, prompt)
-    dest, result, out = _run(prefill, decode, prompt)  # decode's own cache now has both blocks
-    assert dest.block_ids == () and dest.num_present_tokens == 32
-    assert result.stats.blocks_sent == 0 and result.stats.blocks_skipped == 2
-    assert out.token_ids == LLM("tiny").generate([prompt], GREEDY)[0].token_ids
+    _run(pair, prompt, "b0")
+    got, result = _run(pair, prompt, "b1")  # decode's own cache now has both blocks
+    assert result.transfer.blocks_sent == 0 and result.transfer.blocks_skipped == 2
+    assert got == LLM("tiny").generate([prompt], GREEDY)[0].token_ids
 
 
 def test_first_token_can_finish_the_request(pair):
-    prefill, decode = pair
-    dest, result, out = _run(prefill, decode, [5, 6, 7], SamplingParams(temperature=0,
-                                                                        max_tokens=1))
-    assert out.token_ids == [result.first_token] and out.finish_reason == "length"
-    assert decode.engine.pool.num_used_blocks == 0
+    got, result = _run(pair, [5, 6, 7], "c", SamplingParams(temperature=0, max_tokens=1))
+    assert len(got) == 1 and result.finish_reason == "length" and result.transfer is not None
 
 
 def test_abort_releases_the_receivers_lease(pair):
-    _, decode = pair
-    dest = decode.begin(random_prompts([40], vocab=512, seed=23)[0], GREEDY)
-    assert decode.held_blocks == 3
-    decode.abort(dest.request_id)
-    assert decode.held_blocks == 0 and decode.engine.pool.num_used_blocks == 0
+    _, decode, _, _ = pair
+
+    async def main():
+        dest = await decode.reserve(random_prompts([40], vocab=512, seed=23)[0], GREEDY, "d")
+        assert decode.held_blocks == len(dest.block_ids) == 3
+        decode.abort("d")
+        await until_idle(decode)
+
+    asyncio.run(main())
 
 
-def test_expired_destination_fails_the_push_and_releases_the_source(pair):
-    prefill, decode = pair
+def test_expired_destination_fails_the_push_and_releases_both_sides(pair):
+    prefill, decode, _, _ = pair
     prompt = random_prompts([20], vocab=512, seed=24)[0]
-    dest = decode.begin(prompt, GREEDY, timeout_s=0.0)
-    with pytest.raises(TransferError, match="deadline"):
-        prefill.prefill(prompt, GREEDY, dest, decode.info())
-    assert prefill.endpoint.held_blocks == 0 and prefill.engine.pool.num_used_blocks == 0
-    decode.poll()
-    time.sleep(0.3)
-    decode.poll()
-    assert decode.held_blocks == 0 and decode.engine.pool.num_used_blocks == 0
+
+    async def main():
+        dest = await decode.reserve(prompt, GREEDY, "e", timeout_s=0.0)
+        with pytest.raises(TransferError, match="deadline"):
+            await prefill.prefill(PrefillRequest(tuple(prompt), GREEDY, dest, decode.endpoint.info()))
+        assert (await decode.landed("e")).state is TransferState.FAILED
+        await until_idle(prefill, decode)
+
+    asyncio.run(main())
 
 
 def test_layout_mismatch_names_the_field():

@@ -1,18 +1,22 @@
-"""Prefill in a child process pushes KV into a decode engine in this process, over NIXL (host
-memory over UCX) and gloo (the CPU stand-in for NCCL)."""
+"""A prefill server in a child process pushes KV into a decode server in this process (the role
+servers as they ship), over NIXL (host memory over UCX) and gloo (the CPU stand-in for NCCL)."""
 
+import asyncio
 import time
 
 import pytest
 import torch
 
-from decode_worker.core import DecodeCore
+from contracts import TokenSink
+from contracts.messages import PrefillRequest
+from decode_worker.server import DecodeServer
 from engine import LLM, EngineConfig, SamplingParams
-from kvtransfer import TransferState
-from benchmarks.engine_peers import Peer, finish
+from kvtransfer import TransferError, TransferState
 from tests.models import random_prompts
+from tests.roles import (NoPrefill, Peer, PeerPrefillHandle, capture_landed_kv, generate,
+                         until_idle)
 
-CONFIG = EngineConfig(model="tiny", num_blocks=256)
+CONFIG = EngineConfig(model="tiny", num_blocks=256, show_progress=False)
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 PROMPTS = random_prompts([5, 16, 37, 64], vocab=512, seed=11)
 
@@ -25,109 +29,130 @@ def colocated():
 @pytest.fixture(scope="module", params=["nixl", "nccl"])
 def pair(request):
     prefill = Peer("prefill", CONFIG, request.param)
-    decode = DecodeCore(CONFIG, request.param)
-    yield prefill, decode
+    handle = PeerPrefillHandle(prefill)
+    decode = DecodeServer(CONFIG, request.param, handle)
+    landed = capture_landed_kv(decode)
+    yield prefill, handle, decode, landed
     prefill.stop()
     decode.close()
 
 
-def _disaggregated(prefill, decode, prompt, params=GREEDY, timeout=30):
-    dest = decode.begin(prompt, params, timeout_s=timeout)
-    result, src_kv = prefill.call("prefill", prompt, params, dest, decode.info(), 0)
-    first = decode.complete(result)
-    dst_kv = decode.endpoint.kv_cache[:, list(dest.block_ids)].clone()
-    return finish(decode.engine, first), result, src_kv, dst_kv
+def _disaggregated(pair, prompt, rid, params=GREEDY):
+    _, handle, decode, landed = pair
+
+    async def main():
+        sink = TokenSink()
+        tokens, result = await generate(decode, sink, prompt, rid, params)
+        await until_idle(decode)
+        await sink.close()
+        return tokens, result
+
+    tokens, result = asyncio.run(main())
+    return tokens, result, handle.pushed.get(rid), landed.get(rid)
 
 
-def _assert_idle(decode):
-    assert decode.held_blocks == 0
-    assert decode.engine.pool.num_used_blocks == 0
+def _assert_idle(prefill_peer):
+    assert prefill_peer.call("gauges") == (0, 0)
 
 
 def test_blocks_arrive_byte_identical_and_decode_matches_colocated(pair, colocated):
-    prefill, decode = pair
     expected = [o.token_ids for o in colocated.generate(PROMPTS, GREEDY)]
-    for prompt, tokens in zip(PROMPTS, expected):
-        out, result, src_kv, dst_kv = _disaggregated(prefill, decode, prompt)
+    for i, (prompt, tokens) in enumerate(zip(PROMPTS, expected)):
+        got, result, src_kv, dst_kv = _disaggregated(pair, prompt, f"a{i}")
         assert torch.equal(src_kv, dst_kv)
-        assert result.stats.blocks_sent == -(-len(prompt) // 16)
-        assert result.stats.bytes == src_kv.numel() * src_kv.element_size()
-        assert out.token_ids == tokens
-    _assert_idle(decode)
-    assert prefill.call("gauges") == (0, 0)
+        assert result.transfer.blocks_sent == -(-len(prompt) // 16)
+        assert result.transfer.bytes == src_kv.numel() * src_kv.element_size()
+        assert got == tokens
+    _assert_idle(pair[0])
 
 
 def test_only_missing_blocks_move_when_receiver_holds_a_prefix(pair, colocated):
-    prefill, decode = pair
+    decode = pair[2]
     shared = random_prompts([48], vocab=512, seed=12)[0]
     # The decode engine serves the shared prefix itself first, so its cache holds 3 blocks.
-    decode.engine.add_request(shared, GREEDY)
-    while decode.engine.has_unfinished_requests():
-        decode.engine.step()
+    async def serve_shared():
+        await decode.aengine.call(lambda e: e.add_request(shared, GREEDY, "shared"))
+        await until_idle(decode)
+
+    asyncio.run(serve_shared())
     prompt = shared + [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]
-    out, result, src_kv, dst_kv = _disaggregated(prefill, decode, prompt)
-    assert result.stats.blocks_skipped == 3 and result.stats.blocks_sent == 1
+    got, result, src_kv, dst_kv = _disaggregated(pair, prompt, "b")
+    assert result.transfer.blocks_skipped == 3 and result.transfer.blocks_sent == 1
     assert torch.equal(src_kv, dst_kv)
-    assert out.token_ids == colocated.generate([prompt], GREEDY)[0].token_ids
-    _assert_idle(decode)
+    assert got == colocated.generate([prompt], GREEDY)[0].token_ids
 
 
 def test_full_hit_on_the_receiver_moves_nothing_but_still_lands(pair, colocated):
-    prefill, decode = pair
     prompt = random_prompts([32], vocab=512, seed=14)[0]
-    _disaggregated(prefill, decode, prompt)
-    out, result, _, _ = _disaggregated(prefill, decode, prompt)  # both blocks cached in decode
-    assert result.stats.blocks_sent == 0 and result.stats.blocks_skipped == 2
-    assert out.token_ids == colocated.generate([prompt], GREEDY)[0].token_ids
-    _assert_idle(decode)
+    _disaggregated(pair, prompt, "c0")
+    got, result, _, _ = _disaggregated(pair, prompt, "c1")  # both blocks cached in decode
+    assert result.transfer.blocks_sent == 0 and result.transfer.blocks_skipped == 2
+    assert got == colocated.generate([prompt], GREEDY)[0].token_ids
 
 
 def test_seeded_sampling_continues_across_the_hand_over(pair, colocated):
-    prefill, decode = pair
     params = SamplingParams(temperature=0.9, top_k=50, seed=7, max_tokens=12, ignore_eos=True)
-    out, *_ = _disaggregated(prefill, decode, PROMPTS[2], params)
-    assert out.token_ids == colocated.generate([PROMPTS[2]], params)[0].token_ids
+    got, result, _, _ = _disaggregated(pair, PROMPTS[2], "d", params)
+    assert result.transfer is not None
+    assert got == colocated.generate([PROMPTS[2]], params)[0].token_ids
 
 
 def test_layout_mismatch_is_refused_before_any_byte_moves(pair):
-    prefill, _ = pair
-    backend = prefill.info.backend
-    other = DecodeCore(EngineConfig(model="tiny", num_blocks=64, block_size=8), backend)
-    try:
-        dest = other.begin(PROMPTS[1], GREEDY, timeout_s=5)
+    prefill = pair[0]
+    other = DecodeServer(EngineConfig(model="tiny", num_blocks=64, block_size=8,
+                                      show_progress=False), prefill.info.backend, NoPrefill())
+
+    async def main():
+        dest = await other.reserve(PROMPTS[1], GREEDY, "e", timeout_s=5)
+        req = PrefillRequest(tuple(PROMPTS[1]), GREEDY, dest, other.endpoint.info())
         with pytest.raises(RuntimeError, match="LayoutMismatchError.*block_size: local 16 != peer 8"):
-            prefill.call("prefill", PROMPTS[1], GREEDY, dest, other.info(), 0)
-        assert prefill.call("gauges") == (0, 0)
-        other.abort(dest.request_id)
-        assert other.held_blocks == 0 and other.engine.pool.num_used_blocks == 0
+            await asyncio.to_thread(prefill.call, "prefill", req, 0)
+        _assert_idle(prefill)
+        other.abort("e")
+        await until_idle(other)
+
+    try:
+        asyncio.run(main())
     finally:
         other.close()
 
 
 def test_deadline_expiry_fails_and_releases(pair):
-    _, decode = pair
+    decode = pair[2]
     fresh = random_prompts([40], vocab=512, seed=13)[0]  # nothing of it is cached
-    dest = decode.begin(fresh, GREEDY, timeout_s=0.3)
-    assert decode.held_blocks == len(dest.block_ids) > 0
-    t = decode._transfers[dest.request_id]
-    assert decode.endpoint.wait(t, timeout=5) is TransferState.FAILED
-    assert "deadline" in t.error
-    _assert_idle(decode)
+
+    async def main():
+        dest = await decode.reserve(fresh, GREEDY, "f", timeout_s=0.3)
+        assert decode.held_blocks == len(dest.block_ids) > 0
+        t = await asyncio.wait_for(decode.landed("f"), 5)
+        assert t.state is TransferState.FAILED and "deadline" in t.error
+        decode.abort("f")
+        await until_idle(decode)
+
+    asyncio.run(main())
 
 
 @pytest.mark.parametrize("backend", ["nixl", "nccl"])
-def test_killed_prefill_peer_fails_within_deadline(backend):
+def test_killed_prefill_replica_is_replaced_by_a_local_prefill(backend, colocated):
+    """The prefill replica dies before it pushes: the request completes by a local prefill at
+    once (not at the lease's deadline), with the offline tokens, and nothing stays leased."""
     prefill = Peer("prefill", CONFIG, backend)
-    decode = DecodeCore(CONFIG, backend)
-    try:
-        dest = decode.begin(PROMPTS[3], GREEDY, timeout_s=3)
-        prefill.send("prefill", PROMPTS[3], GREEDY, dest, decode.info(), 30)
-        time.sleep(0.5)
+    decode = DecodeServer(CONFIG, backend, PeerPrefillHandle(prefill, delay=30), 20.0)
+
+    async def main():
+        sink = TokenSink()
+        task = asyncio.ensure_future(generate(decode, sink, PROMPTS[3], "g", GREEDY))
+        await asyncio.sleep(0.5)
+        t0 = time.monotonic()
         prefill.kill()
-        t0 = time.time()
-        assert decode.endpoint.wait(decode._transfers[dest.request_id]) is TransferState.FAILED
-        assert time.time() - t0 < 4
-        _assert_idle(decode)
+        tokens, result = await asyncio.wait_for(task, 30)
+        assert time.monotonic() - t0 < 10 and result.transfer is None
+        assert tokens == colocated.generate([PROMPTS[3]], GREEDY)[0].token_ids
+        await until_idle(decode)
+        await sink.close()
+
+    try:
+        asyncio.run(main())
     finally:
         prefill.stop()
         decode.close()
@@ -135,25 +160,27 @@ def test_killed_prefill_peer_fails_within_deadline(backend):
 
 @pytest.mark.parametrize("backend", ["nixl", "nccl"])
 def test_killed_decode_peer_fails_the_push_and_releases(backend):
-    from prefill_worker.core import PrefillCore
-    from kvtransfer import TransferError
+    from prefill_worker.server import PrefillServer
 
     decode = Peer("decode", CONFIG, backend)
-    prefill = PrefillCore(CONFIG, backend)
-    try:
+    prefill = PrefillServer(CONFIG, backend)
+
+    async def main():
         # Reach the peer once, so the link exists, then lose it.
-        dest = decode.call("begin", PROMPTS[0], GREEDY, 5)
-        prefill.prefill(PROMPTS[0], GREEDY, dest, decode.info)
-        dest = decode.call("begin", PROMPTS[3], GREEDY, 2)
+        dest = decode.call("reserve", PROMPTS[0], GREEDY, "h0", 5)
+        await prefill.prefill(PrefillRequest(tuple(PROMPTS[0]), GREEDY, dest, decode.info))
+        dest = decode.call("reserve", PROMPTS[3], GREEDY, "h1", 2)
         decode.kill()
-        t0 = time.time()
+        t0 = time.monotonic()
         try:
-            prefill.prefill(PROMPTS[3], GREEDY, dest, decode.info)
+            await prefill.prefill(PrefillRequest(tuple(PROMPTS[3]), GREEDY, dest, decode.info))
         except TransferError:
             pass  # the write failed, or its deadline passed
-        assert time.time() - t0 < 10
-        assert prefill.endpoint.held_blocks == 0
-        assert prefill.engine.pool.num_used_blocks == 0
+        assert time.monotonic() - t0 < 10
+        await until_idle(prefill)
+
+    try:
+        asyncio.run(main())
     finally:
         decode.stop()
         prefill.close()

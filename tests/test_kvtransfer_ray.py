@@ -1,4 +1,5 @@
-"""Prefill and decode engines in two Ray actors hand KV over NIXL and gloo."""
+"""Prefill and decode role servers in two Ray actors hand KV over NIXL and gloo; the decode
+server calls the prefill actor through its actor handle as it calls the prefill deployment."""
 
 import pytest
 import torch
@@ -12,35 +13,42 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 
 class PrefillActor:
+    """A prefill server in an async actor, keeping the source KV of each push."""
+
     def __init__(self, backend):
-        from prefill_worker.core import PrefillCore
-        self.core = PrefillCore(CONFIG, backend)
+        from prefill_worker.server import PrefillServer
+        from tests.roles import capture_pushed_kv
+        self.server = PrefillServer(CONFIG, backend)
+        self.pushed = capture_pushed_kv(self.server)
 
-    def info(self):
-        return self.core.info()
+    async def prefill(self, req):
+        return await self.server.prefill(req)
 
-    def prefill(self, prompt, params, dest, peer):
-        from benchmarks.engine_peers import prefill_capturing_kv
-        return prefill_capturing_kv(self.core, prompt, params, dest, peer)
+    async def pushed_kv(self, rid):
+        return self.pushed.pop(rid)
+
+    async def gauges(self):
+        return self.server.endpoint.held_blocks, self.server.aengine.engine.pool.num_used_blocks
 
 
 class DecodeActor:
-    def __init__(self, backend):
-        from decode_worker.core import DecodeCore
-        self.core = DecodeCore(CONFIG, backend)
+    """A decode server in an async actor whose prefill deployment is the prefill actor (its
+    handle answers ``.prefill.remote(req)`` as a Serve handle does)."""
 
-    def info(self):
-        return self.core.info()
+    def __init__(self, backend, prefill):
+        from decode_worker.server import DecodeServer
+        from tests.roles import capture_landed_kv
+        self.server = DecodeServer(CONFIG, backend, prefill)
+        self.landed = capture_landed_kv(self.server)
 
-    def begin(self, prompt, params):
-        return self.core.begin(prompt, params)
-
-    def complete(self, result, dest):
-        from benchmarks.engine_peers import finish
-        first = self.core.complete(result)
-        landed = self.core.endpoint.kv_cache[:, list(dest.block_ids)].clone()
-        out = finish(self.core.engine, first)
-        return out.token_ids, landed, self.core.held_blocks, self.core.engine.pool.num_used_blocks
+    async def generate(self, prompt, params, rid):
+        from contracts import TokenSink
+        from tests.roles import generate, until_idle
+        sink = TokenSink()
+        tokens, result = await generate(self.server, sink, prompt, rid, params)
+        await until_idle(self.server)
+        await sink.close()
+        return tokens, result.transfer, self.landed.pop(rid)
 
 
 @pytest.mark.parametrize("backend", ["nixl", "nccl"])
@@ -48,12 +56,12 @@ def test_ray_actors_hand_over_kv(ray_cluster, backend):
     ray = ray_cluster
     print("before the actors:", ray.available_resources().get("CPU"), "CPUs free", flush=True)
     prefill = ray.remote(num_cpus=0.5)(PrefillActor).remote(backend)
-    decode = ray.remote(num_cpus=0.5)(DecodeActor).remote(backend)
+    decode = ray.remote(num_cpus=0.5)(DecodeActor).remote(backend, prefill)
     try:
         prompts = random_prompts([9, 32, 45], vocab=512, seed=31)
         expected = [o.token_ids for o in LLM("tiny").generate(prompts, GREEDY)]
         try:
-            decode_info = ray.get(decode.info.remote(), timeout=120)
+            ray.get(prefill.gauges.remote(), timeout=120)
         except ray.exceptions.GetTimeoutError:
             from ray._private import state
             print("resources free:", ray.available_resources(), "of", ray.cluster_resources())
@@ -62,14 +70,12 @@ def test_ray_actors_hand_over_kv(ray_cluster, backend):
                     print(actor["ActorClassName"], actor["State"], actor.get("Pid"),
                           actor.get("RequiredResources"))
             raise
-        for prompt, tokens in zip(prompts, expected):
-            dest = ray.get(decode.begin.remote(prompt, GREEDY), timeout=30)
-            result, src_kv = ray.get(prefill.prefill.remote(prompt, GREEDY, dest, decode_info),
-                                     timeout=60)
-            got, landed, held, used = ray.get(decode.complete.remote(result, dest), timeout=60)
-            assert torch.equal(src_kv, landed)
-            assert got == tokens
-            assert held == 0 and used == 0
+        for i, (prompt, tokens) in enumerate(zip(prompts, expected)):
+            got, stats, landed = ray.get(decode.generate.remote(prompt, GREEDY, f"r{i}"),
+                                         timeout=120)
+            assert got == tokens and stats.blocks_sent == -(-len(prompt) // 16)
+            assert torch.equal(ray.get(prefill.pushed_kv.remote(f"r{i}"), timeout=30), landed)
+        assert ray.get(prefill.gauges.remote(), timeout=30) == (0, 0)
     finally:
         ray.kill(prefill)
         ray.kill(decode)

@@ -21,6 +21,11 @@ class TransportBackend(ABC):
     #: True when the receiver learns of completion from the transport itself (a notification);
     #: otherwise the sender's completion reaches it through the control plane.
     native_notify: bool = True
+    #: True when the receiver copies the data into its cache itself (under the endpoint's
+    #: landing guard), so an aborted transfer can release its blocks at once. Otherwise the
+    #: sender writes one-sided into the receiver's memory, and a receiver that gives up early
+    #: must keep the blocks until the sender can no longer write.
+    receiver_writes: bool = False
 
     def __init__(self, endpoint_id: str, kv_cache: torch.Tensor, layout: KVLayout):
         self.endpoint_id = endpoint_id

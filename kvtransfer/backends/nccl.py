@@ -43,6 +43,7 @@ class _Link:
 
 class NcclBackend(TransportBackend):
     name = "nccl"
+    receiver_writes = True
 
     def __init__(self, endpoint_id, kv_cache, layout, host: str = "127.0.0.1",
                  timeout_s: float = 60.0):

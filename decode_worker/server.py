@@ -29,19 +29,21 @@ from contracts.messages import (TIMELINE, DecodeTiming, GenerateRequest, Generat
 from contracts.token_channel import TokenPublisher
 from engine.async_engine import AsyncEngine
 from engine.sampling_params import SamplingParams
-from kvtransfer import KVDestination, Transfer, TransferError, TransferState, endpoint_for
+from kvtransfer import (KVDestination, Transfer, TransferError, TransferState,
+                        TransportUnavailableError, endpoint_for)
 
 log = serve_logger(__name__)
 
 
 def prefill_unavailable(exc: BaseException) -> bool:
-    """The prefill replica refused the call (its queue is full) or is gone. Either way it wrote
-    nothing into our blocks (a refused call never started; a dead writer writes no more), so the
-    decode replica can release the lease and prefill the request itself at once."""
+    """The prefill replica refused the call (its queue is full), is gone, or has no transport to
+    this replica (``TransportUnavailableError``, for example ``cuda_ipc`` across nodes). In each
+    case it wrote nothing into our blocks (a refused call never started; a dead writer writes no
+    more), so the decode replica can release the lease and prefill the request itself at once."""
     from ray.exceptions import RayActorError
     from ray.serve.exceptions import BackPressureError
 
-    return isinstance(exc, (BackPressureError, RayActorError))
+    return isinstance(exc, (BackPressureError, RayActorError, TransportUnavailableError))
 
 
 class HandOver:
@@ -93,7 +95,9 @@ class DecodeServer:
     def kv_load(self) -> dict:
         pool = self.aengine.engine.pool
         return {"used_blocks": pool.num_used_blocks, "free_blocks": pool.num_free_blocks,
-                "held_blocks": self.held_blocks, "hit_rate": pool.hit_rate}
+                "held_blocks": self.held_blocks, "hit_rate": pool.hit_rate,
+                "endpoint_id": self.endpoint.endpoint_id if self.endpoint else None,
+                "node_id": self.endpoint.node_id if self.endpoint else None}
 
     async def generate(self, req: GenerateRequest) -> GenerateResult:
         timing = DecodeTiming(received=time.time())
@@ -154,8 +158,11 @@ class DecodeServer:
             return None
         if (exc := h.call.exception()) is not None:
             if prefill_unavailable(exc):
-                log.info("request %s: prefill replica unavailable (%s); prefilling here", rid,
-                         type(exc).__name__)
+                if isinstance(exc, TransportUnavailableError):
+                    log.warning("request %s: %s; prefilling here", rid, exc)
+                else:
+                    log.info("request %s: prefill replica unavailable (%s); prefilling here",
+                             rid, type(exc).__name__)
                 self._release(h, "prefill unavailable")  # before the local prefill is queued
                 return None
             raise exc
@@ -210,7 +217,7 @@ class DecodeServer:
         admit the request into the running batch with the prefill's first token (published
         before any later step's tokens). Raises :class:`TransferError` if the KV did not land."""
         h = self._handovers[result.request_id]
-        if not self.endpoint.backend.native_notify:  # the answer is the transport's word
+        if not self.endpoint.native_notify(result.stats.backend):  # the answer is its word
             await self.aengine.call(lambda e: self.endpoint.mark_landed(h.dest.transfer_id))
         t = await h.landed
         if t.state is not TransferState.DONE:
@@ -235,7 +242,7 @@ class DecodeServer:
             self.aengine.abort(request_id)
             return
         fenced = (h.call is not None and not h.call.done()
-                  and not self.endpoint.backend.receiver_writes)
+                  and not self.endpoint.receiver_writes)
         if self.aengine.error is None:
             self.aengine.submit(lambda e: self._abandon(e, h, fenced))
         if fenced:

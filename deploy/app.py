@@ -11,15 +11,6 @@ from ray.serve import Application
 from deploy.config import BatonConfig, RoleConfig
 
 
-def resolve_backend(cfg: BatonConfig) -> str:
-    """``auto``: CUDA IPC when the replicas have GPUs (one node assumed: set ``nixl`` for
-    several), NIXL over host memory otherwise."""
-    if cfg.transfer.backend != "auto":
-        return cfg.transfer.backend
-    gpus = cfg.prefill.num_gpus > 0 and cfg.decode.num_gpus > 0
-    return "cuda_ipc" if gpus else "nixl"
-
-
 PREFILL_ROUTER = "router.request_routers:PrefixAwareRouter"
 DECODE_ROUTER = "router.request_routers:LeastKVLoadRouter"
 
@@ -36,7 +27,7 @@ def _options(cfg: BatonConfig, role: str, router_class: str, **router_kwargs) ->
     rc: RoleConfig = getattr(cfg, role)
     return dict(num_replicas=rc.num_replicas, max_ongoing_requests=cfg.max_ongoing(role),
                 max_queued_requests=cfg.max_queued(role), backpressure_config=_backpressure(cfg),
-                ray_actor_options={"num_cpus": rc.num_cpus, "num_gpus": rc.num_gpus},
+                ray_actor_options=rc.actor_options(),
                 request_router_config=RequestRouterConfig(
                     request_router_class=router_class, request_router_kwargs=router_kwargs,
                     request_routing_stats_period_s=1.0))
@@ -48,7 +39,7 @@ def build_app(args: dict[str, Any] | BatonConfig | None = None) -> Application:
     from router.app import Router
 
     cfg = args if isinstance(args, BatonConfig) else BatonConfig(**(args or {}))
-    backend = resolve_backend(cfg)
+    backend = cfg.transfer.backend  # auto: chosen per replica pair at each push
     prefill = None
     if cfg.mode == "disaggregated":
         prefill = PrefillDeployment.options(**_options(
@@ -62,4 +53,5 @@ def build_app(args: dict[str, Any] | BatonConfig | None = None) -> Application:
                             backpressure_config=_backpressure(cfg),
                             ray_actor_options={"num_cpus": cfg.router.num_cpus})
     return router.bind(decode, cfg.engine.model, cfg.served_model_name, cfg.engine.max_model_len,
-                       cfg.router.request_timeout_s, cfg.router.max_tokens_default)
+                       cfg.router.request_timeout_s, cfg.router.max_tokens_default,
+                       cfg.router.api_key)

@@ -38,6 +38,22 @@ class RoleConfig(_Strict):
     max_ongoing_requests: int | None = Field(None, ge=1)  # None: 2 x the engine's max_num_seqs
     max_queued_requests: int | None = Field(None, ge=-1)  # None: max_num_seqs; -1: unbounded
     engine: dict = Field(default_factory=dict)  # per-role EngineConfig overrides
+    # Placement (Ray's own): custom resources each replica needs (a node pool advertises them,
+    # for example `ray start --resources='{"prefill_pool": 8}'`), an accelerator type ("H100"),
+    # and node labels (`ray start --labels`). Empty: anywhere the CPUs and GPUs fit.
+    resources: dict[str, float] = Field(default_factory=dict)
+    accelerator_type: str | None = None
+    label_selector: dict[str, str] = Field(default_factory=dict)
+
+    def actor_options(self) -> dict:
+        opts = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus}
+        if self.resources:
+            opts["resources"] = dict(self.resources)
+        if self.accelerator_type:
+            opts["accelerator_type"] = self.accelerator_type
+        if self.label_selector:
+            opts["label_selector"] = dict(self.label_selector)
+        return opts
 
 
 class RouterConfig(_Strict):
@@ -51,6 +67,10 @@ class RouterConfig(_Strict):
     model_name: str | None = None  # the name served in /v1/models (default: the model spec)
     request_timeout_s: float = Field(300.0, gt=0)
     max_tokens_default: int = Field(16, ge=1)
+    # Clients must send `Authorization: Bearer <key>` (gRPC: the same metadata) to /v1/ when a
+    # key is set. Prefer the BATON_API_KEY environment variable of the ingress replicas (for
+    # example the app's runtime_env) to a key written into the config file.
+    api_key: str | None = Field(None, min_length=1)
 
 
 class AdmissionConfig(_Strict):

@@ -5,16 +5,21 @@
 typed contracts between prefill and decode.
 """
 
-from kvtransfer.backends import BACKENDS, default_backend
+import os
+import socket
+import sys
+
+from kvtransfer.backends import BACKENDS, choose_backend, default_backend
 from kvtransfer.endpoint import KVEndpoint, Transfer
 from kvtransfer.types import (PROTOCOL_VERSION, EndpointInfo, KVDestination, KVLayout,
                               LayoutMismatchError, TransferError, TransferState,
-                              TransferStats)
+                              TransferStats, TransportUnavailableError)
 
 __all__ = [
     "BACKENDS", "PROTOCOL_VERSION", "EndpointInfo", "KVDestination", "KVEndpoint", "KVLayout",
-    "LayoutMismatchError", "Transfer", "TransferError", "TransferState",
-    "TransferStats", "default_backend", "layout_of", "endpoint_for",
+    "LayoutMismatchError", "Transfer", "TransferError", "TransferState", "TransferStats",
+    "TransportUnavailableError", "choose_backend", "current_node_id", "default_backend",
+    "layout_of", "endpoint_for",
 ]
 
 
@@ -30,6 +35,21 @@ def endpoint_for(engine, backend: str = "local", polled: bool = False, **kwargs)
     """Register an engine's KV cache as a transfer endpoint. ``polled``: the owner polls the
     endpoint whenever a transfer is in flight (an engine thread does); NIXL on CPU then runs
     without its progress thread, which would spin a core that a small machine needs."""
-    if polled and backend == "nixl" and not engine.runner.kv_cache.is_cuda:
+    if polled and backend in ("nixl", "auto") and not engine.runner.kv_cache.is_cuda:
         kwargs.setdefault("progress_thread", False)
+    kwargs.setdefault("node_id", current_node_id())
     return KVEndpoint(engine.runner.kv_cache, layout_of(engine), backend, **kwargs)
+
+
+def current_node_id() -> str:
+    """The node this process runs on, as transports see it: ``BATON_NODE_ID`` if set, the Ray
+    node id inside a Ray worker (a Serve replica; several raylets on one machine are several
+    nodes), the host name otherwise."""
+    if node := os.environ.get("BATON_NODE_ID"):
+        return node
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ctx = ray.get_runtime_context()
+        if ctx.worker.mode == ray.WORKER_MODE:
+            return ctx.get_node_id()
+    return socket.gethostname()

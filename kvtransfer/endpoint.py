@@ -1,7 +1,11 @@
-"""A KV endpoint: one engine's cache registered with a transport, in both roles.
+"""A KV endpoint: one engine's cache registered with its transports, in both roles.
 
-Sender side (prefill): :meth:`KVEndpoint.push` checks the peer's layout, then starts writing
-only the blocks the receiver lacks. Receiver side (decode): :meth:`KVEndpoint.expect` leases
+An endpoint serves one backend, or for ``auto`` every backend a pair may need (CUDA IPC and
+NIXL on a GPU): the sender chooses one per receiver at each push, from both endpoints' node and
+device (:func:`kvtransfer.backends.choose_backend`).
+
+Sender side (prefill): :meth:`KVEndpoint.push` checks the peer's layout and picks the transport,
+then starts writing only the blocks the receiver lacks. Receiver side (decode): :meth:`KVEndpoint.expect` leases
 the destination blocks until the data lands (DONE), the deadline passes or the transfer is
 aborted (FAILED). :meth:`KVEndpoint.poll` moves every transfer forward; each transfer's
 ``on_finish`` callback runs exactly once, when it first becomes terminal, and is where the owner
@@ -22,7 +26,7 @@ from typing import Any
 import torch
 
 from kernels import copy_blocks
-from kvtransfer.backends import create_backend
+from kvtransfer.backends import choose_backend, create_backends
 from kvtransfer.backends.base import TransportBackend
 from kvtransfer.types import (PROTOCOL_VERSION, EndpointInfo, KVDestination, KVLayout,
                               TransferError, TransferState, TransferStats, advance,
@@ -40,6 +44,7 @@ RECV_GRACE_S = 0.25
 class Transfer:
     transfer_id: str
     role: str  # "send" or "recv"
+    backend: str  # the transport it uses ("" for a receive: the sender chooses)
     blocks: tuple[int, ...]  # the local blocks under lease
     deadline: float
     stats: TransferStats
@@ -71,13 +76,16 @@ class KVEndpoint:
         self.kv_cache = kv_cache
         self.layout = layout
         self.node_id = node_id
-        self.backend: TransportBackend = create_backend(backend, self.endpoint_id, kv_cache,
-                                                        layout, **backend_kwargs)
+        self.configured = backend
+        self.backends: dict[str, TransportBackend] = create_backends(
+            backend, self.endpoint_id, kv_cache, layout, **backend_kwargs)
         self._lock = threading.RLock()
         self._sending: dict[str, Transfer] = {}
         self._receiving: dict[str, Transfer] = {}
         self._landed_early: set[str] = set()
-        self.backend.landing_guard = self._landing
+        self._info: EndpointInfo | None = None
+        for b in self.backends.values():
+            b.landing_guard = self._landing
         if kv_cache.is_cuda:  # compile the block-copy kernel now, not during the first push
             zero = torch.zeros(1, dtype=torch.int64, device=kv_cache.device)
             copy_blocks(kv_cache, kv_cache, zero, zero)  # the null block onto itself
@@ -86,12 +94,35 @@ class KVEndpoint:
     def num_blocks(self) -> int:
         return self.kv_cache.shape[1]
 
+    @property
+    def backend(self) -> TransportBackend:
+        """The first backend served (the only one unless ``auto``)."""
+        return next(iter(self.backends.values()))
+
+    @property
+    def receiver_writes(self) -> bool:
+        """Every backend served copies incoming data itself (see ``TransportBackend``)."""
+        return all(b.receiver_writes for b in self.backends.values())
+
+    def native_notify(self, backend: str) -> bool:
+        """Whether a transfer over ``backend`` is reported landed by the transport itself."""
+        return self.backends[backend].native_notify
+
     def info(self) -> EndpointInfo:
-        return EndpointInfo(
-            endpoint_id=self.endpoint_id, backend=self.backend.name, layout=self.layout,
-            layout_hash=self.layout.compat_hash(), protocol_version=PROTOCOL_VERSION,
-            num_blocks=self.num_blocks, connection=self.backend.connection_info(),
-            node_id=self.node_id, device=str(self.kv_cache.device))
+        """What a peer needs to push here (computed once: every backend's connection data is
+        fixed once the cache is registered)."""
+        if self._info is None:
+            connections = tuple((name, b.connection_info()) for name, b in self.backends.items())
+            self._info = EndpointInfo(
+                endpoint_id=self.endpoint_id, backend=connections[0][0], layout=self.layout,
+                layout_hash=self.layout.compat_hash(), protocol_version=PROTOCOL_VERSION,
+                num_blocks=self.num_blocks, connection=connections[0][1], node_id=self.node_id,
+                device=str(self.kv_cache.device), connections=connections)
+        return self._info
+
+    def choose(self, peer: EndpointInfo) -> str:
+        """The backend a push to ``peer`` uses; raises ``TransportUnavailableError``."""
+        return choose_backend(self.configured, self.info(), peer)
 
     @property
     def held_blocks(self) -> int:
@@ -106,25 +137,27 @@ class KVEndpoint:
         terminal. Raises :class:`LayoutMismatchError` before moving any byte if the layouts
         differ."""
         check_compatible(self.layout, peer.layout, PROTOCOL_VERSION, peer.protocol_version)
-        if peer.backend != self.backend.name:
-            raise TransferError(f"backend: local {self.backend.name!r} != peer {peer.backend!r}")
+        name = self.choose(peer)
+        backend, peer = self.backends[name], peer.via(name)
         skip = dest.num_present_tokens // self.layout.block_size
         src = tuple(src_block_ids[skip:skip + len(dest.block_ids)])
         if len(src) != len(dest.block_ids):
             raise TransferError(f"request {dest.request_id}: {len(dest.block_ids)} destination "
                                 f"blocks but {len(src)} source blocks after skipping {skip}")
         stats = TransferStats(bytes=len(src) * self.layout.block_bytes, blocks_sent=len(src),
-                              blocks_skipped=skip, backend=self.backend.name)
-        t = Transfer(dest.transfer_id, "send", src, dest.deadline, stats, on_finish, peer.endpoint_id)
+                              blocks_skipped=skip, backend=name, src_node=self.node_id,
+                              dst_node=peer.node_id)
+        t = Transfer(dest.transfer_id, "send", name, src, dest.deadline, stats, on_finish,
+                     peer.endpoint_id)
         with self._lock:
             self._sending[t.transfer_id] = t
         if dest.expired():
             self._finish(t, TransferState.FAILED, "deadline passed before the push started")
             return t
         try:
-            self.backend.connect(peer)
+            backend.connect(peer)
             stats.descriptors = _descriptor_count(self.layout, src, dest.block_ids)
-            t.handle = self.backend.start_write(peer, t.transfer_id, src, dest.block_ids)
+            t.handle = backend.start_write(peer, t.transfer_id, src, dest.block_ids)
         except Exception as exc:  # noqa: BLE001 - any transport error fails the transfer
             log.warning("push %s failed to start: %s", t.transfer_id, exc)
             self._finish(t, TransferState.FAILED, f"{type(exc).__name__}: {exc}", peer_gone=True)
@@ -139,9 +172,8 @@ class KVEndpoint:
         """Lease ``dest.block_ids`` until their data lands, the deadline passes or an abort."""
         stats = TransferStats(blocks_sent=len(dest.block_ids),
                               blocks_skipped=dest.num_present_tokens // self.layout.block_size,
-                              bytes=len(dest.block_ids) * self.layout.block_bytes,
-                              backend=self.backend.name)
-        t = Transfer(dest.transfer_id, "recv", tuple(dest.block_ids), dest.deadline, stats,
+                              bytes=len(dest.block_ids) * self.layout.block_bytes)
+        t = Transfer(dest.transfer_id, "recv", "", tuple(dest.block_ids), dest.deadline, stats,
                      on_finish)
         with self._lock:
             self._receiving[t.transfer_id] = t
@@ -173,8 +205,9 @@ class KVEndpoint:
         flight the transport is not asked (a receiver expects before it is written to)."""
         if not self.busy:
             return False
-        for tid in self.backend.poll_notifications():
-            self._on_landed(tid)
+        for b in self.backends.values():
+            for tid in b.poll_notifications():
+                self._on_landed(tid)
         now = time.time()
         with self._lock:
             sending, receiving = list(self._sending.values()), list(self._receiving.values())
@@ -202,7 +235,7 @@ class KVEndpoint:
         if t.state.is_terminal:
             return
         try:
-            state = self.backend.check_write(t.handle)
+            state = self.backends[t.backend].check_write(t.handle)
         except Exception as exc:  # noqa: BLE001
             state, t.error = TransferState.FAILED, f"{type(exc).__name__}: {exc}"
         transport_failed = state is TransferState.FAILED  # not a deadline: that follows
@@ -236,7 +269,7 @@ class KVEndpoint:
                 del table[t.transfer_id]
         if t.role == "send" and t.handle is not None:
             try:
-                self.backend.release_write(t.handle)
+                self.backends[t.backend].release_write(t.handle)
             except Exception:  # noqa: BLE001 - best effort
                 log.debug("release of %s failed", t.transfer_id, exc_info=True)
         if state is TransferState.FAILED and t.peer_id:
@@ -253,17 +286,19 @@ class KVEndpoint:
         with self._lock:
             if any(s.peer_id == peer_id for s in self._sending.values()):
                 return
-        try:
-            self.backend.disconnect(peer_id)
-        except Exception:  # noqa: BLE001 - best effort
-            log.debug("disconnecting %s failed", peer_id, exc_info=True)
+        for b in self.backends.values():
+            try:
+                b.disconnect(peer_id)
+            except Exception:  # noqa: BLE001 - best effort
+                log.debug("disconnecting %s failed", peer_id, exc_info=True)
 
     def close(self) -> None:
         with self._lock:
             pending = [*self._sending.values(), *self._receiving.values()]
         for t in pending:
             self._finish(t, TransferState.FAILED, "endpoint closed")
-        self.backend.close()
+        for b in self.backends.values():
+            b.close()
 
 
 def _descriptor_count(layout: KVLayout, src, dst) -> int:

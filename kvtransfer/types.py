@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 
 PROTOCOL_VERSION = 1
 
@@ -37,6 +37,11 @@ def advance(current: TransferState, new: TransferState) -> TransferState:
 
 class TransferError(RuntimeError):
     """A transfer could not be set up or did not complete."""
+
+
+class TransportUnavailableError(TransferError):
+    """No transport can link this sender and receiver (for example ``cuda_ipc`` across nodes);
+    raised before any byte moves."""
 
 
 class LayoutMismatchError(TransferError, ValueError):
@@ -104,6 +109,19 @@ class EndpointInfo:
     connection: bytes = b""  # backend-specific (agent metadata, store address, IPC handle)
     node_id: str = ""
     device: str = "cpu"
+    # Every backend the endpoint serves, with its connection data (``backend`` is the first).
+    connections: tuple[tuple[str, bytes], ...] = ()
+
+    @property
+    def backends(self) -> tuple[str, ...]:
+        return tuple(name for name, _ in self.connections) or (self.backend,)
+
+    def via(self, backend: str) -> EndpointInfo:
+        """This endpoint as seen through one of its backends (what that backend reads)."""
+        if backend == self.backend and not self.connections:
+            return self
+        connection = dict(self.connections)[backend]
+        return replace(self, backend=backend, connection=connection)
 
 
 @dataclass(frozen=True)
@@ -136,7 +154,9 @@ class TransferStats:
     blocks_skipped: int = 0
     descriptors: int = 0
     seconds: float = 0.0
-    backend: str = ""
+    backend: str = ""  # the transport chosen for the pair
+    src_node: str = ""  # the sender's and the receiver's node ids
+    dst_node: str = ""
 
     @property
     def gbps(self) -> float:

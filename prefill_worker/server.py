@@ -37,11 +37,14 @@ class PrefillServer:
 
     def kv_load(self) -> dict:
         pool = self.aengine.engine.pool
-        return {"used_blocks": pool.num_used_blocks, "free_blocks": pool.num_free_blocks}
+        return {"used_blocks": pool.num_used_blocks, "free_blocks": pool.num_free_blocks,
+                "held_blocks": self.endpoint.held_blocks, "endpoint_id": self.endpoint.endpoint_id,
+                "node_id": self.endpoint.node_id}
 
     async def prefill(self, req: PrefillRequest) -> PrefillResult:
         rid = req.dest.request_id
         received, t0 = time.time(), time.perf_counter()
+        self.endpoint.choose(req.peer)  # no transport to this receiver: refuse before any work
         params = req.params.model_copy(update={"max_tokens": 1})
         try:
             first = await self.aengine.run(list(req.prompt_token_ids), params, rid,

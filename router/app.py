@@ -9,8 +9,10 @@ an error, never a silent hang.
 """
 
 import asyncio
+import hmac
 import json
 import math
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -34,6 +36,38 @@ from router.protocol import ChatCompletionRequest, CompletionRequest
 from router.streams import Chunk, DecodeClient, RequestStream, RequestTimeout
 
 app = FastAPI(title="Baton")
+API_KEY_ENV = "BATON_API_KEY"
+
+
+class APIKeyMiddleware:
+    """With an API key set (``router.api_key`` or ``BATON_API_KEY``), every ``/v1/`` request
+    must carry ``Authorization: Bearer <key>``; others get a 401 in OpenAI's error format.
+    ``/health`` and ``/metrics`` stay open. A plain ASGI middleware: streamed responses pass
+    through untouched."""
+
+    key: str | None = None  # set by the Router replica
+
+    def __init__(self, asgi_app):
+        self.app = asgi_app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and self.key and scope["path"].startswith("/v1/"):
+            headers = dict(scope["headers"])
+            if not authorized(headers.get(b"authorization", b"").decode("latin-1"), self.key):
+                await error_response(401, "invalid or missing API key: send the header "
+                                     "'Authorization: Bearer <key>'",
+                                     "authentication_error")(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def authorized(header: str | None, key: str) -> bool:
+    scheme, _, token = (header or "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(),
+                                                              key.encode())
+
+
+app.add_middleware(APIKeyMiddleware)
 
 
 def error_response(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
@@ -112,7 +146,8 @@ def _transfer(result: GenerateResult | None) -> dict | None:
         return None
     t = result.transfer
     return {"bytes": t.bytes, "blocks_sent": t.blocks_sent, "blocks_skipped": t.blocks_skipped,
-            "seconds": t.seconds, "backend": t.backend, "prefill_seconds": result.prefill_seconds}
+            "seconds": t.seconds, "backend": t.backend, "src_node": t.src_node,
+            "dst_node": t.dst_node, "prefill_seconds": result.prefill_seconds}
 
 
 def _usage(stream: RequestStream, result: GenerateResult | None) -> dict:
@@ -151,8 +186,12 @@ def _fail(grpc_context, code, exc: Exception):
 @serve.ingress(app)
 class Router:
     def __init__(self, decode, model: str, served_name: str, max_model_len: int | None,
-                 request_timeout_s: float = 300.0, default_max_tokens: int = 16):
+                 request_timeout_s: float = 300.0, default_max_tokens: int = 16,
+                 api_key: str | None = None):
         import ray
+
+        self.api_key = api_key or os.environ.get(API_KEY_ENV) or None
+        APIKeyMiddleware.key = self.api_key
 
         source = resolve_model(model)
         self.tokenizer = load_tokenizer(source)
@@ -373,8 +412,17 @@ class Router:
         self.check_params(ids, params)
         return ids, params
 
+    def _grpc_auth(self, grpc_context) -> None:
+        """With an API key set, a call must carry the metadata ``authorization: Bearer <key>``;
+        otherwise UNAUTHENTICATED."""
+        if self.api_key and not authorized(
+                dict(grpc_context.invocation_metadata()).get("authorization"), self.api_key):
+            _fail(grpc_context, grpc.StatusCode.UNAUTHENTICATED, PermissionError(
+                "invalid or missing API key: send the metadata 'authorization: Bearer <key>'"))
+
     async def _grpc_chunks(self, req, grpc_context):
         """(chunk, stream) of one gRPC request; a bad request sets INVALID_ARGUMENT."""
+        self._grpc_auth(grpc_context)
         try:
             ids, params = self._grpc_inputs(req)
         except ValueError as exc:

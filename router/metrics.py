@@ -34,18 +34,18 @@ class RouterMetrics:
         self.hit_rate = Gauge("baton_prefix_cache_hit_rate", "Prefix-cache hit rate (decode)",
                               registry=r)
         self.transfer_bytes = Counter("baton_kv_transfer_bytes", "KV bytes pushed to decode",
-                                      registry=r)
+                                      ["backend"], registry=r)
         self.transfer_blocks = Counter("baton_kv_transfer_blocks", "KV blocks by fate", ["kind"],
                                        registry=r)
         self.transfer_time = Histogram("baton_kv_transfer_seconds", "KV hand-over time",
-                                       registry=r, buckets=_LATENCY_BUCKETS)
+                                       ["backend"], registry=r, buckets=_LATENCY_BUCKETS)
 
     def record_transfer(self, t: TransferStats | None) -> None:
         if t is not None:
-            self.transfer_bytes.inc(t.bytes)
+            self.transfer_bytes.labels(t.backend).inc(t.bytes)
             self.transfer_blocks.labels("sent").inc(t.blocks_sent)
             self.transfer_blocks.labels("skipped").inc(t.blocks_skipped)
-            self.transfer_time.observe(t.seconds)
+            self.transfer_time.labels(t.backend).observe(t.seconds)
 
     def set_kv(self, load: dict) -> None:
         self.kv_used.set(load["used_blocks"])

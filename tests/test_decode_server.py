@@ -16,6 +16,7 @@ from contracts import GenerateRequest, TokenSink
 from contracts.messages import TIMELINE
 from decode_worker.server import DecodeServer
 from engine import LLM, EngineConfig, SamplingParams
+from kvtransfer import TransportUnavailableError
 from kvtransfer.backends.local import LocalFabric
 from prefill_worker.server import PrefillServer
 from tests.models import random_prompts
@@ -80,8 +81,10 @@ def test_offline_tokens_and_idle_afterwards(roles, offline, disaggregated, caplo
     assert any(m.startswith("request r1 prefill: push done") for m in lines) == disaggregated
 
 
-@pytest.mark.parametrize("failure", [BackPressureError(1, 1), ActorDiedError()],
-                         ids=["refused", "replica-gone"])
+@pytest.mark.parametrize("failure", [
+    BackPressureError(1, 1), ActorDiedError(),
+    TransportUnavailableError("transfer backend 'cuda_ipc' needs both engines on one node")],
+    ids=["refused", "replica-gone", "no-transport-for-the-pair"])
 def test_unavailable_prefill_falls_back_to_a_local_prefill(roles, offline, failure):
     _, handle, decode = roles({"fail": failure})
 

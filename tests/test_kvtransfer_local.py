@@ -156,7 +156,7 @@ class SlowFake(TransportBackend):
 
 def _fake_endpoint(polls):
     ep = KVEndpoint(torch.zeros(2, 8, 2, 2, 4, 4), LAYOUT, "local")
-    ep.backend = SlowFake(polls)
+    ep.backends = {"local": SlowFake(polls)}  # as if "local" were slow
     return ep
 
 
@@ -167,8 +167,7 @@ def test_send_lease_released_once_on_done_or_deadline(polls, expected):
     peer = ep.info()
     released = []
     dest = KVDestination("r1", "peer", (1, 2), 0, time.time() + 0.2)
-    t = ep.push(peer.__class__(**{**peer.__dict__, "backend": "fake"}), dest, [3, 4],
-                on_finish=released.append)
+    t = ep.push(peer, dest, [3, 4], on_finish=released.append)
     assert t.state is TransferState.IN_FLIGHT and ep.held_blocks == 2
     assert ep.wait(t, timeout=5) is expected
     assert released == [t] and ep.held_blocks == 0
@@ -183,6 +182,55 @@ def test_default_backend_per_placement():
     assert default_backend(same_node=True, device_type="cpu") == "nixl"
     with pytest.raises(ValueError, match="unknown backend 'rdma'"):
         KVEndpoint(torch.zeros(2, 4, 2, 2, 4, 4), LAYOUT, "rdma")
+
+
+def _info(endpoint_id, node, device, backends):
+    from kvtransfer import EndpointInfo
+    return EndpointInfo(endpoint_id, backends[0], LAYOUT, "", 1, 8, node_id=node, device=device,
+                        connections=tuple((b, b"") for b in backends))
+
+
+GPU_AUTO = ("cuda_ipc", "nixl")
+
+
+@pytest.mark.parametrize("configured, sender, receiver, expected", [
+    # auto: CUDA IPC within a node, NIXL across nodes; NIXL on CPU
+    ("auto", ("A", "cuda:0", GPU_AUTO), ("A", "cuda:1", GPU_AUTO), "cuda_ipc"),
+    ("auto", ("A", "cuda:0", GPU_AUTO), ("B", "cuda:0", GPU_AUTO), "nixl"),
+    ("auto", ("A", "cpu", ("nixl",)), ("A", "cpu", ("nixl",)), "nixl"),
+    ("auto", ("A", "cuda:0", GPU_AUTO), ("A", "cpu", ("nixl",)), "nixl"),
+    # explicit: used as configured, where the pair can use it
+    ("nixl", ("A", "cuda:0", ("nixl",)), ("A", "cuda:0", ("nixl",)), "nixl"),
+    ("nccl", ("A", "cuda:0", ("nccl",)), ("B", "cuda:0", ("nccl",)), "nccl"),
+    ("cuda_ipc", ("A", "cuda:0", ("cuda_ipc",)), ("B", "cuda:0", ("cuda_ipc",)),
+     "needs both engines on one node: sender s on node A .* receiver r on node B"),
+    ("nixl", ("A", "cuda:0", ("nixl",)), ("A", "cuda:0", ("nccl",)),
+     "no common transport.*sender serves \\['nixl'\\], the receiver \\['nccl'\\]"),
+])
+def test_the_transport_is_chosen_per_pair(configured, sender, receiver, expected):
+    from kvtransfer import TransportUnavailableError, choose_backend
+    local, peer = _info("s", *sender), _info("r", *receiver)
+    if expected in ("cuda_ipc", "nixl", "nccl"):
+        assert choose_backend(configured, local, peer) == expected
+    else:
+        with pytest.raises(TransportUnavailableError, match=expected):
+            choose_backend(configured, local, peer)
+
+
+def test_an_auto_endpoint_serves_every_backend_a_pair_may_need():
+    """On CPU ``auto`` serves NIXL only; the info lists each backend with its connection data,
+    and a push picks one per receiver."""
+    cpu = KVEndpoint(torch.zeros(2, 4, 2, 2, 4, 4), LAYOUT, "auto", node_id="A",
+                     progress_thread=False)
+    try:
+        info = cpu.info()
+        assert info.backends == ("nixl",) and info.node_id == "A" and info.device == "cpu"
+        assert info.via("nixl").connection == info.connection != b""
+        assert cpu.choose(info) == "nixl"
+    finally:
+        cpu.close()
+    with pytest.raises(TypeError, match="options \\['fabric'\\] are taken by none"):
+        KVEndpoint(torch.zeros(2, 4, 2, 2, 4, 4), LAYOUT, "nixl", fabric=LocalFabric())
 
 
 def test_importing_nixl_keeps_the_process_log_handlers():

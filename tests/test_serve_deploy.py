@@ -109,6 +109,12 @@ def test_cluster_configs_install_baton_and_start_ray(name):
     assert any("torch==2.13.0" in c for c in cluster["setup_commands"])
     assert any("-e '~/baton[serve" in c for c in cluster["setup_commands"])
     assert any("ray start --head" in c for c in cluster["head_start_ray_commands"])
+    # Safe by default: the dashboard (it runs submitted jobs) is not opened to the network.
+    starts = cluster["head_start_ray_commands"] + cluster["worker_start_ray_commands"]
+    assert not any("dashboard-host" in c and "127.0.0.1" not in c for c in starts)
+    if name == "cluster.yaml":  # the ingress replicas of every node get the API key
+        assert cluster["file_mounts"]["~/baton_api_key"] == "./baton_api_key"
+        assert all("BATON_API_KEY=$(cat ~/baton_api_key)" in c for c in starts if "ray start" in c)
     for key, value in ray_env.serve_env().items():  # the serving fast path on every node
         if key != "RAY_USAGE_STATS_ENABLED":
             for commands in ("head_start_ray_commands", "worker_start_ray_commands"):

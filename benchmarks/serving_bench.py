@@ -26,7 +26,6 @@ import asyncio
 import gc
 import json
 import os
-import socket
 import statistics
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -350,12 +349,6 @@ def offline_runs(engine_kw: dict, prompts, streams: list[int], max_tokens: int,
 
 
 # -- serving --------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def layout_config(layout: str, engine: dict, args) -> dict:
     if layout == "colo":
         return {"mode": "colocated", "engine": engine,
@@ -432,9 +425,10 @@ def serve_layout(layout, config, args, pool, prompts, offline_tokens, fresh_prom
 
     from deploy.app import build_app
     from deploy.cli import wait_ready
+    from deploy.ray_env import free_port
 
     check_fits(layout, config)
-    port, grpc_port = _free_port(), _free_port()
+    port, grpc_port = free_port(), free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port},
                 grpc_options={"port": grpc_port,
                               "grpc_servicer_functions":

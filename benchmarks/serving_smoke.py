@@ -12,17 +12,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import time
 
 import requests
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from deploy.ray_env import free_port
 
 
 def run_layout(config: dict, prompts, max_tokens: int, timeout: float) -> list[dict]:
@@ -31,7 +26,7 @@ def run_layout(config: dict, prompts, max_tokens: int, timeout: float) -> list[d
     from deploy.app import build_app
     from deploy.cli import wait_ready
 
-    port = _free_port()
+    port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     t0 = time.perf_counter()
     serve.run(build_app(config), name="baton", route_prefix="/", blocking=False)

@@ -142,8 +142,8 @@ class DecodeServer:
             return None
         h = self._handovers[rid]
         timing.prefill_called = time.time()
-        h.call = asyncio.ensure_future(_answer(self.prefill.prefill.remote(
-            PrefillRequest(tuple(prompt), req.params, dest, self.endpoint.info()))))
+        h.call = asyncio.ensure_future(self.prefill.prefill.remote(  # a Serve response
+            PrefillRequest(tuple(prompt), req.params, dest, self.endpoint.info())))
         # The call's answer carries the first token; the lease may land before it (the
         # transport's notification) or fail before it (its deadline: a frozen or slow prefill
         # replica). A cancel here leaves the call running: the caller's abort decides about it.
@@ -287,11 +287,6 @@ def _log_timeline(rid: str, outcome: str | None, timing: DecodeTiming,
                   timeline(received=timing.received, prefill_called=timing.prefill_called,
                            prefill_returned=timing.prefill_returned, queued=timing.queued,
                            first_token=timing.first_token, finished=timing.finished))
-
-
-async def _answer(call) -> PrefillResult:
-    """Await the prefill call (a Serve response; awaitable, not a future)."""
-    return await call
 
 
 def _resolve(fut: asyncio.Future, value) -> None:

@@ -10,9 +10,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 import time
+
+from deploy.ray_env import free_port
 
 DEMO_PROMPTS = [
     "The quick brown fox",
@@ -20,12 +21,6 @@ DEMO_PROMPTS = [
     "Question: what is two plus two? Answer:",
 ]
 GRPC_SERVICER = "proto.baton_pb2_grpc.add_BatonServicer_to_server"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # -- offline --------------------------------------------------------------------------------
@@ -84,7 +79,7 @@ def cmd_demo(args) -> None:
     print(f"starting local Ray and Serve: 1 prefill + 1 decode, {config['engine']['model']} on "
           f"{'GPU' if gpu else 'CPU'} ...", flush=True)
     _start_ray(num_cpus=max(4, os.cpu_count() or 1))
-    http, grpc_port = _free_port(), _free_port()
+    http, grpc_port = free_port(), free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": http},
                 grpc_options={"port": grpc_port, "grpc_servicer_functions": [GRPC_SERVICER]})
     t0 = time.perf_counter()

@@ -47,10 +47,11 @@ def serve_env() -> dict[str, str]:
             "RAY_USAGE_STATS_ENABLED": "0"}
 
 
-def _free_port() -> str:
+def free_port() -> int:
+    """A TCP port free on this machine right now (the OS picks it)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
+        return s.getsockname()[1]
 
 
 def local_env() -> dict[str, str]:
@@ -58,8 +59,8 @@ def local_env() -> dict[str, str]:
     HAProxy's stats and metrics listeners)."""
     env = {**serve_env(), **LOCAL}
     if "RAY_SERVE_ENABLE_HA_PROXY" in env:
-        env |= {"RAY_SERVE_HAPROXY_STATS_PORT": _free_port(),
-                "RAY_SERVE_HAPROXY_METRICS_PORT": _free_port()}
+        env |= {"RAY_SERVE_HAPROXY_STATS_PORT": str(free_port()),
+                "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port())}
     return env
 
 

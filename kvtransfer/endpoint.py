@@ -4,10 +4,10 @@ An endpoint serves one backend, or for ``auto`` every backend a pair may need (C
 NIXL on a GPU): the sender chooses one per receiver at each push, from both endpoints' node and
 device (:func:`kvtransfer.backends.choose_backend`).
 
-Sender side (prefill): :meth:`KVEndpoint.push` checks the peer's layout and picks the transport,
-then starts writing only the blocks the receiver lacks. Receiver side (decode): :meth:`KVEndpoint.expect` leases
-the destination blocks until the data lands (DONE), the deadline passes or the transfer is
-aborted (FAILED). :meth:`KVEndpoint.poll` moves every transfer forward; each transfer's
+Sender side (prefill): :meth:`KVEndpoint.push` checks the peer's layout and picks the
+transport, then starts writing only the blocks the receiver lacks. Receiver side (decode):
+:meth:`KVEndpoint.expect` leases the destination blocks until the data lands (DONE), the
+deadline passes or the transfer is aborted (FAILED). :meth:`KVEndpoint.poll` moves every transfer forward; each transfer's
 ``on_finish`` callback runs exactly once, when it first becomes terminal, and is where the owner
 returns or hands over its leased blocks. ``held_blocks`` counts blocks under lease.
 """

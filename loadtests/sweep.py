@@ -31,6 +31,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from deploy.ray_env import free_port
 from loadtests import workloads
 from loadtests.layouts import Layout, Resources, missing_resources, parse_layout, parse_layouts
 from loadtests.metrics import Slo, read_records, summarize
@@ -112,14 +113,6 @@ class LayoutError(RuntimeError):
     """A layout could not be deployed or answered badly; the sweep reports it and goes on."""
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # -- Ray and Serve ----------------------------------------------------------------------------
 def _pythonpath() -> str:
     return os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
@@ -173,7 +166,7 @@ def deployed(app_config: dict, timeout_s: float):
 
     from deploy.app import build_app
 
-    http_port, grpc_port = _free_port(), _free_port()
+    http_port, grpc_port = free_port(), free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": http_port},
                 grpc_options={"port": grpc_port, "grpc_servicer_functions": [GRPC_SERVICER]})
     try:

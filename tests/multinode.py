@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -27,12 +26,6 @@ ENGINE = {"model": "tiny", "num_blocks": 256, "max_num_seqs": 8}
 PROMPTS = [f"Request number {i} asks about {w}" for i, w in
            enumerate(["rivers", "stars", "bread", "trains", "music", "glass", "salt", "wind"] * 2)]
 MAX_TOKENS = 8
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _config(prefill_replicas: int) -> dict:
@@ -127,7 +120,7 @@ def main(argv=None) -> None:
     try:
         ray.init(address=cluster.address, log_to_driver=False)
         cluster.wait_for_nodes()
-        port = _free_port()
+        port = ray_env.free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         url = f"http://127.0.0.1:{port}"
         out = {"nodes": {name: n.node_id for name, n in nodes.items()},

@@ -12,7 +12,8 @@ import requests
 from engine import LLM, SamplingParams
 from tests.conftest import shutdown_serve
 from tests.models import random_prompts
-from tests.test_serving_e2e import GRPC_SERVICER, _free_port
+from deploy.ray_env import free_port
+from tests.test_serving_e2e import GRPC_SERVICER
 
 pytestmark = pytest.mark.e2e
 BURST = 12
@@ -26,7 +27,7 @@ def app(ray_cluster):
 
     from deploy.app import build_app
 
-    port, grpc_port = _free_port(), _free_port()
+    port, grpc_port = free_port(), free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port},
                 grpc_options={"port": grpc_port, "grpc_servicer_functions": [GRPC_SERVICER]})
     serve.run(build_app({

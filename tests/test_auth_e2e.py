@@ -6,7 +6,8 @@ import pytest
 import requests
 
 from tests.conftest import shutdown_serve
-from tests.test_serving_e2e import GRPC_SERVICER, _free_port
+from deploy.ray_env import free_port
+from tests.test_serving_e2e import GRPC_SERVICER
 
 pytestmark = pytest.mark.e2e
 KEY = "test-key-123"
@@ -18,7 +19,7 @@ def server(ray_cluster):
 
     from deploy.app import build_app
 
-    port, grpc_port = _free_port(), _free_port()
+    port, grpc_port = free_port(), free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port},
                 grpc_options={"port": grpc_port, "grpc_servicer_functions": [GRPC_SERVICER]})
     serve.run(build_app({"mode": "colocated", "engine": {"model": "tiny", "num_blocks": 64},

@@ -22,7 +22,7 @@ from benchmarks.chaos_bench import replica_pids as _pids
 from engine import LLM, SamplingParams
 from tests.conftest import shutdown_serve
 from tests.models import random_prompts
-from tests.test_serving_e2e import _free_port
+from deploy.ray_env import free_port
 
 pytestmark = pytest.mark.e2e
 PROMPTS = random_prompts([10 + 3 * i for i in range(6)], vocab=512, seed=91)
@@ -57,7 +57,7 @@ def _deploy(decode_replicas: int, disaggregated: bool = False, prefill_replicas:
 
     from deploy.app import build_app
 
-    port = _free_port()
+    port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app(_config(decode_replicas, disaggregated, prefill_replicas)), name="baton",
               route_prefix="/")
@@ -215,7 +215,7 @@ def test_killing_an_ingress_replica_cuts_only_its_own_streams(ray_cluster, expec
 
     from deploy.app import build_app
 
-    port = _free_port()
+    port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     config = _config(1) | {"router": {"num_replicas": 2, "request_timeout_s": 120}}
     serve.run(build_app(config), name="baton", route_prefix="/")

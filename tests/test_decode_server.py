@@ -51,6 +51,15 @@ def roles():
         server.close()
 
 
+async def _until_prefill_called(decode, handle, sink) -> asyncio.Task:
+    """A request of PROMPTS[1] running on ``decode``, once it has called its prefill replica."""
+    task = asyncio.ensure_future(decode.generate(
+        GenerateRequest(tuple(PROMPTS[1]), GREEDY, "r", await sink.start())))
+    while handle.calls == 0:
+        await asyncio.sleep(0.01)
+    return task
+
+
 @pytest.mark.parametrize("disaggregated", [False, True], ids=["colocated", "disaggregated"])
 def test_offline_tokens_and_idle_afterwards(roles, offline, disaggregated, caplog):
     caplog.set_level(logging.INFO, logger=TIMELINE.name)
@@ -195,10 +204,7 @@ def test_closing_a_replica_releases_its_pending_leases(roles):
 
     async def main():
         sink = TokenSink()
-        task = asyncio.ensure_future(decode.generate(
-            GenerateRequest(tuple(PROMPTS[1]), GREEDY, "r", await sink.start())))
-        while handle.calls == 0:
-            await asyncio.sleep(0.01)
+        task = await _until_prefill_called(decode, handle, sink)
         assert decode.held_blocks > 0
         decode.close()
         assert decode.held_blocks == 0 and decode.aengine.engine.pool.num_used_blocks == 0
@@ -217,10 +223,7 @@ def test_a_request_abandoned_during_the_push_keeps_its_blocks_until_the_prefill_
 
     async def main():
         sink = TokenSink()
-        task = asyncio.ensure_future(decode.generate(
-            GenerateRequest(tuple(PROMPTS[1]), GREEDY, "r", await sink.start())))
-        while handle.calls == 0:
-            await asyncio.sleep(0.01)
+        task = await _until_prefill_called(decode, handle, sink)
         fenced = decode.held_blocks
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)

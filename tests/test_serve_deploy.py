@@ -3,7 +3,6 @@ and it answers; every shipped config validates through the app builder's schema.
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -19,12 +18,6 @@ from deploy.config import BatonConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "deploy").glob("serve_config*.yaml")))
@@ -45,7 +38,7 @@ def test_bad_config_is_refused_at_build_time():
 
 @pytest.mark.e2e
 def test_serve_deploy_on_ray_start(tmp_path):
-    gcs, dash, http, grpc_port = (_free_port() for _ in range(4))
+    gcs, dash, http, grpc_port = (ray_env.free_port() for _ in range(4))
     config = yaml.safe_load((ROOT / "deploy" / "serve_config.yaml").read_text())
     config["http_options"] = {"host": "127.0.0.1", "port": http}
     config["grpc_options"]["port"] = grpc_port

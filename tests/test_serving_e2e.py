@@ -3,13 +3,13 @@ tokens, disaggregated (NIXL over host memory) and colocated alike; bad input is 
 cancelled stream leaves no KV block held."""
 
 import json
-import socket
 import time
 from pathlib import Path
 
 import pytest
 import requests
 
+from deploy.ray_env import free_port
 from engine import LLM, SamplingParams
 from tests.conftest import shutdown_serve
 from tests.models import random_prompts
@@ -20,12 +20,6 @@ GREEDY = dict(temperature=0, max_tokens=12, ignore_eos=True)
 GRPC_SERVICER = "proto.baton_pb2_grpc.add_BatonServicer_to_server"
 PROMPTS = ["The quick brown fox", "Hello world! Hello there, how are you today?", "a"]
 PROMPTS_IDS = random_prompts([24], vocab=512, seed=55)[0]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +33,7 @@ def server(request, ray_cluster):
 
     from deploy.app import build_app
 
-    port, grpc_port = _free_port(), _free_port()
+    port, grpc_port = free_port(), free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port},
                 grpc_options={"port": grpc_port, "grpc_servicer_functions": [GRPC_SERVICER]})
     serve.run(build_app({"mode": request.param, "engine": ENGINE,

@@ -233,6 +233,35 @@ def test_an_auto_endpoint_serves_every_backend_a_pair_may_need():
         KVEndpoint(torch.zeros(2, 4, 2, 2, 4, 4), LAYOUT, "nixl", fabric=LocalFabric())
 
 
+def test_auto_serves_the_backends_this_install_can_build(monkeypatch, caplog):
+    """``auto`` on a host where one of its backends cannot be imported (NIXL not installed)
+    serves the others and says so; a backend named explicitly still fails loudly."""
+    import kvtransfer.backends as backends
+    from kvtransfer.backends.local import LocalBackend
+
+    class Unimportable(LocalBackend):
+        name = "nixl"
+
+        def __init__(self, *args, **kwargs):
+            raise ModuleNotFoundError("No module named 'nixl'")
+
+    real = backends.backend_class
+    monkeypatch.setattr(backends, "backend_class",
+                        lambda name: Unimportable if name == "nixl" else real(name))
+    monkeypatch.setattr(backends, "backends_for",
+                        lambda configured, _device: ("local", "nixl") if configured == "auto"
+                        else (configured,))
+    cache = torch.zeros(2, 4, 2, 2, 4, 4)
+    ep = KVEndpoint(cache, LAYOUT, "auto")
+    try:
+        assert list(ep.backends) == ["local"] and ep.info().backends == ("local",)
+        assert "transfer backend nixl unavailable" in caplog.text
+    finally:
+        ep.close()
+    with pytest.raises(ImportError, match="nixl"):
+        KVEndpoint(cache, LAYOUT, "nixl")
+
+
 def test_importing_nixl_keeps_the_process_log_handlers():
     """nixl's import reconfigures logging and closes every handler; a Serve replica's log (a
     buffering handler in front of a file) must keep working after the backend is imported."""

@@ -77,6 +77,10 @@ class GenerateResult:
     transfer: TransferStats | None = None  # disaggregated only
     prefill_seconds: float = 0.0  # the prefill replica's time from queue to first token
     timing: DecodeTiming = field(default_factory=DecodeTiming)
+    # Set when the decode replica refused the request as bad input only it can check (a prompt
+    # its KV cache cannot hold): nothing was generated; the ingress answers 400 with this text.
+    # Returned, not raised, so the replica logs one line instead of a traceback.
+    error: str | None = None
 
 
 @dataclass(frozen=True)

@@ -6,9 +6,12 @@ from dataclasses import asdict
 
 from ray import serve
 
-from contracts.messages import GenerateRequest, GenerateResult
+from contracts.messages import GenerateRequest, GenerateResult, serve_logger
 from decode_worker.server import DecodeServer
 from engine import EngineConfig
+from kvtransfer.types import TransferError
+
+log = serve_logger(__name__)
 
 
 @serve.deployment(name="DecodeServer", ray_actor_options={"num_cpus": 0.5},
@@ -19,8 +22,16 @@ class DecodeDeployment:
         self.server = DecodeServer(EngineConfig(**engine), backend, prefill, transfer_timeout_s)
 
     async def generate(self, req: GenerateRequest) -> GenerateResult:
-        """Runs the request to its end; its tokens go to ``req.reply_to`` step by step."""
-        return await self.server.generate(req)
+        """Runs the request to its end; its tokens go to ``req.reply_to`` step by step. Bad
+        input the engine alone can check comes back as ``GenerateResult.error``."""
+        try:
+            return await self.server.generate(req)
+        except ValueError as exc:
+            if isinstance(exc, TransferError):
+                raise
+            log.info("request %s refused: %s", req.request_id, exc)
+            return GenerateResult(req.request_id, len(req.prompt_token_ids), 0, 0, None,
+                                  error=str(exc))
 
     async def kv_load(self) -> dict:
         return self.server.kv_load()

@@ -53,5 +53,4 @@ def build_app(args: dict[str, Any] | BatonConfig | None = None) -> Application:
                             backpressure_config=_backpressure(cfg),
                             ray_actor_options={"num_cpus": cfg.router.num_cpus})
     return router.bind(decode, cfg.engine.model, cfg.served_model_name, cfg.engine.max_model_len,
-                       cfg.router.request_timeout_s, cfg.router.max_tokens_default,
-                       cfg.router.api_key)
+                       cfg.router.model_dump())

@@ -25,6 +25,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from engine.config import EngineConfig
+from router.door import DEFAULT_MAX_REQUEST_BYTES
 
 
 class _Strict(BaseModel):
@@ -71,6 +72,10 @@ class RouterConfig(_Strict):
     # key is set. Prefer the BATON_API_KEY environment variable of the ingress replicas (for
     # example the app's runtime_env) to a key written into the config file.
     api_key: str | None = Field(None, min_length=1)
+    # A request body larger than this is refused with a 413 before it is parsed (gRPC messages
+    # are bounded by gRPC itself: 4 MiB). A text prompt that cannot fit the context is refused
+    # with a 400 after at most a context's worth of tokenizing (router/prompts.py).
+    max_request_bytes: int = Field(DEFAULT_MAX_REQUEST_BYTES, ge=1024)
 
 
 class AdmissionConfig(_Strict):

@@ -9,9 +9,7 @@ an error, never a silent hang.
 """
 
 import asyncio
-import hmac
 import json
-import math
 import os
 import time
 import uuid
@@ -31,42 +29,17 @@ from contracts.messages import TIMELINE, GenerateResult, timeline
 from engine import SamplingParams
 from engine.loader import load_tokenizer, resolve_model
 from proto import baton_pb2
+from router.door import APIKeyMiddleware, BodyLimitMiddleware, authorized
+from router.errors import RequestTimeout, describe, log_failure
 from router.metrics import RouterMetrics
+from router.prompts import PromptEncoder
 from router.protocol import ChatCompletionRequest, CompletionRequest
-from router.streams import Chunk, DecodeClient, RequestStream, RequestTimeout
+from router.streams import Chunk, DecodeClient, RequestStream
 
 app = FastAPI(title="Baton")
 API_KEY_ENV = "BATON_API_KEY"
-
-
-class APIKeyMiddleware:
-    """With an API key set (``router.api_key`` or ``BATON_API_KEY``), every ``/v1/`` request
-    must carry ``Authorization: Bearer <key>``; others get a 401 in OpenAI's error format.
-    ``/health`` and ``/metrics`` stay open. A plain ASGI middleware: streamed responses pass
-    through untouched."""
-
-    key: str | None = None  # set by the Router replica
-
-    def __init__(self, asgi_app):
-        self.app = asgi_app
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and self.key and scope["path"].startswith("/v1/"):
-            headers = dict(scope["headers"])
-            if not authorized(headers.get(b"authorization", b"").decode("latin-1"), self.key):
-                await error_response(401, "invalid or missing API key: send the header "
-                                     "'Authorization: Bearer <key>'",
-                                     "authentication_error")(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
-def authorized(header: str | None, key: str) -> bool:
-    scheme, _, token = (header or "").partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(),
-                                                              key.encode())
-
-
+# The last added runs first: the key is checked before any of the body is read.
+app.add_middleware(BodyLimitMiddleware)
 app.add_middleware(APIKeyMiddleware)
 
 
@@ -97,19 +70,15 @@ class Refused(Exception):
         self.response = response
 
 
-def error_for(exc: BaseException) -> JSONResponse:
-    """The OpenAI-style error answer to a request that failed before its first token."""
-    if isinstance(exc, BackPressureError):  # a bounded queue is full: come back shortly
-        retry = math.ceil(exc.retry_after_s or 1)
-        resp = error_response(429, f"the server is at capacity; retry after {retry} s",
-                              "overloaded_error")
-        resp.headers["Retry-After"] = str(retry)
-        return resp
-    if isinstance(exc, RequestTimeout):
-        return error_response(504, str(exc), "timeout")
-    if isinstance(exc, ValueError):
-        return error_response(400, str(exc))
-    return error_response(500, f"{type(exc).__name__}: {exc}", "server_error")
+def error_for(exc: BaseException, request_id: str) -> JSONResponse:
+    """The OpenAI-style error answer to a request that failed before its first token (logged:
+    one line for a client's error, the traceback for a server fault)."""
+    failure = describe(exc, request_id)
+    log_failure(failure, exc, request_id)
+    resp = JSONResponse(status_code=failure.status, content=failure.body())
+    if failure.retry_after is not None:
+        resp.headers["Retry-After"] = str(failure.retry_after)
+    return resp
 
 
 class DeferredStreamingResponse(StreamingResponse):
@@ -175,23 +144,26 @@ def _timing(stream: RequestStream, result: GenerateResult | None) -> dict:
             "decode": asdict(result.timing) if result is not None else None}
 
 
-def _fail(grpc_context, code, exc: Exception):
-    """Set the status the client sees, then raise (the proxy keeps a status set before)."""
+def _grpc_status(grpc_context, code, message: str) -> None:
+    """The status the client sees. The handler then returns normally (Serve sends a status set on
+    the context; a raised exception would also be logged with its traceback)."""
     grpc_context.set_code(code)
-    grpc_context.set_details(str(exc))
-    raise exc
+    grpc_context.set_details(message)
 
 
 @serve.deployment(name="Router", ray_actor_options={"num_cpus": 0.25}, max_ongoing_requests=1024)
 @serve.ingress(app)
 class Router:
     def __init__(self, decode, model: str, served_name: str, max_model_len: int | None,
-                 request_timeout_s: float = 300.0, default_max_tokens: int = 16,
-                 api_key: str | None = None):
+                 config: dict | None = None):
         import ray
 
-        self.api_key = api_key or os.environ.get(API_KEY_ENV) or None
+        from deploy.config import RouterConfig
+
+        cfg = RouterConfig(**(config or {}))
+        self.api_key = cfg.api_key or os.environ.get(API_KEY_ENV) or None
         APIKeyMiddleware.key = self.api_key
+        BodyLimitMiddleware.max_bytes = cfg.max_request_bytes
 
         source = resolve_model(model)
         self.tokenizer = load_tokenizer(source)
@@ -199,21 +171,25 @@ class Router:
         self.vocab_size = source.config.vocab_size
         self.max_model_len = min(max_model_len or source.config.max_position_embeddings,
                                  source.config.max_position_embeddings)
+        self.prompts = (PromptEncoder(self.tokenizer, self.max_model_len)
+                        if self.tokenizer is not None else None)
         self.served_name = served_name
-        self.timeout_s = request_timeout_s
-        self.default_max_tokens = default_max_tokens
+        self.timeout_s = cfg.request_timeout_s
+        self.default_max_tokens = cfg.max_tokens_default
         self.metrics = RouterMetrics()
         self.decode = decode
 
     # -- shared path ------------------------------------------------------------------------
-    def tokenize(self, prompt) -> list[int]:
+    async def prompt_ids(self, prompt) -> list[int]:
+        """Token ids of a text (tokenized off the event loop when long) or of an id list."""
         if isinstance(prompt, str):
-            if self.tokenizer is None:
+            if self.prompts is None:
                 raise ValueError(f"prompt: model {self.served_name!r} has no tokenizer; send "
                                  "token ids")
-            ids = self.tokenizer.encode(prompt, add_special_tokens=False)
-        else:
-            ids = list(prompt)
+            return self.checked(await self.prompts.encode(prompt))
+        return self.checked(list(prompt))
+
+    def checked(self, ids: list[int]) -> list[int]:
         if not ids:
             raise ValueError("prompt: must not be empty")
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
@@ -225,15 +201,11 @@ class Router:
                              f"model's context of {self.max_model_len} tokens")
         return ids
 
-    def chat_ids(self, body: ChatCompletionRequest) -> list[int]:
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+    async def chat_ids(self, body: ChatCompletionRequest) -> list[int]:
+        if self.prompts is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError(f"messages: model {self.served_name!r} has no chat template")
-        ids = self.tokenizer.apply_chat_template([m.model_dump(exclude_none=True)
-                                                  for m in body.messages],
-                                                 add_generation_prompt=True, tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return self.tokenize(list(ids))
+        return self.checked(await self.prompts.render_chat(
+            [m.model_dump(exclude_none=True) for m in body.messages]))
 
     def check_params(self, ids: list[int], params: SamplingParams) -> None:
         """What the engine cannot check: stop strings need text; the whole request must fit
@@ -308,25 +280,25 @@ class Router:
 
     @app.post("/v1/completions")
     async def completions(self, body: CompletionRequest):
+        rid = f"cmpl-{uuid.uuid4().hex}"
         try:
-            ids = self.tokenize(body.prompt)
+            ids = await self.prompt_ids(body.prompt)
             params = body.sampling_params(self.default_max_tokens, body.logprobs is not None)
             self.check_params(ids, params)
         except ValueError as exc:
-            return error_response(400, str(exc))
-        return await self._answer(ids, params, f"cmpl-{uuid.uuid4().hex}", "text_completion",
-                                  body)
+            return error_for(exc, rid)
+        return await self._answer(ids, params, rid, "text_completion", body)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest):
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
         try:
-            ids = self.chat_ids(body)
+            ids = await self.chat_ids(body)
             params = body.sampling_params(self.default_max_tokens, body.logprobs)
             self.check_params(ids, params)
         except ValueError as exc:
-            return error_response(400, str(exc))
-        return await self._answer(ids, params, f"chatcmpl-{uuid.uuid4().hex}", "chat.completion",
-                                  body)
+            return error_for(exc, rid)
+        return await self._answer(ids, params, rid, "chat.completion", body)
 
     async def _answer(self, ids, params, rid: str, kind: str, body):
         if body.stream:
@@ -343,7 +315,7 @@ class Router:
                     text.append(chunk.text)
                 result = await self.finish(stream)
         except Exception as exc:  # noqa: BLE001 - a bad request, overload, a failed replica
-            return error_for(exc)
+            return error_for(exc, rid)
         choice = {"index": 0, "finish_reason": stream.finish_reason,
                   "token_ids": stream.token_ids}
         if kind == "chat.completion":
@@ -388,8 +360,10 @@ class Router:
                 result = await self.finish(stream)
         except Exception as exc:  # noqa: BLE001 - before the first chunk: a real status code
             if not sent:
-                raise Refused(error_for(exc)) from exc
-            yield _event({"error": {"message": f"{exc}", "code": error_for(exc).status_code}})
+                raise Refused(error_for(exc, rid)) from exc
+            failure = describe(exc, rid)  # after the 200: the error rides in the stream
+            log_failure(failure, exc, rid)
+            yield _event(failure.body())
             yield "data: [DONE]\n\n"
             return
         if options is None or options.include_usage:
@@ -400,10 +374,10 @@ class Router:
         yield "data: [DONE]\n\n"
 
     # -- gRPC (Serve's gRPC proxy calls these by RPC name) ------------------------------------
-    def _grpc_inputs(self, req) -> tuple[list[int], SamplingParams]:
+    async def _grpc_inputs(self, req) -> tuple[list[int], SamplingParams]:
         if req.prompt and req.prompt_token_ids:
             raise ValueError("prompt: give either prompt or prompt_token_ids, not both")
-        ids = self.tokenize(req.prompt if req.prompt else list(req.prompt_token_ids))
+        ids = await self.prompt_ids(req.prompt if req.prompt else list(req.prompt_token_ids))
         fields = {name: getattr(req, name) for name in ("max_tokens", "temperature", "top_p",
                                                         "top_k", "seed") if req.HasField(name)}
         fields.setdefault("max_tokens", self.default_max_tokens)
@@ -412,36 +386,34 @@ class Router:
         self.check_params(ids, params)
         return ids, params
 
-    def _grpc_auth(self, grpc_context) -> None:
+    def _grpc_authorized(self, grpc_context) -> bool:
         """With an API key set, a call must carry the metadata ``authorization: Bearer <key>``;
         otherwise UNAUTHENTICATED."""
         if self.api_key and not authorized(
                 dict(grpc_context.invocation_metadata()).get("authorization"), self.api_key):
-            _fail(grpc_context, grpc.StatusCode.UNAUTHENTICATED, PermissionError(
-                "invalid or missing API key: send the metadata 'authorization: Bearer <key>'"))
+            _grpc_status(grpc_context, grpc.StatusCode.UNAUTHENTICATED, "invalid or missing "
+                         "API key: send the metadata 'authorization: Bearer <key>'")
+            return False
+        return True
 
     async def _grpc_chunks(self, req, grpc_context):
-        """(chunk, stream) of one gRPC request; a bad request sets INVALID_ARGUMENT."""
-        self._grpc_auth(grpc_context)
-        try:
-            ids, params = self._grpc_inputs(req)
-        except ValueError as exc:
-            _fail(grpc_context, grpc.StatusCode.INVALID_ARGUMENT, exc)
+        """(chunk, stream) of one gRPC request. A failure sets the call's status (a bad request:
+        INVALID_ARGUMENT; overload: RESOURCE_EXHAUSTED, the retry hint in the details, as
+        Serve's gRPC path drops trailing metadata) and ends the iteration."""
+        if not self._grpc_authorized(grpc_context):
+            return
         rid = f"grpc-{uuid.uuid4().hex}"  # the client's request_id is echoed, never a key
         try:
+            ids, params = await self._grpc_inputs(req)
             async with self.request(ids, params, rid) as stream:
                 async for chunk in stream.chunks(stream.deadline):
                     if chunk.finished:
                         await self.finish(stream)  # transfer metrics
                     yield chunk, stream
-        except ValueError as exc:
-            _fail(grpc_context, grpc.StatusCode.INVALID_ARGUMENT, exc)
-        except RequestTimeout as exc:
-            _fail(grpc_context, grpc.StatusCode.DEADLINE_EXCEEDED, exc)
-        except BackPressureError as exc:  # the hint rides in the details: Serve's gRPC path
-            retry = math.ceil(exc.retry_after_s or 1)  # drops an erroring call's trailing metadata
-            _fail(grpc_context, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                  RuntimeError(f"the server is at capacity; retry after {retry} s"))
+        except Exception as exc:  # noqa: BLE001 - every failure becomes a status
+            failure = describe(exc, rid)
+            log_failure(failure, exc, rid)
+            _grpc_status(grpc_context, failure.code, failure.message)
 
     @staticmethod
     def _grpc_final(msg, stream: RequestStream) -> None:

@@ -32,6 +32,7 @@ from contracts.token_channel import TokenChannelLost, TokenSink
 from engine import SamplingParams
 from engine.async_engine import EngineDeadError
 from engine.detokenizer import IncrementalDetokenizer
+from router.errors import RequestTimeout
 
 log = serve_logger(__name__)
 
@@ -47,10 +48,6 @@ def replica_lost(exc: BaseException) -> bool:
     from ray.exceptions import RayActorError
 
     return isinstance(exc, (RayActorError, TokenChannelLost, EngineDeadError))
-
-
-class RequestTimeout(Exception):
-    pass
 
 
 @dataclass
@@ -238,6 +235,9 @@ class DecodeClient:
             return
         stream.result = result
         stream.call_done.set()
+        if result.error is not None:  # refused by the decode replica: the client's 400
+            stream.fail(ValueError(result.error))
+            return
         if not stream.finished:
             await asyncio.sleep(RESULT_GRACE_S)
             stream.fail(ConnectionError(f"request {stream.request_id} ended but its last tokens "

@@ -9,6 +9,9 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 
 def pytest_collection_modifyitems(config, items):
+    # The README's commands end with `ray stop` (every Ray on the machine): they run first,
+    # before the session's own local Ray starts.
+    items.sort(key=lambda item: "readme" not in item.keywords)
     import torch
     if torch.cuda.is_available():
         return

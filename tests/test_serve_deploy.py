@@ -26,6 +26,10 @@ def test_shipped_configs_validate(path):
     for app in config["applications"]:
         assert app["import_path"] == "deploy.app:build_app"
         BatonConfig(**app["args"])
+    # One-machine configs listen on this machine only; the cluster ones on every interface
+    # (cluster.yaml starts the nodes with an API key).
+    cluster = path.name in ("serve_config.gpu.yaml", "serve_config.pools.yaml")
+    assert config["http_options"]["host"] == ("0.0.0.0" if cluster else "127.0.0.1")
 
 
 def test_bad_config_is_refused_at_build_time():
@@ -75,6 +79,45 @@ def test_serve_deploy_on_ray_start(tmp_path):
             os.killpg(head.pid, signal.SIGKILL)
 
 
+def _readme_block(heading: str) -> str:
+    """The first ```bash block after ``heading`` in the README."""
+    text = (ROOT / "README.md").read_text()
+    after = text[text.index(heading):]
+    return after[after.index("```bash\n") + len("```bash\n"):].split("```", 1)[0]
+
+
+def _ray_running() -> bool:
+    return subprocess.run(["pgrep", "-u", str(os.getuid()), "-f", "gcs_server"],
+                          capture_output=True).returncode == 0
+
+
+@pytest.mark.e2e
+@pytest.mark.readme
+def test_readme_serving_commands_run_as_written(tmp_path):
+    """The README's serving commands, verbatim, in a fresh home directory (no Ray token yet):
+    Ray comes up with token authentication, `serve deploy` is accepted, the app streams.
+    It ends with `ray stop`, which stops every Ray on the machine: conftest runs this test
+    before any other starts one."""
+    if _ray_running():
+        pytest.skip("another Ray runs on this machine and the README's `ray stop` would end it")
+    home = tmp_path / "home"
+    home.mkdir()
+    script = "set -euo pipefail\n" + _readme_block("## Serving")
+    env = {"HOME": str(home), "PATH": os.environ["PATH"], "LANG": "C.UTF-8",
+           "RAY_USAGE_STATS_ENABLED": "0",
+           "BATON_CACHE": os.environ.get("BATON_CACHE", str(ROOT / ".cache" / "baton"))}
+    try:
+        run = subprocess.run(["bash", "-c", script], cwd=ROOT, env=env, capture_output=True,
+                             text=True, timeout=480)
+    finally:
+        subprocess.run(["bash", "-c", f"{BIN}/ray stop --force"], env=env,
+                       capture_output=True, timeout=120)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert (home / ".ray" / "auth_token").exists()
+    assert "RUNNING" in run.stdout and "data: [DONE]" in run.stdout
+    assert '"text"' in run.stdout.split("data: [DONE]")[0]
+
+
 def _app_running(address: str) -> bool:
     apps = requests.get(f"{address}/api/serve/applications/", timeout=5).json()["applications"]
     return apps.get("baton", {}).get("status") == "RUNNING"
@@ -105,6 +148,10 @@ def test_cluster_configs_install_baton_and_start_ray(name):
     # Safe by default: the dashboard (it runs submitted jobs) is not opened to the network.
     starts = cluster["head_start_ray_commands"] + cluster["worker_start_ray_commands"]
     assert not any("dashboard-host" in c and "127.0.0.1" not in c for c in starts)
+    # Ray's token authentication on every node, and for the `serve` commands run on the head.
+    assert cluster["file_mounts"]["~/.ray/auth_token"] == "~/.ray/auth_token"
+    assert all(c.startswith("RAY_AUTH_MODE=token ") for c in starts if "ray start" in c)
+    assert any("export RAY_AUTH_MODE=token" in c for c in cluster["setup_commands"])
     if name == "cluster.yaml":  # the ingress replicas of every node get the API key
         assert cluster["file_mounts"]["~/baton_api_key"] == "./baton_api_key"
         assert all("BATON_API_KEY=$(cat ~/baton_api_key)" in c for c in starts if "ray start" in c)

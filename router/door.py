@@ -1,0 +1,105 @@
+"""What every HTTP request passes before the app reads it: the API key, then the body's size.
+
+Both are plain ASGI middlewares (streamed responses pass through untouched) whose settings the
+Router replica fills in at start (``router.api_key`` / ``BATON_API_KEY``,
+``router.max_request_bytes``).
+
+- With an API key, every ``/v1/`` request must carry ``Authorization: Bearer <key>``; others
+  get a 401. ``/health`` and ``/metrics`` stay open for probes.
+- A body larger than ``max_request_bytes`` gets a 413 before anything parses it: at once when
+  its ``Content-Length`` says so, or as soon as a chunked body passes the bound (what was read
+  is dropped). The app so never holds more than one bound's worth of a request's body.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+
+DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
+
+
+async def send_error(send, status: int, message: str, kind: str,
+                     headers: list[tuple[bytes, bytes]] = ()) -> None:
+    """An OpenAI-format error answer, straight over ASGI."""
+    body = json.dumps({"error": {"message": message, "type": kind, "code": status}}).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(body)).encode()), *headers]})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+def authorized(header: str | None, key: str) -> bool:
+    scheme, _, token = (header or "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(),
+                                                              key.encode())
+
+
+class APIKeyMiddleware:
+    key: str | None = None  # set by the Router replica
+
+    def __init__(self, asgi_app):
+        self.app = asgi_app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and self.key and scope["path"].startswith("/v1/"):
+            headers = dict(scope["headers"])
+            if not authorized(headers.get(b"authorization", b"").decode("latin-1"), self.key):
+                await send_error(send, 401, "invalid or missing API key: send the header "
+                                 "'Authorization: Bearer <key>'", "authentication_error")
+                return
+        await self.app(scope, receive, send)
+
+
+class BodyLimitMiddleware:
+    max_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # set by the Router replica
+
+    def __init__(self, asgi_app):
+        self.app = asgi_app
+
+    def _too_large(self, send, size: str):
+        return send_error(send, 413, f"request body {size} is larger than this server accepts "
+                          f"({self.max_bytes} bytes; router.max_request_bytes)",
+                          "invalid_request_error", [(b"connection", b"close")])
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None:
+            try:
+                declared = int(length)
+            except ValueError:
+                await send_error(send, 400, "Content-Length is not a number",
+                                 "invalid_request_error")
+                return
+            if declared > self.max_bytes:
+                await self._too_large(send, f"of {declared} bytes")
+                return
+            await self.app(scope, receive, send)  # the server reads no more than declared
+            return
+        # Chunked: read it here, up to the bound, then hand the app what was read.
+        messages, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left
+                return
+            size += len(message.get("body", b""))
+            if size > self.max_bytes:
+                await self._too_large(send, "of more than that")
+                return
+            messages.append(message)
+            if not message.get("more_body", False):
+                break
+        body = b"".join(m.get("body", b"") for m in messages)
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)

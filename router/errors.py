@@ -1,0 +1,93 @@
+"""What a client is told when its request fails, and what the server log keeps.
+
+A client gets a status (HTTP and gRPC), an OpenAI error type and one short sentence; never a
+traceback, a process id, an actor id or a node address. The log gets one line for a client's
+own error (bad input, a refused or timed-out request), and the whole traceback, under the
+request's id, for a fault of the server; the client's message then names that id.
+
+Errors raised inside another replica reach the ingress wrapped by Ray (``RayTaskError``, whose
+text is the remote traceback); :func:`root_cause` unwraps them first.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import grpc
+
+log = logging.getLogger("ray.serve.baton.errors")
+MAX_MESSAGE_CHARS = 400
+
+
+class RequestTimeout(Exception):
+    """The request was not served before its deadline (``router.request_timeout_s``)."""
+
+
+@dataclass
+class Failure:
+    status: int  # HTTP
+    code: grpc.StatusCode
+    kind: str  # OpenAI's error "type"
+    message: str
+    retry_after: int | None = None
+    internal: bool = False  # a fault of the server: its traceback goes to the log
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "code": self.status}}
+
+
+def root_cause(exc: BaseException) -> BaseException:
+    """The exception raised where the error happened, out of Ray's wrappers."""
+    from ray.exceptions import RayTaskError
+
+    seen = set()
+    while isinstance(exc, RayTaskError) and id(exc) not in seen:
+        seen.add(id(exc))
+        cause = getattr(exc, "cause", None)
+        if not isinstance(cause, BaseException):
+            break
+        exc = cause
+    return exc
+
+
+def _short(text: str) -> str:
+    line = text.strip().splitlines()[0] if text.strip() else ""
+    return line if len(line) <= MAX_MESSAGE_CHARS else line[:MAX_MESSAGE_CHARS - 3] + "..."
+
+
+def describe(exc: BaseException, request_id: str) -> Failure:
+    """The answer to a request that failed with ``exc``."""
+    from ray.serve.exceptions import BackPressureError
+
+    from kvtransfer.types import TransferError
+    from router.streams import replica_lost
+
+    cause = root_cause(exc)
+    if isinstance(cause, BackPressureError):  # a bounded queue is full: come back shortly
+        retry = math.ceil(cause.retry_after_s or 1)
+        return Failure(429, grpc.StatusCode.RESOURCE_EXHAUSTED, "overloaded_error",
+                       f"the server is at capacity; retry after {retry} s", retry_after=retry)
+    if isinstance(cause, RequestTimeout):
+        return Failure(504, grpc.StatusCode.DEADLINE_EXCEEDED, "timeout", _short(str(cause)))
+    if isinstance(cause, ValueError) and not isinstance(cause, TransferError):
+        return Failure(400, grpc.StatusCode.INVALID_ARGUMENT, "invalid_request_error",
+                       _short(str(cause)))
+    if replica_lost(cause):
+        return Failure(503, grpc.StatusCode.UNAVAILABLE, "server_error",
+                       f"request {request_id}: the replica serving it was lost and it could "
+                       "not be moved in time; retry", internal=True)
+    return Failure(500, grpc.StatusCode.INTERNAL, "server_error",
+                   f"request {request_id} failed inside the server ({type(cause).__name__}); "
+                   "the server log has the details under this id", internal=True)
+
+
+def log_failure(failure: Failure, exc: BaseException, request_id: str) -> None:
+    """One line for a client's error; the traceback for a fault of the server."""
+    if failure.internal:
+        log.error("request %s: %d %s", request_id, failure.status, failure.message,
+                  exc_info=(type(exc), exc, exc.__traceback__))
+    else:
+        log.info("request %s: %d %s: %s", request_id, failure.status, failure.kind,
+                 failure.message)

@@ -9,6 +9,7 @@ from ray import serve
 from contracts.messages import GenerateRequest, GenerateResult, serve_logger
 from decode_worker.server import DecodeServer
 from engine import EngineConfig
+from kvtransfer.directory import PeerDirectory
 from kvtransfer.types import TransferError
 
 log = serve_logger(__name__)
@@ -18,8 +19,11 @@ log = serve_logger(__name__)
                   max_ongoing_requests=256, health_check_period_s=10)
 class DecodeDeployment:
     def __init__(self, engine: dict, backend: str, prefill=None,
-                 transfer_timeout_s: float = 30.0):
-        self.server = DecodeServer(EngineConfig(**engine), backend, prefill, transfer_timeout_s)
+                 transfer_timeout_s: float = 30.0, warm_links: bool = True):
+        directory = (PeerDirectory(serve.get_replica_context().app_name)
+                     if warm_links and prefill is not None else None)
+        self.server = DecodeServer(EngineConfig(**engine), backend, prefill, transfer_timeout_s,
+                                   directory)
 
     async def generate(self, req: GenerateRequest) -> GenerateResult:
         """Runs the request to its end; its tokens go to ``req.reply_to`` step by step. Bad

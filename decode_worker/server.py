@@ -31,6 +31,7 @@ from engine.async_engine import AsyncEngine
 from engine.sampling_params import SamplingParams
 from kvtransfer import (KVDestination, Transfer, TransferError, TransferState,
                         TransportUnavailableError, endpoint_for)
+from kvtransfer.directory import PeerDirectory, Publisher
 
 log = serve_logger(__name__)
 
@@ -67,7 +68,9 @@ class DecodeServer:
     colocated mode)."""
 
     def __init__(self, config, backend: str, prefill=None, transfer_timeout_s: float = 30.0,
-                 **endpoint_kwargs):
+                 directory: PeerDirectory | None = None, **endpoint_kwargs):
+        """``directory``: where this replica's KV endpoint is listed, so prefill replicas open
+        their links to it before the first request (``kvtransfer.directory``)."""
         self.publisher = TokenPublisher()
         self.aengine = AsyncEngine(config, on_outputs=self.publisher.publish,
                                    on_error=self.publisher.fail_all)
@@ -79,11 +82,15 @@ class DecodeServer:
             self.endpoint = endpoint_for(self.aengine.engine, backend, polled=True,
                                          **endpoint_kwargs)
             self.aengine.add_ticker(self.endpoint.poll)
+        self.listing = (Publisher(directory, self.endpoint.info()).start()
+                        if directory is not None and self.endpoint is not None else None)
 
     def close(self) -> None:
-        """At shutdown (Serve calls the deployment's ``__del__`` once it has drained): stop the
-        engine thread, then fail every transfer still pending, so blocks and leases on both
-        sides are released now rather than at their deadlines."""
+        """At shutdown (Serve calls the deployment's ``__del__`` once it has drained): leave the
+        directory, stop the engine thread, then fail every transfer still pending, so blocks
+        and leases on both sides are released now rather than at their deadlines."""
+        if self.listing is not None:
+            self.listing.stop()
         self.aengine.shutdown()
         if self.endpoint is not None:
             self.endpoint.close()

@@ -44,9 +44,10 @@ def build_app(args: dict[str, Any] | BatonConfig | None = None) -> Application:
     if cfg.mode == "disaggregated":
         prefill = PrefillDeployment.options(**_options(
             cfg, "prefill", PREFILL_ROUTER, block_size=cfg.engine.block_size)).bind(
-            cfg.engine_for("prefill").model_dump(), backend)
+            cfg.engine_for("prefill").model_dump(), backend, cfg.transfer.warm_links)
     decode = DecodeDeployment.options(**_options(cfg, "decode", DECODE_ROUTER)).bind(
-        cfg.engine_for("decode").model_dump(), backend, prefill, cfg.transfer.timeout_s)
+        cfg.engine_for("decode").model_dump(), backend, prefill, cfg.transfer.timeout_s,
+        cfg.transfer.warm_links)
     router = Router.options(num_replicas=cfg.router.num_replicas,
                             max_ongoing_requests=cfg.router.max_ongoing_requests,
                             max_queued_requests=cfg.router.max_queued_requests,

@@ -85,6 +85,9 @@ class AdmissionConfig(_Strict):
 class TransferConfig(_Strict):
     backend: Literal["auto", "local", "nixl", "nccl", "cuda_ipc"] = "auto"
     timeout_s: float = Field(30.0, gt=0)
+    # Prefill replicas open their links to every decode replica as it appears (listed in Ray's
+    # internal key-value store), so no request pays a link's first-push cost.
+    warm_links: bool = True
 
 
 class BatonConfig(_Strict):

@@ -28,9 +28,9 @@ import torch
 from kernels import copy_blocks
 from kvtransfer.backends import choose_backend, create_backends
 from kvtransfer.backends.base import TransportBackend
-from kvtransfer.types import (PROTOCOL_VERSION, EndpointInfo, KVDestination, KVLayout,
-                              TransferError, TransferState, TransferStats, advance,
-                              check_compatible)
+from kvtransfer.types import (PROTOCOL_VERSION, WARM_PREFIX, EndpointInfo, KVDestination,
+                              KVLayout, TransferError, TransferState, TransferStats, advance,
+                              check_compatible, is_warm)
 
 log = logging.getLogger(__name__)
 POLL_INTERVAL_S = 0.0005
@@ -38,6 +38,7 @@ SPIN_S = 0.005
 # A receiver gives up a little after the deadline, so that the sender (which stops writing at
 # the deadline) has given up first: a one-sided write can then never land in released blocks.
 RECV_GRACE_S = 0.25
+WARM_TIMEOUT_S = 60.0
 
 
 @dataclass
@@ -166,6 +167,16 @@ class KVEndpoint:
         self._poll_send(t)
         return t
 
+    def warm(self, peer: EndpointInfo, on_finish: Callable[[Transfer], None] | None = None,
+             timeout_s: float = WARM_TIMEOUT_S) -> Transfer:
+        """Open the link to ``peer`` before a request needs it: connect over the backend a push
+        would use and write this cache's null block into the peer's, so the transport's own
+        set-up (a NIXL remote agent and UCX wire-up, mapping a CUDA IPC handle, an NCCL
+        communicator) is paid now. Driven like a push (``poll``); the peer ignores it."""
+        dest = KVDestination(f"{WARM_PREFIX}{uuid.uuid4().hex[:8]}", peer.endpoint_id, (0,), 0,
+                             time.time() + timeout_s)
+        return self.push(peer, dest, (0,), on_finish)
+
     # -- receiver ---------------------------------------------------------------------------
     def expect(self, dest: KVDestination,
                on_finish: Callable[[Transfer], None] | None = None) -> Transfer:
@@ -253,6 +264,8 @@ class KVEndpoint:
             yield t is not None and not t.state.is_terminal
 
     def _on_landed(self, transfer_id: str) -> None:
+        if is_warm(transfer_id):
+            return
         with self._lock:
             t = self._receiving.get(transfer_id)
             if t is None:

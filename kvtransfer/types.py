@@ -124,6 +124,15 @@ class EndpointInfo:
         return replace(self, backend=backend, connection=connection)
 
 
+# Link warming (``KVEndpoint.warm``) writes the sender's null block (block 0: pinned, never read
+# for a request) into the receiver's under a request id with this prefix; receivers ignore it.
+WARM_PREFIX = "warm:"
+
+
+def is_warm(transfer_id: str) -> bool:
+    return transfer_id.partition("/")[2].startswith(WARM_PREFIX)
+
+
 @dataclass(frozen=True)
 class KVDestination:
     """Where a prefill replica must write a request's KV.

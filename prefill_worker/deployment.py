@@ -8,14 +8,16 @@ from ray import serve
 
 from contracts.messages import PrefillRequest
 from engine import EngineConfig
+from kvtransfer.directory import PeerDirectory
 from prefill_worker.server import PrefillServer
 
 
 @serve.deployment(name="PrefillServer", ray_actor_options={"num_cpus": 0.5},
                   max_ongoing_requests=64, health_check_period_s=10)
 class PrefillDeployment:
-    def __init__(self, engine: dict, backend: str):
-        self.server = PrefillServer(EngineConfig(**engine), backend)
+    def __init__(self, engine: dict, backend: str, warm_links: bool = True):
+        directory = PeerDirectory(serve.get_replica_context().app_name) if warm_links else None
+        self.server = PrefillServer(EngineConfig(**engine), backend, directory)
 
     async def info(self):
         return self.server.info()

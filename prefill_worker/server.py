@@ -15,20 +15,28 @@ import time
 from contracts.messages import TIMELINE, PrefillRequest, PrefillResult, timeline
 from engine.async_engine import AsyncEngine
 from kvtransfer import EndpointInfo, TransferError, TransferState, endpoint_for
+from kvtransfer.directory import LinkWarmer, PeerDirectory
 
 
 class PrefillServer:
     """Engine in the prefill role plus its KV endpoint (used by the Serve deployment)."""
 
-    def __init__(self, config, backend: str, **endpoint_kwargs):
+    def __init__(self, config, backend: str, directory: PeerDirectory | None = None,
+                 **endpoint_kwargs):
+        """``directory``: where decode replicas list their KV endpoints; the links to them are
+        warmed as they appear (``kvtransfer.directory``)."""
         self.aengine = AsyncEngine(config)
         self.endpoint = endpoint_for(self.aengine.engine, backend, polled=True, **endpoint_kwargs)
         self.aengine.add_ticker(self.endpoint.poll)
+        self.warmer = (LinkWarmer(self.endpoint, directory, self.aengine.submit).start()
+                       if directory is not None else None)
 
     def close(self) -> None:
         """At shutdown (Serve calls the deployment's ``__del__`` once it has drained): stop the
         engine thread, then fail every transfer still pending, so blocks and leases on both
         sides are released now rather than at their deadlines."""
+        if self.warmer is not None:
+            self.warmer.stop()
         self.aengine.shutdown()
         self.endpoint.close()
 
@@ -39,7 +47,8 @@ class PrefillServer:
         pool = self.aengine.engine.pool
         return {"used_blocks": pool.num_used_blocks, "free_blocks": pool.num_free_blocks,
                 "held_blocks": self.endpoint.held_blocks, "endpoint_id": self.endpoint.endpoint_id,
-                "node_id": self.endpoint.node_id}
+                "node_id": self.endpoint.node_id,
+                "links": self.warmer.summary() if self.warmer is not None else {}}
 
     async def prefill(self, req: PrefillRequest) -> PrefillResult:
         rid = req.dest.request_id

@@ -1,7 +1,8 @@
 """Baton on a multi-node local Ray cluster (``tests/multinode.py``, run in a process of its own
 so that it gets a Ray cluster of its own): prefill and decode replicas pinned to node pools by
 Ray resources, the transport chosen per replica pair from the nodes (NIXL for every pair on
-CPU), the offline engine's tokens, and every replica's KV gauges back to idle."""
+CPU), the offline engine's tokens, every replica's KV gauges back to idle, and every prefill
+replica's link to every decode replica warmed."""
 
 import json
 import subprocess
@@ -46,6 +47,10 @@ def _check(scenario: dict, offline) -> set[tuple[str, str]]:
     for role in ("decode", "prefill"):
         for load in scenario[role].values():
             assert load["used_blocks"] == 0 and load["held_blocks"] == 0, (role, load)
+    # Every prefill replica warmed its link to every decode replica, on its node or across.
+    for load in scenario["prefill"].values():
+        for decode_id in scenario["decode"]:
+            assert load["links"].get(decode_id, {}).get("state") == "warm", load["links"]
     return pairs
 
 

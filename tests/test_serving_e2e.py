@@ -181,6 +181,22 @@ def test_bad_input_is_a_400_with_a_message(server, body, fragment):
     assert fragment in resp.json()["error"]["message"]
 
 
+def test_the_prefill_replica_warmed_its_link_to_the_decode_replica(server):
+    from ray import serve
+
+    mode, _, _ = server
+    if mode == "colocated":
+        pytest.skip("colocated: no KV links")
+    handles = {}
+    for name in ("PrefillServer", "DecodeServer"):
+        handles[name] = serve.get_deployment_handle(name, "baton")
+        if not handles[name].is_initialized:
+            handles[name]._init(_run_router_in_separate_loop=True)
+    decode_id = handles["DecodeServer"].kv_load.remote().result(timeout_s=30)["endpoint_id"]
+    links = handles["PrefillServer"].kv_load.remote().result(timeout_s=30)["links"]
+    assert links[decode_id]["state"] == "warm" and links[decode_id]["backend"] == "nixl"
+
+
 def test_models_health_metrics(server):
     _, url, _ = server
     assert requests.get(f"{url}/health", timeout=10).json() == {"status": "ok"}

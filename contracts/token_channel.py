@@ -79,6 +79,7 @@ class TokenSink:
         self._handlers: dict[str, DeltaHandler] = {}
         self._server: asyncio.Server | None = None
         self._writers: set[asyncio.StreamWriter] = set()
+        self._tasks: set[asyncio.Task] = set()
         self._lock = asyncio.Lock()
         self.num_frames = 0
 
@@ -99,6 +100,7 @@ class TokenSink:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = writer.get_extra_info("peername")
         self._writers.add(writer)
+        self._tasks.add(asyncio.current_task())
         try:
             hello = msgpack.unpackb(await asyncio.wait_for(_read_frame(reader), HELLO_TIMEOUT_S))
             if not (isinstance(hello, list) and len(hello) == 3 and hello[0] == PROTOCOL
@@ -118,14 +120,20 @@ class TokenSink:
             log.exception("token sink: dropped the connection from %s", peer)
         finally:
             self._writers.discard(writer)
+            self._tasks.discard(asyncio.current_task())
             writer.close()
 
     async def close(self) -> None:
-        """Stop listening and drop every publisher (their requests fail on their side)."""
+        """Stop listening and drop every publisher (their requests fail on their side). The
+        connections' tasks end by themselves once their transports close; they are awaited
+        (bounded), so none is left to be cancelled when the loop stops (asyncio of Python 3.11
+        then prints a spurious CancelledError traceback)."""
         if self._server is not None:
             self._server.close()
         for writer in list(self._writers):
             writer.close()
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=1.0)
         if self._server is not None:
             await self._server.wait_closed()
 

@@ -27,7 +27,7 @@ from kvtransfer.types import EndpointInfo, TransferState, TransportUnavailableEr
 
 log = logging.getLogger(__name__)
 TTL_S = 30.0
-SCAN_INTERVAL_S = 2.0
+SCAN_INTERVAL_S = 1.0
 RETRY_S = 10.0  # a warming that failed is tried again this much later, while the peer is listed
 
 

@@ -154,11 +154,29 @@ async def _serve_async(role: str, config: EngineConfig, backend: str, conn) -> N
                 reply = await server.reserve(*args)
             elif cmd == "gauges":  # blocks under lease, blocks in use
                 reply = server.endpoint.held_blocks, server.aengine.engine.pool.num_used_blocks
+            elif cmd == "warm":  # a receiver's EndpointInfo -> its link's state (prefill only)
+                reply = await warm_link(server, args[0])
             else:
                 raise ValueError(f"unknown command {cmd}")
             conn.send(("ok", reply))
         except Exception as exc:  # noqa: BLE001 - report to the parent
             conn.send(("error", type(exc).__name__, str(exc), traceback.format_exc()))
+
+
+async def warm_link(prefill, peer, timeout_s: float = 60.0) -> dict:
+    """Warm the prefill server's link to ``peer`` as its ``LinkWarmer`` would (a directory
+    listing only ``peer``); the link's state once settled: backend, state, seconds."""
+    from kvtransfer.directory import DictStore, LinkWarmer, PeerDirectory
+
+    directory = PeerDirectory("one", DictStore())
+    directory.publish(peer)
+    warmer = LinkWarmer(prefill.endpoint, directory, prefill.aengine.submit)
+    warmer.scan()
+    end = time.monotonic() + timeout_s
+    while warmer.summary()[peer.endpoint_id]["state"] == "warming":
+        assert time.monotonic() < end, "link not warmed in time"
+        await asyncio.sleep(0.01)
+    return warmer.summary()[peer.endpoint_id]
 
 
 class PeerGone(ConnectionError):

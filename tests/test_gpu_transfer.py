@@ -50,3 +50,40 @@ def test_gpu_hand_over(backend, model, dtype):
     finally:
         prefill.stop()
         decode.close()
+
+
+@pytest.mark.parametrize("backend", ["cuda_ipc", "nixl"])
+def test_gpu_link_warming_then_exact_hand_overs(backend):
+    """A prefill server in a child process warms its link to this decode server (CUDA IPC maps
+    the cache, NIXL loads the agent and writes one block); the hand-overs that follow move
+    byte-identical KV and give the colocated tokens."""
+    config = EngineConfig(model="tiny", device="cuda", dtype="float32", num_blocks=128,
+                          max_num_seqs=8, show_progress=False)
+    prompts = random_prompts([16, 300], vocab=512, seed=43)
+    colocated = LLM(**config.model_dump())
+    expected = [colocated.generate([p], GREEDY)[0].token_ids for p in prompts]
+    del colocated
+    prefill = Peer("prefill", config, backend)
+    handle = PeerPrefillHandle(prefill)
+    decode = DecodeServer(config, backend, handle)
+    landed = capture_landed_kv(decode)
+
+    async def main():
+        sink = TokenSink()
+        for i, (prompt, tokens) in enumerate(zip(prompts, expected)):
+            got, result = await generate(decode, sink, prompt, f"r{i}", GREEDY)
+            assert result.transfer.backend == backend
+            assert torch.equal(handle.pushed[f"r{i}"], landed[f"r{i}"])
+            assert got == tokens
+        await until_idle(decode)
+        await sink.close()
+
+    try:
+        link = prefill.call("warm", decode.endpoint.info())
+        assert (link["state"], link["backend"]) == ("warm", backend)
+        asyncio.run(main())
+        assert decode.endpoint._landed_early == set()
+        assert prefill.call("gauges") == (0, 0)
+    finally:
+        prefill.stop()
+        decode.close()

@@ -2,9 +2,14 @@
 
     python -m benchmarks.serving_smoke --model dummy:Qwen3-8B --gpus-per-role 0.5   # one GPU
     python -m benchmarks.serving_smoke --model dummy:Qwen3-8B --gpus-per-role 1     # two GPUs
+    python -m benchmarks.serving_smoke --model dummy:Qwen3-0.6B --gpus-per-role 0.5 \
+        --decode-replicas 2 --repeat 3    # two GPUs: 1 prefill + 2 decode, one sharing its GPU
 
 Sends the same greedy requests (token-id prompts) to each layout one after another and prints
-TTFT, decode tokens/s per request and whether the tokens equal the colocated layout's.
+TTFT, decode tokens/s per request and whether the tokens equal the colocated layout's. For the
+disaggregated layout it also prints where each replica runs (its GPU, from nvidia-smi), the
+prefill replicas' KV links (``transfer.warm_links``) and the output tokens each decode replica
+made.
 """
 
 from __future__ import annotations
@@ -54,8 +59,43 @@ def run_layout(config: dict, prompts, max_tokens: int, timeout: float) -> list[d
                          ttft_ms=times[0] * 1e3,
                          decode_tok_s=(len(tokens) - 1) / decode_s if decode_s > 0 else 0.0,
                          transfer=(usage or {}).get("kv_transfer")))
+    if config["mode"] == "disaggregated":
+        placement(config["decode"].get("num_replicas", 1))
     serve.shutdown()
     return rows
+
+
+def placement(decode_replicas: int) -> None:
+    """Each replica's GPU, the prefill replicas' links, each decode replica's output tokens."""
+    import subprocess
+
+    from benchmarks.chaos_bench import replica_pids
+    from ray import serve
+
+    try:
+        apps = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,gpu_bus_id",
+                               "--format=csv,noheader"], capture_output=True, text=True,
+                              timeout=30).stdout
+        gpu_of = {int(pid): bus.strip() for pid, bus in
+                  (line.split(",") for line in apps.strip().splitlines())}
+    except (OSError, ValueError, subprocess.SubprocessError):
+        gpu_of = {}
+    for name in ("PrefillServer", "DecodeServer"):
+        for pid in replica_pids(name):
+            print(f"placement: {name} pid {pid} on GPU {gpu_of.get(pid, '?')}", flush=True)
+    handles = {}
+    for name in ("PrefillServer", "DecodeServer"):
+        handles[name] = serve.get_deployment_handle(name, "baton")
+        if not handles[name].is_initialized:
+            handles[name]._init(_run_router_in_separate_loop=True)
+    seen = {}
+    for _ in range(4 * decode_replicas):
+        load = handles["DecodeServer"].kv_load.remote().result(timeout_s=30)
+        seen[load["endpoint_id"]] = load["output_tokens"]
+    links = handles["PrefillServer"].kv_load.remote().result(timeout_s=30)["links"]
+    print(f"placement: prefill links {links}", flush=True)
+    print(f"placement: decode replicas (endpoint: output tokens) {seen}, {len(seen)} of "
+          f"{decode_replicas} answered", flush=True)
 
 
 def main(argv=None) -> None:
@@ -69,6 +109,9 @@ def main(argv=None) -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--timeout", type=float, default=300)
     p.add_argument("--out", default=None)
+    p.add_argument("--decode-replicas", type=int, default=1)
+    p.add_argument("--role-cpus", type=float, default=1.0)
+    p.add_argument("--repeat", type=int, default=1, help="send the prompts this many times")
     args = p.parse_args(argv)
     import ray
     import torch
@@ -78,14 +121,18 @@ def main(argv=None) -> None:
     ray_env.apply()
     ray.init(include_dashboard=False, log_to_driver=False, logging_level="ERROR")
     gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(10, 150000, (n,), generator=gen).tolist() for n in args.lengths]
+    from engine.loader import resolve_model
+    vocab = resolve_model(args.model).config.vocab_size
+    prompts = [torch.randint(10, vocab - 1, (n,), generator=gen).tolist()
+               for n in args.lengths] * args.repeat
     engine = {"model": args.model, "num_blocks": args.num_blocks, "max_num_seqs": 16,
               "max_num_batched_tokens": 4096}
-    role = {"num_gpus": args.gpus_per_role, "num_cpus": 1}
+    role = {"num_gpus": args.gpus_per_role, "num_cpus": args.role_cpus}
     colocated = run_layout({"mode": "colocated", "engine": engine, "decode": role},
                            prompts, args.max_tokens, args.timeout)
     disagg = run_layout({"mode": "disaggregated", "engine": engine, "prefill": role,
-                         "decode": role, "transfer": {"backend": args.backend}},
+                         "decode": {**role, "num_replicas": args.decode_replicas},
+                         "transfer": {"backend": args.backend}},
                         prompts, args.max_tokens, args.timeout)
     for a, b in zip(colocated, disagg):
         b["same_tokens_as_colocated"] = a["tokens"] == b["tokens"]

@@ -104,7 +104,8 @@ class DecodeServer:
         return {"used_blocks": pool.num_used_blocks, "free_blocks": pool.num_free_blocks,
                 "held_blocks": self.held_blocks, "hit_rate": pool.hit_rate,
                 "endpoint_id": self.endpoint.endpoint_id if self.endpoint else None,
-                "node_id": self.endpoint.node_id if self.endpoint else None}
+                "node_id": self.endpoint.node_id if self.endpoint else None,
+                "output_tokens": self.aengine.engine.stats.output_tokens}
 
     async def generate(self, req: GenerateRequest) -> GenerateResult:
         timing = DecodeTiming(received=time.time())

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
@@ -109,6 +109,12 @@ class EngineConfig(BaseModel):
     # (kernels/gemv.py), which beats cuBLAS there on every measured Qwen3 shape.
     triton_gemv: bool = True
     show_progress: bool = True
+
+    @field_validator("dtype", mode="before")
+    @classmethod
+    def _dtype_name(cls, v):
+        """A torch dtype is taken too (``dtype=torch.float32``), kept by its name."""
+        return str(v).removeprefix("torch.") if isinstance(v, torch.dtype) else v
 
     @model_validator(mode="after")
     def _check(self) -> "EngineConfig":

@@ -14,7 +14,7 @@ class SamplingParams(BaseModel):
     Invalid values raise ``ValueError`` naming the field.
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -61,6 +61,8 @@ class SamplingParams(BaseModel):
             raise ValueError("stop strings must not be empty")
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be non-negative")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**63:
+            raise ValueError(f"seed must fit in 64 signed bits, got {self.seed}")
         return self
 
     @property

@@ -21,6 +21,7 @@ import grpc
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from ray import serve
 from ray.serve.exceptions import BackPressureError
 from ray.serve.grpc_util import RayServegRPCContext
@@ -46,6 +47,14 @@ app.add_middleware(APIKeyMiddleware)
 def error_response(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
     return JSONResponse(status_code=status,
                         content={"error": {"message": message, "type": kind, "code": status}})
+
+
+@app.exception_handler(StarletteHTTPException)
+async def _http_error(_request: Request, exc: StarletteHTTPException):
+    """FastAPI's own refusals (a body that is not JSON or not UTF-8, an unknown path) in
+    OpenAI's error format instead of ``{"detail": ...}``."""
+    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    return error_response(exc.status_code, str(exc.detail), kind)
 
 
 @app.exception_handler(RequestValidationError)
@@ -265,10 +274,26 @@ class Router:
     async def health(self):
         return {"status": "ok"}
 
+    def _model_card(self) -> dict:
+        return {"id": self.served_name, "object": "model", "owned_by": "baton", "created": 0,
+                "max_model_len": self.max_model_len}
+
+    def _unknown_model(self, name: str | None) -> JSONResponse | None:
+        """A 404 for a model this app does not serve (as OpenAI and vLLM answer)."""
+        if name is None or name == self.served_name:
+            return None
+        return JSONResponse(status_code=404, content={"error": {
+            "message": f"model {name!r} does not exist; this server serves "
+                       f"{self.served_name!r}",
+            "type": "not_found_error", "param": "model", "code": "model_not_found"}})
+
     @app.get("/v1/models")
     async def models(self):
-        return {"object": "list", "data": [{"id": self.served_name, "object": "model",
-                                            "owned_by": "baton", "created": 0}]}
+        return {"object": "list", "data": [self._model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(self, model_id: str):
+        return self._unknown_model(model_id) or self._model_card()
 
     @app.get("/metrics")
     async def metrics_endpoint(self):
@@ -281,6 +306,8 @@ class Router:
     @app.post("/v1/completions")
     async def completions(self, body: CompletionRequest):
         rid = f"cmpl-{uuid.uuid4().hex}"
+        if (missing := self._unknown_model(body.model)) is not None:
+            return missing
         try:
             ids = await self.prompt_ids(body.prompt)
             params = body.sampling_params(self.default_max_tokens, body.logprobs is not None)
@@ -292,6 +319,8 @@ class Router:
     @app.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest):
         rid = f"chatcmpl-{uuid.uuid4().hex}"
+        if (missing := self._unknown_model(body.model)) is not None:
+            return missing
         try:
             ids = await self.chat_ids(body)
             params = body.sampling_params(self.default_max_tokens, body.logprobs)
@@ -436,6 +465,7 @@ class Router:
         return resp
 
     async def GenerateStream(self, request, grpc_context: RayServegRPCContext):
+        sent = False
         async for chunk, stream in self._grpc_chunks(request, grpc_context):
             msg = baton_pb2.GenerateResponse(request_id=request.request_id or stream.request_id,
                                              token_ids=chunk.token_ids, text=chunk.text,
@@ -443,7 +473,13 @@ class Router:
                                              produced_at=chunk.produced_at)
             if chunk.finished:
                 self._grpc_final(msg, stream)
+            sent = True
             yield msg
+        if not sent and grpc_context.code() not in (None, grpc.StatusCode.OK) \
+                and os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") != "1":
+            # Serve's Python proxy (no HAProxy in front) carries a stream's status only with a
+            # message or an exception: raise, with the status already set on the context.
+            raise RuntimeError(grpc_context.details())
 
     async def Health(self, request, grpc_context: RayServegRPCContext = None):
         return baton_pb2.HealthResponse(status="ok", model=self.served_name)

@@ -28,6 +28,17 @@ SLACK_PER_CUT = 8  # tokens a forced cut (no word boundary near) may add to the 
 _WORD_START = re.compile(r"(?<=\S) (?=\w)")
 
 
+def valid_text(text: str, field: str) -> str:
+    """``text`` if it is valid Unicode; a lone surrogate (JSON allows ``"\\ud800"``) is a 400,
+    not a tokenizer's TypeError."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"{field}: not valid Unicode text (a lone surrogate at character "
+                         f"{exc.start})") from None
+    return text
+
+
 class PromptEncoder:
     def __init__(self, tokenizer, max_model_len: int, workers: int = 2):
         self.tokenizer = tokenizer
@@ -40,10 +51,12 @@ class PromptEncoder:
 
     async def encode(self, text: str) -> list[int]:
         if len(text) <= INLINE_CHARS:
-            return self._encode(text)
+            return self._encode(valid_text(text, "prompt"))
         return await asyncio.get_running_loop().run_in_executor(self.pool, self.bounded, text)
 
     async def render_chat(self, messages: list[dict]) -> list[int]:
+        for i, m in enumerate(messages):
+            valid_text(str(m.get("content") or ""), f"messages.{i}.content")
         size = sum(len(str(m.get("content") or "")) for m in messages)
         if size <= INLINE_CHARS:
             return self._encode(self._render(messages))
@@ -69,6 +82,7 @@ class PromptEncoder:
     def bounded(self, text: str) -> list[int]:
         """``encode``, but a text whose first slices already pass the context is refused."""
         self.refuse_by_length(len(text))
+        valid_text(text, "prompt")
         if len(text) > SLICE_CHARS:
             counted, cuts, start = 0, 0, 0
             while start < len(text):

@@ -19,10 +19,12 @@ class StreamOptions(BaseModel):
 
 
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # Unknown fields are refused (they may change the output); NaN and infinities too.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     model: str | None = None
     max_tokens: int | None = None
+    max_completion_tokens: int | None = None  # what current OpenAI clients send; wins
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -33,7 +35,13 @@ class _Common(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     n: int = 1
+    # Sent by OpenAI clients and frameworks, with no effect on the output here: accepted, ignored.
     user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
 
@@ -46,8 +54,10 @@ class _Common(BaseModel):
         return self
 
     def sampling_params(self, default_max_tokens: int, logprobs: bool) -> SamplingParams:
+        limit = next((v for v in (self.max_completion_tokens, self.max_tokens) if v is not None),
+                     default_max_tokens)
         return SamplingParams(
-            max_tokens=self.max_tokens if self.max_tokens is not None else default_max_tokens,
+            max_tokens=limit,
             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
             stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
             logprobs=logprobs)
@@ -82,11 +92,34 @@ class CompletionRequest(_Common):
         return self
 
 
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "user", "assistant", "tool"]
-    content: str
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # A string, or a list of parts as current clients send (text parts only here).
+    content: str | list[ContentPart]
     name: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _text_parts(cls, v):
+        if isinstance(v, str):
+            return v
+        other = sorted({p.type for p in v if p.type != "text"})
+        if other:
+            raise ValueError(f"content: parts of type {', '.join(other)} are not supported "
+                             "(text only)")
+        return "".join(p.text or "" for p in v)
+
+    @field_validator("role")
+    @classmethod
+    def _developer_is_system(cls, v):
+        return "system" if v == "developer" else v  # OpenAI's newer name for the system role
 
 
 class ChatCompletionRequest(_Common):

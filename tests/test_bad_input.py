@@ -61,6 +61,24 @@ def test_mismatched_param_count(llm):
         llm.generate(["a", "b"], [SamplingParams()])
 
 
+def test_engine_config_takes_a_torch_dtype():
+    import torch
+
+    from engine import EngineConfig
+    assert EngineConfig(dtype=torch.float32).dtype == "float32"
+    assert EngineConfig(dtype=torch.bfloat16).dtype == "bfloat16"
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(temperature=float("nan")), "temperature"),
+    (dict(top_p=float("inf")), "top_p"),
+    (dict(seed=2**64), "seed"),
+])
+def test_sampling_params_refuse_non_finite_and_oversized_values(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
 def test_bad_engine_config():
     with pytest.raises(ValueError, match="block_size"):
         LLM("tiny", block_size=0)

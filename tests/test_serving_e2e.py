@@ -147,6 +147,82 @@ def test_chat_uses_the_template(server, offline):
     assert "".join(d.get("content", "") for d in deltas) == want.text
 
 
+def _openai(url):
+    from openai import OpenAI
+    return OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def test_the_official_openai_client(server, offline):
+    """Everyday calls of the `openai` package: models, completions and chat (whole and
+    streamed) with the offline engine's text; `max_completion_tokens`, content parts, the
+    developer role and the fields clients send for their own bookkeeping."""
+    import openai
+
+    _, url, _ = server
+    client = _openai(url)
+    assert [m.id for m in client.models.list()] == ["tiny"]
+    assert client.models.retrieve("tiny").id == "tiny"
+    want = offline.generate([PROMPTS[1]], SamplingParams(**GREEDY))[0]
+    extra = {"ignore_eos": True}
+    got = client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=12,
+                                    temperature=0, extra_body=extra)
+    assert got.choices[0].text == want.text and got.usage.completion_tokens == 12
+    streamed = client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=12,
+                                         temperature=0, stream=True, extra_body=extra)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == want.text
+
+    plain = [{"role": "system", "content": "Be brief."},
+             {"role": "user", "content": "What is two plus two?"}]
+    parts = [{"role": "developer", "content": [{"type": "text", "text": "Be brief."}]},
+             {"role": "user", "content": [{"type": "text", "text": "What is two "},
+                                          {"type": "text", "text": "plus two?"}]}]
+    first = client.chat.completions.create(model="tiny", messages=plain, max_tokens=5,
+                                           temperature=0, extra_body=extra)
+    second = client.chat.completions.create(
+        model="tiny", messages=parts, max_completion_tokens=5, temperature=0, user="u-1",
+        metadata={"team": "a"}, store=False, extra_body=extra)
+    assert second.usage.completion_tokens == 5
+    assert second.choices[0].message.content == first.choices[0].message.content
+    chunks = client.chat.completions.create(model="tiny", messages=parts, temperature=0,
+                                            max_completion_tokens=5, stream=True,
+                                            extra_body=extra)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == \
+        first.choices[0].message.content
+
+    with pytest.raises(openai.NotFoundError) as err:
+        client.completions.create(model="gpt-4o", prompt="hi", max_tokens=2)
+    assert err.value.code == "model_not_found"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4o")
+
+
+@pytest.mark.parametrize("raw, fragment", [
+    (b'{"prompt": "hi", "temperature": NaN}', "temperature"),
+    (b'{"prompt": "hi", "top_p": Infinity}', "top_p"),
+    (b'{"prompt": "a\\ud800b"}', "not valid Unicode"),
+    (b'{"prompt": "hi", "seed": 18446744073709551616}', "seed"),
+    (b'{"prompt": "hi", "seed": 18446744073709551616, "stream": true}', "seed"),
+    (b'{"prompt": "hi", "max_tokens": 1e100}', "max_tokens"),
+    (b'{"prompt": "caf\xe9"}', ""),  # not UTF-8
+    (b'{"prompt": ', ""),
+])
+def test_malformed_values_are_a_400_in_openai_format(server, raw, fragment):
+    _, url, _ = server
+    resp = requests.post(f"{url}/v1/completions", data=raw, timeout=60,
+                         headers={"Content-Type": "application/json"})
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert fragment in error["message"] and error["type"] == "invalid_request_error"
+
+
+def test_chat_refuses_what_it_cannot_read(server):
+    _, url, _ = server
+    image = [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]
+    resp = _post(f"{url}/v1/chat/completions", {"messages": [{"role": "user",
+                                                              "content": image}]})
+    assert resp.status_code == 400 and "image_url" in resp.json()["error"]["message"]
+
+
 def test_shared_prefix_moves_fewer_blocks(server):
     mode, url, _ = server
     prefix = random_prompts([64], vocab=512, seed=52)[0]
@@ -347,6 +423,8 @@ def test_grpc_cancel_and_deadline_stop_the_request(server, stub, how):
     (dict(prompt=""), "prompt: must not be empty"),
     (dict(prompt="hi", temperature=-1.0), "temperature"),
     (dict(prompt_token_ids=[1, 99999]), "outside the vocabulary"),
+    (dict(prompt="hi", temperature=float("nan")), "temperature"),
+    (dict(prompt="hi", max_tokens=2**32 - 1), "max_tokens"),
     (dict(prompt="hi", prompt_token_ids=[1]), "either prompt or prompt_token_ids"),
 ])
 @pytest.mark.parametrize("streaming", [False, True])

@@ -14,7 +14,7 @@ import os
 import time
 import uuid
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import asdict
 
 import grpc
@@ -128,12 +128,15 @@ def _transfer(result: GenerateResult | None) -> dict | None:
             "dst_node": t.dst_node, "prefill_seconds": result.prefill_seconds}
 
 
-def _usage(stream: RequestStream, result: GenerateResult | None) -> dict:
-    n_out = len(stream.token_ids)
-    return {"prompt_tokens": stream.num_prompt_tokens, "completion_tokens": n_out,
-            "total_tokens": stream.num_prompt_tokens + n_out,
-            "prompt_tokens_details": {"cached_tokens": stream.num_cached_tokens},
-            "kv_transfer": _transfer(result)}
+def _usage(streams: list[RequestStream], results: list[GenerateResult | None]) -> dict:
+    """Usage of one request (or summed over a batch's; ``kv_transfer`` then one per prompt)."""
+    n_in = sum(s.num_prompt_tokens for s in streams)
+    n_out = sum(len(s.token_ids) for s in streams)
+    transfers = [_transfer(r) for r in results]
+    return {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out,
+            "prompt_tokens_details": {"cached_tokens": sum(s.num_cached_tokens
+                                                           for s in streams)},
+            "kv_transfer": transfers[0] if len(transfers) == 1 else transfers}
 
 
 def _log_timeline(stream: RequestStream, outcome: str) -> None:
@@ -158,6 +161,64 @@ def _grpc_status(grpc_context, code, message: str) -> None:
     the context; a raised exception would also be logged with its traceback)."""
     grpc_context.set_code(code)
     grpc_context.set_details(message)
+
+
+class _Merged:
+    """The chunks of one request, or of a batch's requests as they come: ``(index, chunk)``.
+    One request is followed directly (the hot path); a batch runs one task per request, whose
+    chunks meet in a queue. ``streams``/``results`` are filled once all have ended;
+    ``aclose`` stops what still runs (a client that left, a failed batch)."""
+
+    def __init__(self, router: "Router", batch, params, rids: list[str]):
+        self.router, self.batch, self.params, self.rids = router, batch, params, rids
+        self.streams: list[RequestStream] = []
+        self.results: list[GenerateResult | None] = []
+        self._tasks: list[asyncio.Future] = []
+        self._chunks = self._follow()
+
+    def __aiter__(self):
+        return self._chunks
+
+    async def _follow(self):
+        if len(self.batch) == 1:
+            async with self.router.request(self.batch[0], self.params, self.rids[0]) as stream:
+                async for chunk in stream.chunks(stream.deadline):
+                    yield 0, chunk
+                self.streams, self.results = [stream], [await self.router.finish(stream)]
+            return
+        async with AsyncExitStack() as stack:
+            # Started from this task, as a single request is: the Serve calls are made by the
+            # handler's own task. Tasks only read their chunks.
+            streams = [await stack.enter_async_context(
+                self.router.request(ids, self.params, rid, in_batch=True))
+                for ids, rid in zip(self.batch, self.rids)]
+            queue: asyncio.Queue = asyncio.Queue()
+
+            async def pump(i: int, stream: RequestStream) -> None:
+                try:
+                    async for chunk in stream.chunks(stream.deadline):
+                        queue.put_nowait((i, chunk, None))
+                    queue.put_nowait((i, None, None))
+                except Exception as exc:  # noqa: BLE001 - the reader raises it
+                    queue.put_nowait((i, None, exc))
+
+            self._tasks = [asyncio.ensure_future(pump(i, st)) for i, st in enumerate(streams)]
+            live = len(streams)
+            while live:
+                i, chunk, exc = await queue.get()
+                if exc is not None:
+                    raise exc
+                if chunk is None:
+                    live -= 1
+                    continue
+                yield i, chunk
+            self.streams = streams
+            self.results = [await self.router.finish(st) for st in streams]
+
+    async def aclose(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await self._chunks.aclose()  # one request: leaves its ``request`` context now
 
 
 @serve.deployment(name="Router", ray_actor_options={"num_cpus": 0.25}, max_ongoing_requests=1024)
@@ -226,7 +287,8 @@ class Router:
                              f"prompt exceed the model's context of {self.max_model_len} tokens")
 
     @asynccontextmanager
-    async def request(self, ids: list[int], params: SamplingParams, request_id: str):
+    async def request(self, ids: list[int], params: SamplingParams, request_id: str,
+                      in_batch: bool = False):
         """A started request, with its metrics; a writer that leaves cancels it."""
         received, start = time.time(), time.monotonic()
         metrics = self.metrics
@@ -237,7 +299,8 @@ class Router:
             else:
                 metrics.itl.observe(gap)
 
-        stream = await self.client.start(ids, params, request_id, on_token, received)
+        stream = await self.client.start(ids, params, request_id, on_token, received,
+                                         own_serve_id=in_batch)
         stream.deadline = start + self.timeout_s
         metrics.in_flight.inc()
         outcome = "error"
@@ -309,12 +372,16 @@ class Router:
         if (missing := self._unknown_model(body.model)) is not None:
             return missing
         try:
-            ids = await self.prompt_ids(body.prompt)
+            prompts = body.prompts()
+            batch = [await self.prompt_ids(p) for p in prompts]
             params = body.sampling_params(self.default_max_tokens, body.logprobs is not None)
-            self.check_params(ids, params)
+            for ids in batch:
+                self.check_params(ids, params)
+            echo = [p if isinstance(p, str) else self._text(ids)
+                    for p, ids in zip(prompts, batch)] if body.echo else None
         except ValueError as exc:
             return error_for(exc, rid)
-        return await self._answer(ids, params, rid, "text_completion", body)
+        return await self._answer(batch, params, rid, "text_completion", body, echo)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest):
@@ -327,49 +394,71 @@ class Router:
             self.check_params(ids, params)
         except ValueError as exc:
             return error_for(exc, rid)
-        return await self._answer(ids, params, rid, "chat.completion", body)
+        return await self._answer([ids], params, rid, "chat.completion", body)
 
-    async def _answer(self, ids, params, rid: str, kind: str, body):
+    def _text(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
+
+    async def _answer(self, batch, params, rid: str, kind: str, body, echo=None):
+        """``batch``: the prompts' token ids (one choice each, ``index`` in order); ``echo``:
+        each prompt's text, to put before its completion."""
         if body.stream:
-            return DeferredStreamingResponse(self._sse(ids, params, rid, f"{kind}.chunk"
+            return DeferredStreamingResponse(self._sse(batch, params, rid, f"{kind}.chunk"
                                                        if kind == "chat.completion" else kind,
-                                                       body), media_type="text/event-stream")
-        return await self._complete(ids, params, rid, kind)
+                                                       body, echo),
+                                             media_type="text/event-stream")
+        return await self._complete(batch, params, rid, kind, echo)
 
-    async def _complete(self, ids, params, rid, kind: str):
-        text = []
+    @staticmethod
+    def _sub_ids(rid: str, n: int) -> list[str]:
+        return [rid] if n == 1 else [f"{rid}-{i}" for i in range(n)]
+
+    async def _complete(self, batch, params, rid, kind: str, echo=None):
+        feed = _Merged(self, batch, params, self._sub_ids(rid, len(batch)))
+        texts = [[] for _ in batch]
         try:
-            async with self.request(ids, params, rid) as stream:
-                async for chunk in stream.chunks(stream.deadline):
-                    text.append(chunk.text)
-                result = await self.finish(stream)
+            async for index, chunk in feed:
+                texts[index].append(chunk.text)
         except Exception as exc:  # noqa: BLE001 - a bad request, overload, a failed replica
             return error_for(exc, rid)
-        choice = {"index": 0, "finish_reason": stream.finish_reason,
-                  "token_ids": stream.token_ids}
-        if kind == "chat.completion":
-            choice["message"] = {"role": "assistant", "content": "".join(text)}
-        else:
-            choice["text"] = "".join(text)
-            choice["logprobs"] = ({"tokens": None, "token_logprobs": stream.logprobs}
-                                  if params.logprobs else None)
+        finally:
+            await feed.aclose()
+        outcomes = [(stream, "".join(text), result)
+                    for stream, text, result in zip(feed.streams, texts, feed.results)]
+        choices = []
+        for i, (stream, text, _result) in enumerate(outcomes):
+            choice = {"index": i, "finish_reason": stream.finish_reason,
+                      "token_ids": stream.token_ids}
+            if kind == "chat.completion":
+                choice["message"] = {"role": "assistant", "content": text}
+            else:
+                choice["text"] = (echo[i] if echo else "") + text
+                choice["logprobs"] = ({"tokens": None, "token_logprobs": stream.logprobs}
+                                      if params.logprobs else None)
+            choices.append(choice)
         return {"id": rid, "object": kind, "created": int(time.time()), "model": self.served_name,
-                "choices": [choice], "usage": _usage(stream, result)}
+                "choices": choices,
+                "usage": _usage([o[0] for o in outcomes], [o[2] for o in outcomes])}
 
-    async def _sse(self, ids, params, rid, kind: str, body) -> AsyncIterator[str]:
+    async def _sse(self, batch, params, rid, kind: str, body, echo=None) -> AsyncIterator[str]:
         created = int(time.time())
         chat = kind == "chat.completion.chunk"
         options = body.stream_options
         timed = options is not None and options.include_timing
         head = {"id": rid, "object": kind, "created": created, "model": self.served_name}
+        echoed = set()
 
-        def event(chunk: Chunk) -> str:
-            choice = {"index": 0, "finish_reason": chunk.finish_reason,
+        def event(index: int, chunk: Chunk) -> str:
+            choice = {"index": index, "finish_reason": chunk.finish_reason,
                       "token_ids": chunk.token_ids}
             if chat:
                 choice["delta"] = {"content": chunk.text}
             else:
-                choice["text"] = chunk.text
+                text = chunk.text
+                if echo and index not in echoed:
+                    echoed.add(index)
+                    text = echo[index] + text
+                choice["text"] = text
                 choice["logprobs"] = {"token_logprobs": chunk.logprobs} if chunk.logprobs else None
             obj = {**head, "choices": [choice]}
             if timed:
@@ -377,16 +466,15 @@ class Router:
             return _event(obj)
 
         sent = False
+        feed = _Merged(self, batch, params, self._sub_ids(rid, len(batch)))
         try:
-            async with self.request(ids, params, rid) as stream:
-                async for chunk in stream.chunks(stream.deadline):
-                    if chat and not sent:
-                        yield _event({**head, "choices": [{
-                            "index": 0, "finish_reason": None, "token_ids": [],
-                            "delta": {"role": "assistant", "content": ""}}]})
-                    sent = True
-                    yield event(chunk)
-                result = await self.finish(stream)
+            async for index, chunk in feed:
+                if chat and not sent:
+                    yield _event({**head, "choices": [{
+                        "index": 0, "finish_reason": None, "token_ids": [],
+                        "delta": {"role": "assistant", "content": ""}}]})
+                sent = True
+                yield event(index, chunk)
         except Exception as exc:  # noqa: BLE001 - before the first chunk: a real status code
             if not sent:
                 raise Refused(error_for(exc, rid)) from exc
@@ -395,10 +483,12 @@ class Router:
             yield _event(failure.body())
             yield "data: [DONE]\n\n"
             return
+        finally:
+            await feed.aclose()
         if options is None or options.include_usage:
-            usage = {**head, "choices": [], "usage": _usage(stream, result)}
-            if timed:
-                usage["timing"] = _timing(stream, result)
+            usage = {**head, "choices": [], "usage": _usage(feed.streams, feed.results)}
+            if timed and len(batch) == 1:
+                usage["timing"] = _timing(feed.streams[0], feed.results[0])
             yield _event(usage)
         yield "data: [DONE]\n\n"
 

@@ -10,6 +10,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from engine import SamplingParams
 
 
+MAX_PROMPTS_PER_REQUEST = 128  # a batch in /v1/completions: one decode request per prompt
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = True
@@ -72,17 +75,24 @@ class CompletionRequest(_Common):
 
     @field_validator("prompt")
     @classmethod
-    def _single_prompt(cls, v):
-        if isinstance(v, list) and v and isinstance(v[0], (str, list)):
-            if len(v) != 1:
-                raise ValueError("prompt: one prompt per request is supported")
-            return v[0]
+    def _batch_size(cls, v):
+        if isinstance(v, list) and v and isinstance(v[0], (str, list)) \
+                and len(v) > MAX_PROMPTS_PER_REQUEST:
+            raise ValueError(f"prompt: at most {MAX_PROMPTS_PER_REQUEST} prompts per request, "
+                             f"got {len(v)}")
         return v
+
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts: one, or a batch (one choice each, in order)."""
+        v = self.prompt
+        if isinstance(v, list) and v and isinstance(v[0], (str, list)):
+            return list(v)
+        return [v]
 
     @model_validator(mode="after")
     def _unsupported_completion(self):
-        if self.echo:
-            raise ValueError("echo: not supported")
+        if self.echo and self.logprobs is not None:
+            raise ValueError("echo: not supported together with logprobs (prompt logprobs)")
         if self.best_of not in (None, 1):
             raise ValueError("best_of: not supported")
         if self.suffix:

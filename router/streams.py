@@ -23,6 +23,7 @@ not finished always has tokens left to make.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -98,6 +99,7 @@ class RequestStream:
     moved_at: list[float] = field(default_factory=list)  # time.time() of each migration
     deadline: float = float("inf")  # time.monotonic() by which it must have ended
     cancelled: bool = False
+    own_serve_id: bool = False  # one of a batch: its Serve calls get their own request id
     call_done: asyncio.Event = field(default_factory=asyncio.Event)
     _sent: int = 0
     _oldest_unsent: float = 0.0
@@ -193,10 +195,14 @@ class DecodeClient:
         self.sink = TokenSink(host)
 
     async def start(self, ids: list[int], params: SamplingParams, request_id: str,
-                    on_token=None, received: float | None = None) -> RequestStream:
+                    on_token=None, received: float | None = None,
+                    own_serve_id: bool = False) -> RequestStream:
+        """``own_serve_id``: this call is one of several one client request makes at once (a
+        batch of prompts): it gets a Serve request id of its own (see ``_submit``)."""
         await self.sink.start()
         detok = IncrementalDetokenizer(self.tokenizer, params.stop) if self.tokenizer else None
         stream = RequestStream(request_id, len(ids), params, detok, on_token)
+        stream.own_serve_id = own_serve_id
         stream.prompt_token_ids = tuple(ids)
         stream.timing.received = received or time.time()
         stream.timing.submitted = time.time()
@@ -212,9 +218,27 @@ class DecodeClient:
             stream.params.model_copy(update={"max_tokens": stream.params.max_tokens - len(have)})
         stream.call_id = rid
         self.sink.register(rid, stream.feed)
-        stream.call = self.decode.generate.remote(GenerateRequest(
-            stream.prompt_token_ids + tuple(have), params, rid, self.sink.address))
+        req = GenerateRequest(stream.prompt_token_ids + tuple(have), params, rid,
+                              self.sink.address)
+        if stream.own_serve_id:
+            # Serve tags a handle call with the calling request's internal id; concurrent calls
+            # under one id collide in its bookkeeping (measured: the second and third of a
+            # batch never reached a replica). Each gets its own, in a copy of the context.
+            stream.call = contextvars.copy_context().run(self._call_with_own_id, req)
+        else:
+            stream.call = self.decode.generate.remote(req)
         asyncio.ensure_future(self._follow(stream, rid))
+
+    def _call_with_own_id(self, req: GenerateRequest):
+        from dataclasses import replace
+
+        from ray.serve import context as serve_context
+        from ray.serve._private.utils import generate_request_id
+
+        current = serve_context._get_serve_request_context()
+        serve_context._serve_request_context.set(
+            replace(current, _internal_request_id=generate_request_id()))
+        return self.decode.generate.remote(req)
 
     async def _follow(self, stream: RequestStream, rid: str) -> None:
         """The call's outcome: a lost replica moves the request; another error fails the stream;

@@ -189,11 +189,57 @@ def test_the_official_openai_client(server, offline):
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == \
         first.choices[0].message.content
 
+    many = client.completions.create(model="tiny", prompt=[PROMPTS[0], PROMPTS[1]],
+                                     max_tokens=12, temperature=0, extra_body=extra)
+    assert [c.index for c in many.choices] == [0, 1] and many.choices[1].text == want.text
+
     with pytest.raises(openai.NotFoundError) as err:
         client.completions.create(model="gpt-4o", prompt="hi", max_tokens=2)
     assert err.value.code == "model_not_found"
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("gpt-4o")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_batch_of_prompts_gets_one_choice_each_in_order(server, offline, stream):
+    _, url, _ = server
+    batch = PROMPTS  # texts; a batch of token-id lists is the same path
+    want = offline.generate(batch, SamplingParams(**GREEDY))
+    resp = _post(f"{url}/v1/completions", {"prompt": batch, "stream": stream, **GREEDY},
+                 stream=stream)
+    assert resp.status_code == 200, resp.text
+    if stream:
+        events = [e for e in _events(resp) if e is not None]
+        tokens, text = {}, {}
+        for e in events[:-1]:
+            c = e["choices"][0]
+            tokens.setdefault(c["index"], []).extend(c["token_ids"])
+            text[c["index"]] = text.get(c["index"], "") + c["text"]
+        usage = events[-1]["usage"]
+    else:
+        body = resp.json()
+        assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+        tokens = {c["index"]: c["token_ids"] for c in body["choices"]}
+        text = {c["index"]: c["text"] for c in body["choices"]}
+        usage = body["usage"]
+    for i, w in enumerate(want):
+        assert tokens[i] == w.token_ids and text[i] == w.text
+    assert usage["completion_tokens"] == 36 and len(usage["kv_transfer"]) == 3
+    bad = _post(f"{url}/v1/completions", {"prompt": ["fine", ""], **GREEDY})
+    assert bad.status_code == 400 and "must not be empty" in bad.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_puts_the_prompt_before_the_completion(server, offline, stream):
+    _, url, _ = server
+    want = offline.generate([PROMPTS[1]], SamplingParams(**GREEDY))[0].text
+    resp = _post(f"{url}/v1/completions", {"prompt": PROMPTS[1], "echo": True, "stream": stream,
+                                           **GREEDY}, stream=stream)
+    if stream:
+        text = "".join(e["choices"][0]["text"] for e in _events(resp) if e and e["choices"])
+    else:
+        text = resp.json()["choices"][0]["text"]
+    assert text == PROMPTS[1] + want
 
 
 @pytest.mark.parametrize("raw, fragment", [

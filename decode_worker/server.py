@@ -29,7 +29,7 @@ from contracts.messages import (TIMELINE, DecodeTiming, GenerateRequest, Generat
 from contracts.token_channel import TokenPublisher
 from engine.async_engine import AsyncEngine
 from engine.sampling_params import SamplingParams
-from kvtransfer import (KVDestination, Transfer, TransferError, TransferState,
+from kvtransfer import (KVDestination, PushNotStarted, Transfer, TransferError, TransferState,
                         TransportUnavailableError, endpoint_for)
 from kvtransfer.directory import PeerDirectory, Publisher
 
@@ -37,14 +37,17 @@ log = serve_logger(__name__)
 
 
 def prefill_unavailable(exc: BaseException) -> bool:
-    """The prefill replica refused the call (its queue is full), is gone, or has no transport to
-    this replica (``TransportUnavailableError``, for example ``cuda_ipc`` across nodes). In each
-    case it wrote nothing into our blocks (a refused call never started; a dead writer writes no
-    more), so the decode replica can release the lease and prefill the request itself at once."""
+    """The prefill replica refused the call (its queue is full), is gone, has no transport to
+    this replica (``TransportUnavailableError``, for example ``cuda_ipc`` across nodes), or got
+    to the push only after its deadline (``PushNotStarted``: a call queued while a replica
+    restarts). In each case it wrote nothing into our blocks (a refused push never started; a
+    dead writer writes no more), so the decode replica can release the lease and prefill the
+    request itself at once."""
     from ray.exceptions import RayActorError
     from ray.serve.exceptions import BackPressureError
 
-    return isinstance(exc, (BackPressureError, RayActorError, TransportUnavailableError))
+    return isinstance(exc, (BackPressureError, RayActorError, TransportUnavailableError,
+                            PushNotStarted))
 
 
 class HandOver:

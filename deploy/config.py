@@ -68,9 +68,9 @@ class RouterConfig(_Strict):
     model_name: str | None = None  # the name served in /v1/models (default: the model spec)
     request_timeout_s: float = Field(300.0, gt=0)
     max_tokens_default: int = Field(16, ge=1)
-    # Clients must send `Authorization: Bearer <key>` (gRPC: the same metadata) to /v1/ when a
-    # key is set. Prefer the BATON_API_KEY environment variable of the ingress replicas (for
-    # example the app's runtime_env) to a key written into the config file.
+    # Clients must send `Authorization: Bearer <key>` (gRPC: the same metadata) on every path but
+    # /health and /metrics when a key is set. Prefer the BATON_API_KEY environment variable of
+    # the ingress replicas (for example the app's runtime_env) to a key in the config file.
     api_key: str | None = Field(None, min_length=1)
     # A request body larger than this is refused with a 413 before it is parsed (gRPC messages
     # are bounded by gRPC itself: 4 MiB). A text prompt that cannot fit the context is refused

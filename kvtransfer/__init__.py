@@ -12,12 +12,12 @@ import sys
 from kvtransfer.backends import BACKENDS, choose_backend, default_backend
 from kvtransfer.endpoint import KVEndpoint, Transfer
 from kvtransfer.types import (PROTOCOL_VERSION, EndpointInfo, KVDestination, KVLayout,
-                              LayoutMismatchError, TransferError, TransferState,
+                              LayoutMismatchError, PushNotStarted, TransferError, TransferState,
                               TransferStats, TransportUnavailableError)
 
 __all__ = [
     "BACKENDS", "PROTOCOL_VERSION", "EndpointInfo", "KVDestination", "KVEndpoint", "KVLayout",
-    "LayoutMismatchError", "Transfer", "TransferError", "TransferState", "TransferStats",
+    "LayoutMismatchError", "PushNotStarted", "Transfer", "TransferError", "TransferState", "TransferStats",
     "TransportUnavailableError", "choose_backend", "current_node_id", "default_backend",
     "layout_of", "endpoint_for",
 ]

@@ -44,6 +44,11 @@ class TransportUnavailableError(TransferError):
     raised before any byte moves."""
 
 
+class PushNotStarted(TransferError):
+    """A push failed before writing anything (its deadline had passed when the prefill replica
+    got to it, or the transport would not start it): the receiver's blocks are untouched."""
+
+
 class LayoutMismatchError(TransferError, ValueError):
     """The two endpoints' KV layouts (or protocol versions) differ; no bytes were moved."""
 

@@ -14,7 +14,8 @@ import time
 
 from contracts.messages import TIMELINE, PrefillRequest, PrefillResult, timeline
 from engine.async_engine import AsyncEngine
-from kvtransfer import EndpointInfo, TransferError, TransferState, endpoint_for
+from kvtransfer import (EndpointInfo, PushNotStarted, TransferError, TransferState,
+                        endpoint_for)
 from kvtransfer.directory import LinkWarmer, PeerDirectory
 
 
@@ -89,7 +90,9 @@ class PrefillServer:
                       first.num_cached_tokens, st.blocks_sent, st.bytes, st.backend,
                       timeline(received=received, prefilled=prefilled, pushed=time.time()))
         if transfer.state is not TransferState.DONE:
-            raise TransferError(f"push of {rid} failed: {transfer.error}")
+            # Nothing written (never started): the decode replica can prefill it itself.
+            failed = PushNotStarted if transfer.handle is None else TransferError
+            raise failed(f"push of {rid} failed: {transfer.error}")
         return PrefillResult(
             request_id=rid, first_token=first.new_token_ids[0],
             first_logprob=first.new_logprobs[0] if first.new_logprobs else None,

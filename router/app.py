@@ -34,7 +34,8 @@ from router.door import APIKeyMiddleware, BodyLimitMiddleware, authorized
 from router.errors import RequestTimeout, describe, log_failure
 from router.metrics import RouterMetrics
 from router.prompts import PromptEncoder
-from router.protocol import ChatCompletionRequest, CompletionRequest
+from router.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                             TokenizeRequest)
 from router.streams import Chunk, DecodeClient, RequestStream
 
 app = FastAPI(title="Baton")
@@ -165,9 +166,10 @@ def _grpc_status(grpc_context, code, message: str) -> None:
 
 class _Merged:
     """The chunks of one request, or of a batch's requests as they come: ``(index, chunk)``.
-    One request is followed directly (the hot path); a batch runs one task per request, whose
-    chunks meet in a queue. ``streams``/``results`` are filled once all have ended;
-    ``aclose`` stops what still runs (a client that left, a failed batch)."""
+    One request is followed directly (the hot path); a batch's requests are all started here
+    and each is read by a task of its own, the chunks meeting in a queue. ``streams`` and
+    ``results`` are filled once all have ended; ``aclose`` stops what still runs (a client that
+    left, a failed batch)."""
 
     def __init__(self, router: "Router", batch, params, rids: list[str]):
         self.router, self.batch, self.params, self.rids = router, batch, params, rids
@@ -187,8 +189,7 @@ class _Merged:
                 self.streams, self.results = [stream], [await self.router.finish(stream)]
             return
         async with AsyncExitStack() as stack:
-            # Started from this task, as a single request is: the Serve calls are made by the
-            # handler's own task. Tasks only read their chunks.
+            # Each under a Serve request id of its own (``in_batch``; see DecodeClient._submit).
             streams = [await stack.enter_async_context(
                 self.router.request(ids, self.params, rid, in_batch=True))
                 for ids, rid in zip(self.batch, self.rids)]
@@ -218,7 +219,7 @@ class _Merged:
     async def aclose(self) -> None:
         for t in self._tasks:
             t.cancel()
-        await self._chunks.aclose()  # one request: leaves its ``request`` context now
+        await self._chunks.aclose()  # leaves the ``request`` contexts now, not at collection
 
 
 @serve.deployment(name="Router", ray_actor_options={"num_cpus": 0.25}, max_ongoing_requests=1024)
@@ -365,6 +366,36 @@ class Router:
         except Exception:  # noqa: BLE001 - serve the router's own metrics anyway
             pass
         return Response(self.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.post("/tokenize")
+    async def tokenize(self, body: TokenizeRequest):
+        """Token ids of a text or of chat messages, as the completions would see them."""
+        if (missing := self._unknown_model(body.model)) is not None:
+            return missing
+        if self.prompts is None:
+            return error_response(400, f"model {self.served_name!r} has no tokenizer")
+        try:
+            if body.prompt is not None:
+                ids = await self.prompts.encode(body.prompt)
+            else:
+                ids = await self.prompts.render_chat(
+                    [m.model_dump(exclude_none=True) for m in body.messages],
+                    body.add_generation_prompt)
+        except ValueError as exc:
+            return error_for(exc, "tokenize")
+        return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(self, body: DetokenizeRequest):
+        if (missing := self._unknown_model(body.model)) is not None:
+            return missing
+        if self.tokenizer is None:
+            return error_response(400, f"model {self.served_name!r} has no tokenizer")
+        bad = [t for t in body.tokens if not 0 <= t < self.vocab_size]
+        if bad:
+            return error_response(400, f"tokens: ids {bad[:5]} are outside the vocabulary "
+                                  f"[0, {self.vocab_size})")
+        return {"prompt": self.tokenizer.decode(body.tokens)}
 
     @app.post("/v1/completions")
     async def completions(self, body: CompletionRequest):

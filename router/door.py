@@ -4,8 +4,8 @@ Both are plain ASGI middlewares (streamed responses pass through untouched) whos
 Router replica fills in at start (``router.api_key`` / ``BATON_API_KEY``,
 ``router.max_request_bytes``).
 
-- With an API key, every ``/v1/`` request must carry ``Authorization: Bearer <key>``; others
-  get a 401. ``/health`` and ``/metrics`` stay open for probes.
+- With an API key, every request must carry ``Authorization: Bearer <key>``; others get a
+  401. ``/health`` and ``/metrics`` stay open for probes.
 - A body larger than ``max_request_bytes`` gets a 413 before anything parses it: at once when
   its ``Content-Length`` says so, or as soon as a chunked body passes the bound (what was read
   is dropped). The app so never holds more than one bound's worth of a request's body.
@@ -17,6 +17,7 @@ import hmac
 import json
 
 DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
+OPEN_PATHS = frozenset({"/health", "/metrics"})  # probes and scrapers: no API key asked
 
 
 async def send_error(send, status: int, message: str, kind: str,
@@ -42,7 +43,7 @@ class APIKeyMiddleware:
         self.app = asgi_app
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and self.key and scope["path"].startswith("/v1/"):
+        if scope["type"] == "http" and self.key and scope["path"] not in OPEN_PATHS:
             headers = dict(scope["headers"])
             if not authorized(headers.get(b"authorization", b"").decode("latin-1"), self.key):
                 await send_error(send, 401, "invalid or missing API key: send the header "

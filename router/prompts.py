@@ -54,20 +54,22 @@ class PromptEncoder:
             return self._encode(valid_text(text, "prompt"))
         return await asyncio.get_running_loop().run_in_executor(self.pool, self.bounded, text)
 
-    async def render_chat(self, messages: list[dict]) -> list[int]:
+    async def render_chat(self, messages: list[dict], add_generation_prompt: bool = True
+                          ) -> list[int]:
         for i, m in enumerate(messages):
             valid_text(str(m.get("content") or ""), f"messages.{i}.content")
         size = sum(len(str(m.get("content") or "")) for m in messages)
         if size <= INLINE_CHARS:
-            return self._encode(self._render(messages))
+            return self._encode(self._render(messages, add_generation_prompt))
         loop = asyncio.get_running_loop()
         self.refuse_by_length(size)
-        text = await loop.run_in_executor(self.pool, self._render, messages)
+        text = await loop.run_in_executor(self.pool, self._render, messages,
+                                          add_generation_prompt)
         return await loop.run_in_executor(self.pool, self.bounded, text)
 
-    def _render(self, messages: list[dict]) -> str:
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                  tokenize=False)
+    def _render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tokenize=False)
 
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)

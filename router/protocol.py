@@ -142,3 +142,24 @@ class ChatCompletionRequest(_Common):
         if self.top_logprobs:
             raise ValueError("top_logprobs: not supported")
         return self
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's ``/tokenize``: a text, or chat messages through the chat template."""
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give either prompt or messages")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    tokens: list[int]

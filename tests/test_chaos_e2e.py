@@ -178,6 +178,7 @@ def test_a_lost_prefill_replica_is_replaced_by_local_prefill(ray_cluster, expect
         while not sent and time.time() < deadline:  # until Serve routes to it again
             body = requests.post(f"{url}/v1/completions", timeout=60, json={
                 "prompt": PROMPTS[1], **PARAMS[0], "max_tokens": 4}).json()
+            assert "usage" in body, body
             sent = (body["usage"]["kv_transfer"] or {}).get("blocks_sent", 0)
             time.sleep(0.5)
         assert sent > 0  # prefilled over there again, not here

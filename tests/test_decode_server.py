@@ -16,7 +16,7 @@ from contracts import GenerateRequest, TokenSink
 from contracts.messages import TIMELINE
 from decode_worker.server import DecodeServer
 from engine import LLM, EngineConfig, SamplingParams
-from kvtransfer import TransportUnavailableError
+from kvtransfer import PushNotStarted, TransportUnavailableError
 from kvtransfer.backends.local import LocalFabric
 from prefill_worker.server import PrefillServer
 from tests.models import random_prompts
@@ -92,8 +92,9 @@ def test_offline_tokens_and_idle_afterwards(roles, offline, disaggregated, caplo
 
 @pytest.mark.parametrize("failure", [
     BackPressureError(1, 1), ActorDiedError(),
-    TransportUnavailableError("transfer backend 'cuda_ipc' needs both engines on one node")],
-    ids=["refused", "replica-gone", "no-transport-for-the-pair"])
+    TransportUnavailableError("transfer backend 'cuda_ipc' needs both engines on one node"),
+    PushNotStarted("push of r failed: deadline passed before the push started")],
+    ids=["refused", "replica-gone", "no-transport-for-the-pair", "push-past-its-deadline"])
 def test_unavailable_prefill_falls_back_to_a_local_prefill(roles, offline, failure):
     _, handle, decode = roles({"fail": failure})
 
@@ -256,5 +257,24 @@ def test_abort_anywhere_is_harmless_twice_and_ids_stay_apart(roles, offline):
         assert tokens == offline[1]
         await until_idle(prefill, decode)
         await sink.close()
+
+    asyncio.run(main())
+
+
+def test_a_push_whose_deadline_passed_before_it_started_says_so(roles):
+    """A prefill call that reaches its replica after the hand-over's deadline (queued while the
+    replica restarted) prefills, writes nothing and raises ``PushNotStarted``, which the decode
+    replica answers with a local prefill (above), not an error."""
+    from contracts.messages import PrefillRequest
+
+    prefill, _, decode = roles()
+
+    async def main():
+        dest = await decode.reserve(PROMPTS[1], GREEDY, "late", timeout_s=0.0)
+        with pytest.raises(PushNotStarted, match="deadline passed before the push started"):
+            await prefill.prefill(PrefillRequest(tuple(PROMPTS[1]), GREEDY, dest,
+                                                 decode.endpoint.info()))
+        decode.abort("late")
+        await until_idle(decode, prefill)
 
     asyncio.run(main())

@@ -162,12 +162,15 @@ def test_bodies_within_the_bound_reach_the_app_whole(limit):
     assert _call(BodyLimitMiddleware, method="GET", chunks=(b"",))[0] == 200
 
 
-def test_the_api_key_is_checked_on_v1_only(monkeypatch):
+def test_the_api_key_is_checked_everywhere_but_the_probes(monkeypatch):
     monkeypatch.setattr(APIKeyMiddleware, "key", "sekret")
     assert _call(APIKeyMiddleware)[0] == 401
     assert _call(APIKeyMiddleware, headers=[("Authorization", "Bearer wrong")])[0] == 401
     assert _call(APIKeyMiddleware, headers=[("Authorization", "Bearer sekret")])[0] == 200
-    assert _call(APIKeyMiddleware, method="GET", path="/health")[0] == 200
+    assert _call(APIKeyMiddleware, path="/tokenize")[0] == 401
+    assert _call(APIKeyMiddleware, method="GET", path="/openapi.json")[0] == 401
+    for probe in ("/health", "/metrics"):
+        assert _call(APIKeyMiddleware, method="GET", path=probe)[0] == 200
 
 
 # -- what a failure says ----------------------------------------------------------------------

@@ -242,6 +242,21 @@ def test_echo_puts_the_prompt_before_the_completion(server, offline, stream):
     assert text == PROMPTS[1] + want
 
 
+def test_tokenize_and_detokenize_as_vllm_has_them(server, offline):
+    _, url, _ = server
+    want = offline.tokenizer.encode(PROMPTS[1], add_special_tokens=False)
+    got = _post(f"{url}/tokenize", {"prompt": PROMPTS[1]}).json()
+    assert got["tokens"] == want and got["count"] == len(want) and got["max_model_len"] == 2048
+    messages = [{"role": "user", "content": "What is two plus two?"}]
+    chat = offline.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                 tokenize=True)
+    chat = chat["input_ids"] if hasattr(chat, "keys") else chat
+    assert _post(f"{url}/tokenize", {"messages": messages}).json()["tokens"] == list(chat)
+    assert _post(f"{url}/detokenize", {"tokens": want}).json()["prompt"] == PROMPTS[1]
+    assert _post(f"{url}/detokenize", {"tokens": [99999]}).status_code == 400
+    assert _post(f"{url}/tokenize", {"prompt": "a", "model": "other"}).status_code == 404
+
+
 @pytest.mark.parametrize("raw, fragment", [
     (b'{"prompt": "hi", "temperature": NaN}', "temperature"),
     (b'{"prompt": "hi", "top_p": Infinity}', "top_p"),

@@ -396,14 +396,10 @@ def start_py_spy(pid: int | None, args, name: str):
 
 
 def decode_stats() -> dict:
-    """The (one) decode replica's engine counters. Under Serve's throughput profile handles
-    route on the caller's event loop; this driver has none, so its handle gets its own."""
-    from ray import serve
+    """The (one) decode replica's engine counters."""
+    from deploy.ray_env import driver_handle
 
-    handle = serve.get_deployment_handle("DecodeServer", "baton")
-    if not handle.is_initialized:
-        handle._init(_run_router_in_separate_loop=True)
-    return handle.engine_stats.remote().result()
+    return driver_handle("DecodeServer").engine_stats.remote().result()
 
 
 def check_fits(layout: str, config: dict) -> None:

@@ -70,7 +70,7 @@ def placement(decode_replicas: int) -> None:
     import subprocess
 
     from benchmarks.chaos_bench import replica_pids
-    from ray import serve
+    from deploy.ray_env import driver_handle
 
     try:
         apps = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,gpu_bus_id",
@@ -83,16 +83,11 @@ def placement(decode_replicas: int) -> None:
     for name in ("PrefillServer", "DecodeServer"):
         for pid in replica_pids(name):
             print(f"placement: {name} pid {pid} on GPU {gpu_of.get(pid, '?')}", flush=True)
-    handles = {}
-    for name in ("PrefillServer", "DecodeServer"):
-        handles[name] = serve.get_deployment_handle(name, "baton")
-        if not handles[name].is_initialized:
-            handles[name]._init(_run_router_in_separate_loop=True)
     seen = {}
     for _ in range(4 * decode_replicas):
-        load = handles["DecodeServer"].kv_load.remote().result(timeout_s=30)
+        load = driver_handle("DecodeServer").kv_load.remote().result(timeout_s=30)
         seen[load["endpoint_id"]] = load["output_tokens"]
-    links = handles["PrefillServer"].kv_load.remote().result(timeout_s=30)["links"]
+    links = driver_handle("PrefillServer").kv_load.remote().result(timeout_s=30)["links"]
     print(f"placement: prefill links {links}", flush=True)
     print(f"placement: decode replicas (endpoint: output tokens) {seen}, {len(seen)} of "
           f"{decode_replicas} answered", flush=True)

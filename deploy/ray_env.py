@@ -71,3 +71,15 @@ def apply() -> dict[str, str]:
     for key, value in wanted.items():
         os.environ.setdefault(key, value)
     return {key: os.environ[key] for key in wanted}
+
+
+def driver_handle(deployment: str, app: str = "baton"):
+    """A Serve handle usable from a plain driver (a test, a benchmark): under Serve's throughput
+    profile handles route on the caller's event loop, and a driver has none, so its handle gets
+    a loop of its own."""
+    from ray import serve
+
+    handle = serve.get_deployment_handle(deployment, app)
+    if not handle.is_initialized:
+        handle._init(_run_router_in_separate_loop=True)
+    return handle

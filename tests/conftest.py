@@ -42,6 +42,13 @@ def ray_cluster():
     ray.shutdown()
 
 
+def serve_log_dir() -> Path:
+    """Where this session's Serve replicas write their logs."""
+    import ray
+
+    return Path(ray._private.worker._global_node.get_logs_dir_path()) / "serve"
+
+
 def shutdown_serve(timeout_s: float = 90.0) -> None:
     """``serve.shutdown()``, then wait (bounded) until Serve's actors are gone and their CPUs are
     free: Ray ends a killed or draining replica a little after ``shutdown`` returns, and an actor

@@ -39,11 +39,9 @@ def _config(prefill_replicas: int) -> dict:
 def _gauges(deployment: str, want: int) -> dict[str, dict]:
     """Each replica's ``kv_load`` by endpoint id (Serve picks a replica per call: ask until
     ``want`` distinct replicas answered, bounded)."""
-    from ray import serve
+    from deploy.ray_env import driver_handle
 
-    handle = serve.get_deployment_handle(deployment, "baton")
-    if not handle.is_initialized:  # a sync caller (the serving settings run routers in-loop)
-        handle._init(_run_router_in_separate_loop=True)
+    handle = driver_handle(deployment)
     seen: dict[str, dict] = {}
     deadline = time.time() + 60
     while len(seen) < want and time.time() < deadline:

@@ -125,12 +125,9 @@ def test_killing_a_decode_replica_loses_no_stream(ray_cluster, expected, decode_
 
 
 def _kv_load(deployment: str) -> dict:
-    from ray import serve
+    from deploy.ray_env import driver_handle
 
-    handle = serve.get_deployment_handle(deployment, "baton")
-    if not handle.is_initialized:
-        handle._init(_run_router_in_separate_loop=True)
-    return handle.kv_load.remote().result(timeout_s=30)
+    return driver_handle(deployment).kv_load.remote().result(timeout_s=30)
 
 
 def _assert_decode_idle(timeout_s: float = 30.0) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from tests.conftest import shutdown_serve
+from tests.conftest import serve_log_dir, shutdown_serve
 from deploy.ray_env import free_port
 from tests.test_serving_e2e import GRPC_SERVICER
 
@@ -30,7 +30,7 @@ def server(ray_cluster):
     from deploy.app import build_app
 
     port, grpc_port = free_port(), free_port()
-    OLD_LOGS.update(_serve_logs().glob("replica_baton_*.log"))
+    OLD_LOGS.update(serve_log_dir().glob("replica_baton_*.log"))
     serve.start(http_options={"host": "127.0.0.1", "port": port},
                 grpc_options={"port": grpc_port, "grpc_servicer_functions": [GRPC_SERVICER]})
     serve.run(build_app({"mode": "colocated",
@@ -85,11 +85,6 @@ def test_grpc_needs_the_key(server):
         assert len(stub.Generate(req, metadata=ok, timeout=60).token_ids) == 2
         assert len(list(stub.GenerateStream(req, metadata=ok, timeout=60))) >= 1
         assert stub.Health(baton_pb2.HealthRequest(), timeout=10).status == "ok"
-
-
-def _serve_logs() -> Path:
-    import ray
-    return Path(ray._private.worker._global_node.get_logs_dir_path()) / "serve"
 
 
 def _completion(url, body, **kw):
@@ -169,7 +164,7 @@ def test_client_errors_leave_one_line_in_the_log_and_no_traceback(server):
     while (len(lines) < 2 or len(cancels) < 2) and time.time() < deadline:
         time.sleep(0.3)
         text = "".join(f.read_text(errors="replace")
-                       for f in set(_serve_logs().glob("replica_baton_*.log")) - OLD_LOGS)
+                       for f in set(serve_log_dir().glob("replica_baton_*.log")) - OLD_LOGS)
         lines = [line for line in text.splitlines() if f"got -{marker}" in line]
         cancels = [line for line in text.splitlines() if "ingress: cancelled" in line]
     assert len(lines) == 2, lines

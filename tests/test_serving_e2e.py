@@ -4,14 +4,13 @@ cancelled stream leaves no KV block held."""
 
 import json
 import time
-from pathlib import Path
 
 import pytest
 import requests
 
-from deploy.ray_env import free_port
+from deploy.ray_env import driver_handle, free_port
 from engine import LLM, SamplingParams
-from tests.conftest import shutdown_serve
+from tests.conftest import serve_log_dir, shutdown_serve
 from tests.models import random_prompts
 
 pytestmark = pytest.mark.e2e
@@ -95,12 +94,7 @@ def test_stop_string_in_a_stream_is_never_sent(server, offline):
 
 def _decode_engine_tokens() -> int:
     """Output tokens the decode replica's engine has made so far (its step counters)."""
-    from ray import serve
-
-    handle = serve.get_deployment_handle("DecodeServer", "baton")
-    if not handle.is_initialized:  # the driver has no event loop for the handle's router
-        handle._init(_run_router_in_separate_loop=True)
-    return handle.engine_stats.remote().result(timeout_s=30)["output_tokens"]
+    return driver_handle("DecodeServer").engine_stats.remote().result(timeout_s=30)["output_tokens"]
 
 
 def _wait_idle(url) -> None:
@@ -319,18 +313,11 @@ def test_bad_input_is_a_400_with_a_message(server, body, fragment):
 
 
 def test_the_prefill_replica_warmed_its_link_to_the_decode_replica(server):
-    from ray import serve
-
     mode, _, _ = server
     if mode == "colocated":
         pytest.skip("colocated: no KV links")
-    handles = {}
-    for name in ("PrefillServer", "DecodeServer"):
-        handles[name] = serve.get_deployment_handle(name, "baton")
-        if not handles[name].is_initialized:
-            handles[name]._init(_run_router_in_separate_loop=True)
-    decode_id = handles["DecodeServer"].kv_load.remote().result(timeout_s=30)["endpoint_id"]
-    links = handles["PrefillServer"].kv_load.remote().result(timeout_s=30)["links"]
+    decode_id = driver_handle("DecodeServer").kv_load.remote().result(timeout_s=30)["endpoint_id"]
+    links = driver_handle("PrefillServer").kv_load.remote().result(timeout_s=30)["links"]
     assert links[decode_id]["state"] == "warm" and links[decode_id]["backend"] == "nixl"
 
 
@@ -368,11 +355,9 @@ def test_cancelled_stream_frees_every_block(server):
 def test_each_request_leaves_a_timeline_in_each_roles_serve_log(server):
     """One line per role under the request's id in the replicas' Serve logs (the decode and
     prefill replicas' lines among them: importing NIXL once closed their log handlers)."""
-    import ray
-
     mode, url, _ = server
     rid = _post(f"{url}/v1/completions", {"prompt": PROMPTS[1], **GREEDY}).json()["id"]
-    logs = Path(ray._private.worker._global_node.get_logs_dir_path()) / "serve"
+    logs = serve_log_dir()
     roles = ["ingress", "decode"] + (["prefill"] if mode == "disaggregated" else [])
     deadline, found = time.time() + 20, {}
     while len(found) < len(roles) and time.time() < deadline:

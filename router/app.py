@@ -263,13 +263,17 @@ class Router:
     def checked(self, ids: list[int]) -> list[int]:
         if not ids:
             raise ValueError("prompt: must not be empty")
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt: token ids {bad[:5]} are outside the vocabulary "
-                             f"[0, {self.vocab_size})")
+        self.in_vocabulary(ids, "prompt")
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt: {len(ids)} tokens leave no room to generate within the "
                              f"model's context of {self.max_model_len} tokens")
+        return ids
+
+    def in_vocabulary(self, ids: list[int], field: str) -> list[int]:
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"{field}: token ids {bad[:5]} are outside the vocabulary "
+                             f"[0, {self.vocab_size})")
         return ids
 
     async def chat_ids(self, body: ChatCompletionRequest) -> list[int]:
@@ -391,11 +395,10 @@ class Router:
             return missing
         if self.tokenizer is None:
             return error_response(400, f"model {self.served_name!r} has no tokenizer")
-        bad = [t for t in body.tokens if not 0 <= t < self.vocab_size]
-        if bad:
-            return error_response(400, f"tokens: ids {bad[:5]} are outside the vocabulary "
-                                  f"[0, {self.vocab_size})")
-        return {"prompt": self.tokenizer.decode(body.tokens)}
+        try:
+            return {"prompt": self.tokenizer.decode(self.in_vocabulary(body.tokens, "tokens"))}
+        except ValueError as exc:
+            return error_for(exc, "detokenize")
 
     @app.post("/v1/completions")
     async def completions(self, body: CompletionRequest):

@@ -114,30 +114,48 @@ class PeerDirectory:
         return found
 
 
-class Publisher:
-    """Keeps one receiver's entry fresh until :meth:`stop` withdraws it."""
+class _Periodic:
+    """A daemon thread that runs ``step`` at once and then every ``interval_s`` until
+    :meth:`stop`; a failing step (the store briefly unreachable) is logged and tried again at
+    the next turn."""
 
-    def __init__(self, directory: PeerDirectory, info: EndpointInfo):
-        self.directory, self.info = directory, info
+    def __init__(self, name: str, interval_s: float):
+        self.interval_s = interval_s
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="kv-publisher", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
-    def start(self) -> "Publisher":
+    def start(self):
         self._thread.start()
         return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def step(self) -> None:
+        raise NotImplementedError
 
     def _run(self) -> None:
         while True:
             try:
-                self.directory.publish(self.info)
-            except Exception:  # noqa: BLE001 - the store may be briefly unreachable
-                log.warning("publishing KV endpoint %s failed", self.info.endpoint_id,
-                            exc_info=True)
-            if self._stop.wait(self.directory.ttl_s / 3):
+                self.step()
+            except Exception:  # noqa: BLE001 - tried again at the next turn
+                log.warning("%s: a turn failed", self._thread.name, exc_info=True)
+            if self._stop.wait(self.interval_s):
                 return
 
+
+class Publisher(_Periodic):
+    """Keeps one receiver's entry fresh until :meth:`stop` withdraws it."""
+
+    def __init__(self, directory: PeerDirectory, info: EndpointInfo):
+        super().__init__("kv-publisher", directory.ttl_s / 3)
+        self.directory, self.info = directory, info
+
+    def step(self) -> None:
+        self.directory.publish(self.info)
+
     def stop(self) -> None:
-        self._stop.set()
+        super().stop()
         try:
             self.directory.withdraw(self.info.endpoint_id)
         except Exception:  # noqa: BLE001 - shutting down: the entry goes stale by itself
@@ -153,7 +171,7 @@ class LinkState:
     since: float = 0.0
 
 
-class LinkWarmer:
+class LinkWarmer(_Periodic):
     """Warms the links from one sending endpoint to every receiver its directory lists.
 
     ``submit(fn)`` runs ``fn(engine)`` on the thread that owns the endpoint (the engine thread,
@@ -163,27 +181,13 @@ class LinkWarmer:
 
     def __init__(self, endpoint, directory: PeerDirectory, submit: Callable[..., Future],
                  interval_s: float = SCAN_INTERVAL_S):
+        super().__init__("kv-link-warmer", interval_s)
         self.endpoint, self.directory, self.submit = endpoint, directory, submit
-        self.interval_s = interval_s
         self.links: dict[str, LinkState] = {}
         self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="kv-link-warmer", daemon=True)
 
-    def start(self) -> "LinkWarmer":
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self.scan()
-            except Exception:  # noqa: BLE001 - the directory may be briefly unreachable
-                log.warning("scanning for KV receivers failed", exc_info=True)
-            self._stop.wait(self.interval_s)
+    def step(self) -> None:
+        self.scan()
 
     def summary(self) -> dict[str, dict]:
         with self._lock:

@@ -42,9 +42,7 @@ def measure(batch: int, steps: int, prompt_len: int) -> dict[str, float]:
         t.append(time.perf_counter())
         due = engine.scheduler.advance(batch_)
         t.append(time.perf_counter())
-        tokens, _ = engine.sampler(logits[: len(due)], [s.params for s in due],
-                                   [s.generator for s in due], [s.num_tokens for s in due])
-        tokens = tokens.tolist()
+        tokens = engine.sampler(logits[: len(due)], due).tokens.tolist()
         t.append(time.perf_counter())
         for seq, token in zip(due, tokens):
             engine._append_token(seq, token, None)

@@ -63,9 +63,7 @@ def main() -> None:
         logits = graphs.run(step)
         t3 = time.perf_counter()
         due = sched.advance(batch)
-        tokens, _ = engine.sampler(logits, [s.params for s in due], [s.generator for s in due],
-                                   [s.num_tokens for s in due])
-        tokens = tokens.tolist()
+        tokens = engine.sampler(logits, due).tokens.tolist()
         t4 = time.perf_counter()
         for seq, tok in zip(due, tokens):
             engine._append_token(seq, tok, None)

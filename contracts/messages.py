@@ -47,6 +47,7 @@ class TokenDelta:
     stop_reason: int | str | None = None
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
+    top_logprobs: list[list[list]] | None = None  # per token: [[id, logprob], ...], best first
 
     @property
     def finished(self) -> bool:
@@ -102,6 +103,7 @@ class PrefillResult:
     num_cached_tokens: int
     stats: TransferStats = field(default_factory=TransferStats)
     prefill_seconds: float = 0.0
+    first_top_logprobs: list[tuple[int, float]] | None = None
 
 
 # Each serving module logs under Serve's logger, so its lines land in the replica's Serve log

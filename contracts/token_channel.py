@@ -12,7 +12,8 @@ connection that drops fails the ``done`` future of every request routed over it.
 
 Frames: a 4-byte big-endian length, then msgpack. The first is the publisher's hello
 ``[PROTOCOL, key, publisher_id]``; then ``[produced_at, [[request_id, token_ids, logprobs,
-finish_reason, stop_reason, num_output_tokens, num_cached_tokens], ...]]``, ``produced_at``
+finish_reason, stop_reason, num_output_tokens, num_cached_tokens, top_logprobs], ...]]``
+(``top_logprobs``: per token, ``[[id, logprob], ...]``, or nil), ``produced_at``
 being the ``time.time()`` at which the engine step's tokens were known.
 """
 
@@ -32,7 +33,7 @@ from contracts.messages import StreamAddress, TokenDelta
 from engine.outputs import RequestOutput
 
 log = logging.getLogger(__name__)
-PROTOCOL = 1
+PROTOCOL = 2
 HELLO_TIMEOUT_S = 5.0
 MAX_FRAME_BYTES = 64 << 20
 _LEN = struct.Struct(">I")
@@ -51,7 +52,8 @@ def _frame(obj) -> bytes:
 
 def encode_step(produced_at: float, outputs: Iterable[RequestOutput]) -> bytes:
     return _frame([produced_at, [[o.request_id, o.new_token_ids, o.new_logprobs, o.finish_reason,
-                                  o.stop_reason, o.num_output_tokens, o.num_cached_tokens]
+                                  o.stop_reason, o.num_output_tokens, o.num_cached_tokens,
+                                  o.new_top_logprobs]
                                  for o in outputs]])
 
 

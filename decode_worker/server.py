@@ -238,7 +238,8 @@ class DecodeServer:
             if timing is not None:
                 timing.queued = time.time()
             self.publisher.publish([engine.admit(result.request_id, result.first_token,
-                                                 result.first_logprob)])
+                                                 result.first_logprob,
+                                                 result.first_top_logprobs)])
 
         await self.aengine.call(admit)
         self._handovers.pop(result.request_id, None)

@@ -36,9 +36,12 @@ class IncrementalDetokenizer:
     """
 
     def __init__(self, tokenizer, stop: Sequence[str] = (),
-                 decode: Callable[[list[int]], str] | None = None):
+                 decode: Callable[[list[int]], str] | None = None, min_tokens: int = 0):
+        """``min_tokens``: stop strings are looked for once that many tokens are in (as vLLM
+        does), in the text from then on."""
         self._decode = decode or decoder_of(tokenizer)
         self.stop = tuple(stop)
+        self.min_tokens = min_tokens
         self._hold = max((len(s) for s in self.stop), default=1) - 1
         self.ids: list[int] = []
         self._prefix_offset = 0  # window start
@@ -66,6 +69,8 @@ class IncrementalDetokenizer:
             return
         start = max(0, len(self.text) - self._hold)
         self.text += new
+        if len(self.ids) < self.min_tokens:
+            return
         hits = [(i, s) for s in self.stop if (i := self.text.find(s, start)) >= 0]
         if hits:
             cut, self.stop_reason = min(hits)

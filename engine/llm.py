@@ -9,7 +9,7 @@ from tqdm.auto import tqdm
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine, Prompt
 from engine.outputs import Completion, OutputCollector
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, best_indices, fan_out
 
 PROGRESS_MIN_PROMPTS = 8
 
@@ -30,7 +30,10 @@ class LLM:
 
     def generate(self, prompts: Prompt | Seq[Prompt],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool | None = None) -> list[Completion]:
+                 use_tqdm: bool | None = None) -> list[Completion | list[Completion]]:
+        """One :class:`Completion` per prompt, or for a prompt whose parameters ask for several
+        sequences (``n``, ``best_of``) the list of its ``n`` completions (with ``best_of``, the
+        ``n`` of highest cumulative logprob, best first)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -44,10 +47,20 @@ class LLM:
             raise ValueError("stop: stop strings need a tokenizer; use stop_token_ids")
         # Validate everything before queueing anything, so a bad prompt leaves no request behind.
         token_ids = [self.engine.tokenize(p) for p in prompts]
+        for p in params:
+            self.engine.validate_params(p)
+        # A request of n (or best_of) sequences runs as that many engine requests; they share
+        # the prompt's KV through the prefix cache (the scheduler holds back a sequence whose
+        # prompt blocks another one is computing), so the prompt is prefilled once.
         collectors: dict[str, OutputCollector] = {}
+        groups: list[tuple[SamplingParams, list[str]]] = []
         for ids, p in zip(token_ids, params):
-            rid = self.engine.add_request(ids, p)
-            collectors[rid] = OutputCollector(rid, ids, p, self.tokenizer)
+            rids = []
+            for child in fan_out(p):
+                rid = self.engine.add_request(ids, child)
+                collectors[rid] = OutputCollector(rid, ids, child, self.tokenizer)
+                rids.append(rid)
+            groups.append((p, rids))
         if use_tqdm is None:
             use_tqdm = self.engine.config.show_progress and len(prompts) >= PROGRESS_MIN_PROMPTS
         with tqdm(total=len(collectors), desc="generate", disable=not use_tqdm, unit="req") as bar:
@@ -60,4 +73,12 @@ class LLM:
                         if not out.finished:  # a stop string: the engine stops on ids only
                             self.engine.abort_request(out.request_id)
                         bar.update(1)
-        return [c.result for c in collectors.values()]
+        results = []
+        for p, rids in groups:
+            done = [collectors[rid].result for rid in rids]
+            if p.num_sequences == 1:
+                results.append(done[0])
+            else:
+                results.append([done[i] for i in best_indices(
+                    p, [c.cumulative_logprob or 0.0 for c in done])])
+        return results

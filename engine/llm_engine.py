@@ -30,7 +30,7 @@ from engine.block_pool import BlockPool
 from engine.config import EngineConfig, parse_dtype
 from engine.loader import load_model, load_tokenizer, resolve_model
 from engine.model_runner import ModelRunner
-from engine.outputs import RequestOutput
+from engine.outputs import RequestOutput, TopLogprobs
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
@@ -61,6 +61,8 @@ class LaunchedStep:
     tokens: torch.Tensor | None = None
     host_tokens: torch.Tensor | None = None
     host_logprobs: torch.Tensor | None = None
+    host_top_ids: torch.Tensor | None = None
+    host_top_logprobs: torch.Tensor | None = None
     done: torch.cuda.Event | None = None
     releases: int = 0  # the scheduler's release count right after the launch
 
@@ -144,6 +146,14 @@ class LLMEngine:
             raise ValueError(f"prompt: {len(ids)} tokens need {blocks} KV blocks; the cache has "
                              f"{self.pool.num_usable_blocks}")
 
+    def validate_params(self, params: SamplingParams) -> None:
+        """What only the model can check: token ids the parameters name are in its vocabulary,
+        and ``n`` is for the caller to fan out (one sequence per engine request)."""
+        bad = [t for t in params.token_ids_used() if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"logit_bias/stop_token_ids: token ids {bad[:5]} are outside the "
+                             f"vocabulary [0, {self.vocab_size})")
+
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
                     request_id: str | None = None, hold_blocks: bool = False) -> str:
         """Queue a request. ``hold_blocks`` (prefill role): keep its KV blocks when it finishes,
@@ -156,6 +166,10 @@ class LLMEngine:
     def _new_sequence(self, prompt: Prompt, params: SamplingParams | None,
                       request_id: str | None) -> Sequence:
         params = params or SamplingParams()
+        if params.num_sequences > 1:
+            raise ValueError(f"n/best_of: an engine request is one sequence, got "
+                             f"{params.num_sequences}; fan it out (engine.sampling_params.fan_out)")
+        self.validate_params(params)
         ids = self.tokenize(prompt)
         if request_id is not None and self.scheduler.find(request_id) is not None:
             raise ValueError(f"request_id: {request_id!r} is already in use")
@@ -189,10 +203,11 @@ class LLMEngine:
         skip = seq.num_present_tokens // self.config.block_size
         return seq.request_id, seq.block_ids[skip:], seq.num_present_tokens
 
-    def admit(self, request_id: str, first_token: int,
-              first_logprob: float | None = None) -> RequestOutput:
-        """The pushed KV has landed and the prefill engine sampled ``first_token``: join the
-        running batch (or finish at once if that token ends the request)."""
+    def admit(self, request_id: str, first_token: int, first_logprob: float | None = None,
+              first_top: TopLogprobs | None = None) -> RequestOutput:
+        """The pushed KV has landed and the prefill engine sampled ``first_token`` (with its
+        logprob and top logprobs where asked): join the running batch (or finish at once if
+        that token ends the request)."""
         seq = self.scheduler.transferring.get(request_id)
         if seq is None:
             raise KeyError(f"request {request_id!r} has no reserved blocks")
@@ -200,7 +215,9 @@ class LLMEngine:
             raise ValueError(f"first_token: {first_token} is outside the vocabulary")
         self.scheduler.admit_transferred(seq)
         self._append_token(seq, first_token, first_logprob)
-        return self._output(seq, [first_token], [first_logprob] if seq.params.logprobs else None)
+        asked = seq.params.logprobs is not None
+        return self._output(seq, [first_token], [first_logprob] if asked else None,
+                            [first_top or []] if asked and seq.params.logprobs else None)
 
     def _fence_released_blocks(self) -> None:
         """Blocks given back since the running step was launched may still be written by it (a
@@ -253,11 +270,13 @@ class LLMEngine:
         due = self.scheduler.advance(batch)
         step = LaunchedStep(due)
         if due:
-            tokens, logprobs = self.sampler(logits, [s.params for s in due],
-                                            [s.generator for s in due],
-                                            [s.num_tokens for s in due])
-            step.tokens = tokens
-            step.host_tokens, step.host_logprobs = self._to_host(tokens), self._to_host(logprobs)
+            out = self.sampler(logits, due, running.tokens if running is not None else None,
+                               self.eos_token_ids)
+            step.tokens = out.tokens
+            step.host_tokens, step.host_logprobs = self._to_host(out.tokens), \
+                self._to_host(out.logprobs)
+            step.host_top_ids, step.host_top_logprobs = self._to_host(out.top_ids), \
+                self._to_host(out.top_logprobs)
             for row, seq in enumerate(due):
                 seq.add_pending(row)
         if self.device.type == "cuda":
@@ -278,6 +297,8 @@ class LLMEngine:
         step.wait()
         tokens = step.host_tokens.tolist()
         logprobs = step.host_logprobs.tolist() if step.host_logprobs is not None else None
+        top_ids = step.host_top_ids.tolist() if step.host_top_ids is not None else None
+        top_lps = step.host_top_logprobs.tolist() if step.host_top_ids is not None else None
         outputs = []
         for i, (seq, token) in enumerate(zip(step.due, tokens)):
             if seq.is_finished:  # stopped (or aborted) while this step ran: drop its token
@@ -285,8 +306,10 @@ class LLMEngine:
             seq.resolve_pending(token)
             self.scheduler.cache_full_blocks(seq)
             self._check_stop(seq, token)
-            outputs.append(self._output(seq, [token], [logprobs[i]] if seq.params.logprobs
-                                        else None))
+            k = seq.params.logprobs
+            outputs.append(self._output(
+                seq, [token], [logprobs[i]] if k is not None else None,
+                [list(zip(top_ids[i][:k], top_lps[i][:k]))] if k else None))
         return outputs
 
     def _append_token(self, seq: Sequence, token: int, logprob: float | None) -> None:
@@ -306,9 +329,9 @@ class LLMEngine:
         if reason is not None:
             self.scheduler.finish(seq, reason)
 
-    def _output(self, seq: Sequence, new_tokens: list[int],
-                new_logprobs: list[float] | None) -> RequestOutput:
+    def _output(self, seq: Sequence, new_tokens: list[int], new_logprobs: list[float] | None,
+                new_top: list[TopLogprobs] | None = None) -> RequestOutput:
         return RequestOutput(
             seq.request_id, new_tokens, new_logprobs, seq.is_finished,
             seq.finish_reason.value if seq.finish_reason else None, seq.stop_reason,
-            seq.num_resolved_tokens - seq.num_prompt_tokens, seq.num_cached_tokens)
+            seq.num_resolved_tokens - seq.num_prompt_tokens, seq.num_cached_tokens, new_top)

@@ -9,15 +9,20 @@ want whole results: the offline :class:`~engine.llm.LLM` and tests.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TypeAlias
 
 from engine.detokenizer import IncrementalDetokenizer
 from engine.sampling_params import SamplingParams
 
 
+TopLogprobs: TypeAlias = list[tuple[int, float]]  # a token's most likely (id, logprob), best first
+
+
 @dataclass(slots=True)
 class RequestOutput:
     """A request's step: the tokens (and logprobs) that step produced, and whether it ended.
-    ``num_output_tokens`` counts every output token so far, these included."""
+    ``num_output_tokens`` counts every output token so far, these included. ``new_top_logprobs``
+    (with ``logprobs`` > 0): each new token's top ``logprobs`` alternatives."""
 
     request_id: str
     new_token_ids: list[int]
@@ -27,6 +32,7 @@ class RequestOutput:
     stop_reason: int | str | None = None
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
+    new_top_logprobs: list[TopLogprobs] | None = None
 
 
 @dataclass
@@ -38,10 +44,15 @@ class Completion:
     token_ids: list[int] = field(default_factory=list)
     text: str | None = None
     logprobs: list[float] | None = None
+    top_logprobs: list[TopLogprobs] | None = None
     finished: bool = False
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+
+    @property
+    def cumulative_logprob(self) -> float | None:
+        return sum(self.logprobs) if self.logprobs is not None else None
 
 
 class OutputCollector:
@@ -51,8 +62,10 @@ class OutputCollector:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  tokenizer=None):
         self.result = Completion(request_id, list(prompt_token_ids),
-                                 logprobs=[] if params.logprobs else None)
-        self.detok = IncrementalDetokenizer(tokenizer, params.stop) if tokenizer else None
+                                 logprobs=[] if params.logprobs is not None else None,
+                                 top_logprobs=[] if params.logprobs else None)
+        self.detok = IncrementalDetokenizer(tokenizer, params.stop,
+                                            min_tokens=params.min_tokens) if tokenizer else None
 
     def add(self, out: RequestOutput) -> bool:
         """Take a delta; True once the request is complete (the engine finished it, or a stop
@@ -64,6 +77,8 @@ class OutputCollector:
             r.token_ids.append(token)
             if r.logprobs is not None and out.new_logprobs is not None:
                 r.logprobs.append(out.new_logprobs[i])
+            if r.top_logprobs is not None and out.new_top_logprobs is not None:
+                r.top_logprobs.append(out.new_top_logprobs[i])
             if self.detok is not None and self.detok.add(token):
                 self._finish("stop", self.detok.stop_reason)
                 return True

@@ -1,21 +1,31 @@
 """Batched sampling without a host sync per request.
 
-Greedy rows take the argmax. Other rows are scaled by temperature, cut by top-k and top-p, and
-sampled with the exponential trick (``argmax(probs / q)``, ``q ~ Exp(1)``), drawing ``q`` from the
-engine's generator, or for a request with a seed from its own generator seeded by
-(seed, position of the token being sampled): a seeded request draws the same numbers however it
-is batched, split between a prefill and a decode engine, or resumed on another replica with its
-tokens so far as the prompt. Per-row parameters go to the device without a host sync
-(:mod:`engine.uploads`), so sampling queues behind the forward pass.
+Per step, for the sequences due a token: logits are changed where a request asks for it
+(``logit_bias``, ``min_tokens``, repetition / frequency / presence penalties; see
+:class:`~engine.sampling_params.SamplingParams`), greedy rows take the argmax, other rows are
+scaled by temperature, cut by min-p, top-k and top-p, and sampled with the exponential trick
+(``argmax(probs / q)``, ``q ~ Exp(1)``), drawing ``q`` from the engine's generator, or for a
+request with a seed from its own generator seeded by (seed, position of the token being
+sampled): a seeded request draws the same numbers however it is batched, split between a
+prefill and a decode engine, or resumed on another replica with its tokens so far as the prompt.
+Logprobs (and the top ``k``) are of the raw logits.
+
+Per-row parameters go to the device without a host sync (:mod:`engine.uploads`), so sampling
+queues behind the forward pass. The penalties count the tokens of each penalized row, uploaded
+each step (prompt too for the repetition penalty); the newest output token may still be on the
+device (the engine runs one step ahead): it is read from the running step's sampled ids there.
+A step without any of these requests pays nothing for them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from collections.abc import Sequence as Seq
+from dataclasses import dataclass
 
 import torch
 
-from engine.sampling_params import SamplingParams
+from engine.sequence import PENDING, Sequence
 from engine.uploads import upload
 
 _MASK64 = (1 << 64) - 1
@@ -30,6 +40,18 @@ def position_seed(seed: int, position: int) -> int:
     return x ^ (x >> 31)
 
 
+@dataclass
+class SampleOutput:
+    """One step's draws, on the device: ``tokens`` ``[B]``; with logprobs asked for by any row,
+    the sampled tokens' ``logprobs`` ``[B]``, and with top logprobs the ``top_ids`` and
+    ``top_logprobs`` ``[B, K]`` (``K`` the largest asked; rows use their first ``k``)."""
+
+    tokens: torch.Tensor
+    logprobs: torch.Tensor | None = None
+    top_ids: torch.Tensor | None = None
+    top_logprobs: torch.Tensor | None = None
+
+
 class Sampler:
     def __init__(self, device: torch.device, seed: int = 0):
         self.device = device
@@ -39,21 +61,31 @@ class Sampler:
         """A seeded request's generator (re-seeded for each draw by :func:`position_seed`)."""
         return torch.Generator(device=self.device)
 
-    def __call__(self, logits: torch.Tensor, params: Seq[SamplingParams],
-                 generators: Seq[torch.Generator | None],
-                 positions: Seq[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``logits``: ``[B, V]`` float32; ``positions``: the index in prompt + output of each
-        row's token → (token ids ``[B]``, logprobs ``[B]`` or None)."""
+    def __call__(self, logits: torch.Tensor, seqs: Seq[Sequence],
+                 prev_tokens: torch.Tensor | None = None,
+                 eos_ids: Iterable[int] = ()) -> SampleOutput:
+        """``logits``: ``[B, V]`` float32 of ``seqs`` (each due its token at position
+        ``num_tokens``); ``prev_tokens``: the running step's sampled ids (where pending tokens
+        live); ``eos_ids``: banned with ``stop_token_ids`` until ``min_tokens``."""
+        params = [s.params for s in seqs]
+        raw = logits
+        if any(p.changes_logits for p in params):
+            logits = _change_logits(logits.clone(), seqs, prev_tokens, frozenset(eos_ids))
         greedy_ids = logits.argmax(dim=-1)
         if all(p.greedy for p in params):
             tokens = greedy_ids
         else:
             tokens = torch.where(self._greedy_mask(params, logits.device), greedy_ids,
-                                 self._sample(logits, params, generators, positions))
-        logprobs = None
-        if any(p.logprobs for p in params):
-            logprobs = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None]).squeeze(1)
-        return tokens, logprobs
+                                 self._sample(logits, params, [s.generator for s in seqs],
+                                              [s.num_tokens for s in seqs]))
+        out = SampleOutput(tokens)
+        asked = [p.logprobs for p in params if p.logprobs is not None]
+        if asked:
+            logprobs = torch.log_softmax(raw, dim=-1)
+            out.logprobs = logprobs.gather(1, tokens[:, None]).squeeze(1)
+            if max(asked):
+                out.top_logprobs, out.top_ids = logprobs.topk(max(asked), dim=-1)
+        return out
 
     @staticmethod
     def _greedy_mask(params, device) -> torch.Tensor:
@@ -63,6 +95,7 @@ class Sampler:
         temps = upload([p.temperature if p.temperature > 0 else 1.0 for p in params],
                        torch.float32, logits.device).to(logits.dtype)
         logits = logits / temps[:, None]
+        logits = _apply_min_p(logits, [p.min_p for p in params])
         logits = _apply_top_k(logits, [p.top_k for p in params])
         logits = _apply_top_p(logits, [p.top_p for p in params])
         probs = torch.softmax(logits, dim=-1)
@@ -72,6 +105,90 @@ class Sampler:
                 gen.manual_seed(position_seed(params[i].seed, positions[i]))
                 q[i].exponential_(generator=gen)
         return (probs / q).argmax(dim=-1)
+
+
+def _change_logits(logits: torch.Tensor, seqs: Seq[Sequence], prev_tokens: torch.Tensor | None,
+                   eos_ids: frozenset[int]) -> torch.Tensor:
+    """``logits`` (a copy) with each row's bias, ``min_tokens`` ban and penalties applied."""
+    vocab = logits.shape[1]
+    rows, cols, values = [], [], []
+    for i, seq in enumerate(seqs):
+        p = seq.params
+        for token, bias in p.logit_bias:
+            if token < vocab:
+                rows.append(i), cols.append(token), values.append(bias)
+        if seq.num_output_tokens < p.min_tokens:
+            banned = set(p.stop_token_ids) | (set() if p.ignore_eos else eos_ids)
+            for token in sorted(t for t in banned if t < vocab):
+                rows.append(i), cols.append(token), values.append(float("-inf"))
+    if rows:
+        index = upload(rows + cols, torch.int64, logits.device).view(2, -1)
+        logits.index_put_((index[0], index[1]),
+                          upload(values, torch.float32, logits.device).to(logits.dtype),
+                          accumulate=True)
+    penalized = [i for i, seq in enumerate(seqs)
+                 if seq.params.presence_penalty or seq.params.frequency_penalty
+                 or seq.params.repetition_penalty != 1.0]
+    if penalized:
+        _apply_penalties(logits, [seqs[i] for i in penalized], penalized, prev_tokens)
+    return logits
+
+
+def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence], rows: list[int],
+                     prev_tokens: torch.Tensor | None) -> None:
+    """Repetition (prompt and output), frequency and presence (output) penalties, in place.
+
+    Each row's history goes up as one padded ``[R, L]`` id tensor: its output tokens (and, with
+    a repetition penalty, its prompt before them); a token still pending on the device is
+    marked ``PENDING`` there and read from ``prev_tokens``."""
+    vocab, device = logits.shape[1], logits.device
+    histories, starts, pending = [], [], []
+    for seq in seqs:
+        p = seq.params
+        out_start = max(seq.num_prompt_tokens - p.num_resumed_tokens, 0)
+        lo = 0 if p.repetition_penalty != 1.0 else out_start
+        histories.append(seq.token_ids[lo:])
+        starts.append(out_start - lo)
+        if seq.num_pending > 1:
+            raise RuntimeError("penalties: more than one token pending")
+        pending.append(seq.pending_row if seq.num_pending else 0)
+    width = max(1, max(len(h) for h in histories))
+    pad = vocab  # an extra column, dropped after counting
+    flat = [t for h in histories for t in (*h, *[pad] * (width - len(h)))]
+    ids = upload(flat, torch.int64, device).view(len(seqs), width)
+    if any(seq.num_pending for seq in seqs):
+        if prev_tokens is None:
+            raise RuntimeError("penalties: a pending token but no running step")
+        fill = prev_tokens[upload(pending, torch.int64, device)]
+        ids = torch.where(ids == PENDING, fill[:, None], ids)
+    is_output = (torch.arange(width, device=device)[None, :]
+                 >= upload(starts, torch.int64, device)[:, None])
+    counts = torch.zeros(len(seqs), vocab + 1, dtype=logits.dtype, device=device)
+    counts.scatter_add_(1, torch.where(is_output, ids, pad), torch.ones_like(ids, dtype=counts.dtype))
+    counts = counts[:, :vocab]
+    index = upload(rows, torch.int64, device)
+    sub = logits[index]
+    params = [s.params for s in seqs]
+    if any(p.repetition_penalty != 1.0 for p in params):
+        seen = torch.zeros(len(seqs), vocab + 1, dtype=torch.bool, device=device)
+        seen.scatter_(1, ids, True)
+        rep = upload([p.repetition_penalty for p in params], torch.float32,
+                     device).to(logits.dtype)[:, None]
+        sub = torch.where(seen[:, :vocab], torch.where(sub > 0, sub / rep, sub * rep), sub)
+    freq = upload([p.frequency_penalty for p in params], torch.float32, device).to(logits.dtype)
+    pres = upload([p.presence_penalty for p in params], torch.float32, device).to(logits.dtype)
+    sub = sub - freq[:, None] * counts - pres[:, None] * (counts > 0).to(logits.dtype)
+    logits[index] = sub
+
+
+def _apply_min_p(logits: torch.Tensor, min_p: list[float]) -> torch.Tensor:
+    """Drop tokens less likely than ``min_p`` times the most likely one."""
+    if not any(min_p):
+        return logits
+    m = upload(min_p, torch.float32, logits.device).to(logits.dtype)
+    probs = logits.softmax(dim=-1)
+    floor = probs.max(dim=-1, keepdim=True).values * m[:, None]
+    return logits.masked_fill(probs < floor, float("-inf"))
 
 
 def _apply_top_k(logits: torch.Tensor, top_k: list[int]) -> torch.Tensor:

@@ -6,7 +6,10 @@ order, which is also priority: the most recently admitted is preempted first).
 Each step spends ``max_num_batched_tokens``: running sequences first (one token each when
 decoding, the next chunk when still prefilling), then waiting sequences are admitted while
 budget, ``max_num_seqs`` and free blocks allow. Admission matches the prefix cache; a full hit
-still recomputes the last prompt token (its KV is not stored again). When a running sequence
+still recomputes the last prompt token (its KV is not stored again). A waiting sequence whose
+next prompt block a running sequence is computing right now is held back until that block is in
+the cache (so n sequences of one prompt, or a burst of requests with a shared prefix, compute
+it once). When a running sequence
 needs a block and none is free, the last-admitted sequence is preempted: its blocks are freed
 (and stay prefix-cache hits) and it is recomputed later.
 
@@ -171,12 +174,20 @@ class Scheduler:
 
     def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
         # Sequences receiving their KV hold a slot too: once admitted they join the batch.
+        computing = self._blocks_in_flight()
+        deferred: list[Sequence] = []
         while (self.waiting and budget > 0
                and len(self.running) + len(self.transferring) < self.max_num_seqs):
             seq = self.waiting[0]
             if seq.num_pending:
                 break  # preempted while its last token was on the way
             hits, hit_tokens = self._match(seq)
+            if len(hits) < len(seq.block_hashes) and seq.block_hashes[len(hits)] in computing:
+                # Its next prompt block is being computed by a running sequence (the same
+                # prompt: n sequences of one request, or concurrent requests with a shared
+                # prefix): wait for it to land in the prefix cache instead of computing it too.
+                deferred.append(self.waiting.popleft())
+                continue
             computed = min(hit_tokens, seq.num_tokens - 1)
             n = min(seq.num_tokens - computed, budget)
             need = -(-(computed + n) // self.block_size) - len(hits)
@@ -190,6 +201,15 @@ class Scheduler:
             batch.seqs.append(seq)
             batch.num_new_tokens.append(n)
             budget -= n
+            computing.update(seq.block_hashes[seq.num_registered_blocks:])
+        self.waiting.extendleft(reversed(deferred))
+
+    def _blocks_in_flight(self) -> set[int]:
+        """Hashes of full prompt blocks that running sequences are still computing."""
+        if not self.pool.enable_prefix_caching or not self.waiting:
+            return set()
+        return {h for seq in self.running if seq.num_registered_blocks < len(seq.block_hashes)
+                for h in seq.block_hashes[seq.num_registered_blocks:]}
 
     def _match(self, seq: Sequence) -> tuple[list[int], int]:
         self._update_hashes(seq)

@@ -97,4 +97,5 @@ class PrefillServer:
             request_id=rid, first_token=first.new_token_ids[0],
             first_logprob=first.new_logprobs[0] if first.new_logprobs else None,
             num_prompt_tokens=len(req.prompt_token_ids), num_cached_tokens=first.num_cached_tokens,
-            stats=transfer.stats, prefill_seconds=prefill_s)
+            stats=transfer.stats, prefill_seconds=prefill_s,
+            first_top_logprobs=first.new_top_logprobs[0] if first.new_top_logprobs else None)

@@ -28,10 +28,12 @@ from ray.serve.grpc_util import RayServegRPCContext
 
 from contracts.messages import TIMELINE, GenerateResult, timeline
 from engine import SamplingParams
+from engine.sampling_params import best_indices, fan_out
 from engine.loader import load_tokenizer, resolve_model
 from proto import baton_pb2
 from router.door import APIKeyMiddleware, BodyLimitMiddleware, authorized
 from router.errors import RequestTimeout, describe, log_failure
+from router.logprobs import TokenTexts
 from router.metrics import RouterMetrics
 from router.prompts import PromptEncoder
 from router.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
@@ -129,14 +131,17 @@ def _transfer(result: GenerateResult | None) -> dict | None:
             "dst_node": t.dst_node, "prefill_seconds": result.prefill_seconds}
 
 
-def _usage(streams: list[RequestStream], results: list[GenerateResult | None]) -> dict:
-    """Usage of one request (or summed over a batch's; ``kv_transfer`` then one per prompt)."""
-    n_in = sum(s.num_prompt_tokens for s in streams)
+def _usage(streams: list[RequestStream], results: list[GenerateResult | None],
+           per_prompt: int = 1) -> dict:
+    """Usage of one request, summed over its sequences (``per_prompt`` of each prompt: its
+    prompt counts once, as OpenAI counts it); ``kv_transfer`` one per sequence when several."""
+    firsts = streams[::per_prompt]
+    n_in = sum(s.num_prompt_tokens for s in firsts)
     n_out = sum(len(s.token_ids) for s in streams)
     transfers = [_transfer(r) for r in results]
     return {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out,
             "prompt_tokens_details": {"cached_tokens": sum(s.num_cached_tokens
-                                                           for s in streams)},
+                                                           for s in firsts)},
             "kv_transfer": transfers[0] if len(transfers) == 1 else transfers}
 
 
@@ -164,15 +169,27 @@ def _grpc_status(grpc_context, code, message: str) -> None:
     grpc_context.set_details(message)
 
 
-class _Merged:
-    """The chunks of one request, or of a batch's requests as they come: ``(index, chunk)``.
-    One request is followed directly (the hot path); a batch's requests are all started here
-    and each is read by a task of its own, the chunks meeting in a queue. ``streams`` and
-    ``results`` are filled once all have ended; ``aclose`` stops what still runs (a client that
-    left, a failed batch)."""
+# GenerateRequest's optional sampling fields, passed on when set (the engine's defaults if not).
+_GRPC_OPTIONAL = ("max_tokens", "temperature", "top_p", "top_k", "seed", "presence_penalty",
+                  "frequency_penalty", "repetition_penalty", "min_p", "min_tokens")
 
-    def __init__(self, router: "Router", batch, params, rids: list[str]):
-        self.router, self.batch, self.params, self.rids = router, batch, params, rids
+
+def _grpc_top(chunk: Chunk) -> list:
+    return [baton_pb2.TopLogprobs(token_ids=[t for t, _ in alts], logprobs=[lp for _, lp in alts])
+            for alts in chunk.top_logprobs or ()]
+
+
+class _Merged:
+    """The chunks of one sequence, or of several as they come: ``(index, chunk)``; ``items``
+    are ``(prompt ids, one-sequence params)``, a batch's prompts each fanned out into its ``n``
+    (or ``best_of``) sequences. One sequence is followed directly (the hot path); several are
+    all started here and each is read by a task of its own, the chunks meeting in a queue.
+    ``streams`` and ``results`` are filled once all have ended; ``aclose`` stops what still
+    runs (a client that left, a failed batch)."""
+
+    def __init__(self, router: "Router", items: list[tuple[list[int], SamplingParams]],
+                 rids: list[str]):
+        self.router, self.items, self.rids = router, items, rids
         self.streams: list[RequestStream] = []
         self.results: list[GenerateResult | None] = []
         self._tasks: list[asyncio.Future] = []
@@ -182,8 +199,9 @@ class _Merged:
         return self._chunks
 
     async def _follow(self):
-        if len(self.batch) == 1:
-            async with self.router.request(self.batch[0], self.params, self.rids[0]) as stream:
+        if len(self.items) == 1:
+            (ids, params), = self.items
+            async with self.router.request(ids, params, self.rids[0]) as stream:
                 async for chunk in stream.chunks(stream.deadline):
                     yield 0, chunk
                 self.streams, self.results = [stream], [await self.router.finish(stream)]
@@ -191,8 +209,8 @@ class _Merged:
         async with AsyncExitStack() as stack:
             # Each under a Serve request id of its own (``in_batch``; see DecodeClient._submit).
             streams = [await stack.enter_async_context(
-                self.router.request(ids, self.params, rid, in_batch=True))
-                for ids, rid in zip(self.batch, self.rids)]
+                self.router.request(ids, params, rid, in_batch=True))
+                for (ids, params), rid in zip(self.items, self.rids)]
             queue: asyncio.Queue = asyncio.Queue()
 
             async def pump(i: int, stream: RequestStream) -> None:
@@ -238,6 +256,7 @@ class Router:
 
         source = resolve_model(model)
         self.tokenizer = load_tokenizer(source)
+        self.texts = TokenTexts(self.tokenizer)
         self.client = DecodeClient(decode, self.tokenizer, ray.util.get_node_ip_address())
         self.vocab_size = source.config.vocab_size
         self.max_model_len = min(max_model_len or source.config.max_position_embeddings,
@@ -287,6 +306,7 @@ class Router:
         the context (so a huge ``max_tokens`` is refused, not run for minutes)."""
         if params.stop and self.tokenizer is None:
             raise ValueError("stop: stop strings need a tokenizer; use stop_token_ids")
+        self.in_vocabulary(params.token_ids_used(), "logit_bias/stop_token_ids")
         if len(ids) + params.max_tokens > self.max_model_len:
             raise ValueError(f"max_tokens: {params.max_tokens} new tokens after a {len(ids)}-token "
                              f"prompt exceed the model's context of {self.max_model_len} tokens")
@@ -408,7 +428,7 @@ class Router:
         try:
             prompts = body.prompts()
             batch = [await self.prompt_ids(p) for p in prompts]
-            params = body.sampling_params(self.default_max_tokens, body.logprobs is not None)
+            params = body.sampling_params(self.default_max_tokens, body.logprobs, body.best_of)
             for ids in batch:
                 self.check_params(ids, params)
             echo = [p if isinstance(p, str) else self._text(ids)
@@ -424,7 +444,7 @@ class Router:
             return missing
         try:
             ids = await self.chat_ids(body)
-            params = body.sampling_params(self.default_max_tokens, body.logprobs)
+            params = body.sampling_params(self.default_max_tokens, body.logprobs_asked)
             self.check_params(ids, params)
         except ValueError as exc:
             return error_for(exc, rid)
@@ -434,8 +454,9 @@ class Router:
         return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
 
     async def _answer(self, batch, params, rid: str, kind: str, body, echo=None):
-        """``batch``: the prompts' token ids (one choice each, ``index`` in order); ``echo``:
-        each prompt's text, to put before its completion."""
+        """``batch``: the prompts' token ids; each prompt gets ``n`` choices (``index`` =
+        prompt × n + choice), from ``n`` sequences, or the best ``n`` of ``best_of``; ``echo``:
+        each prompt's text, to put before its completions."""
         if body.stream:
             return DeferredStreamingResponse(self._sse(batch, params, rid, f"{kind}.chunk"
                                                        if kind == "chat.completion" else kind,
@@ -444,12 +465,25 @@ class Router:
         return await self._complete(batch, params, rid, kind, echo)
 
     @staticmethod
+    def _fan(batch, params: SamplingParams) -> list[tuple[list[int], SamplingParams]]:
+        """Every sequence of the request, prompt by prompt (``num_sequences`` each)."""
+        children = fan_out(params)
+        return [(ids, child) for ids in batch for child in children]
+
+    @staticmethod
     def _sub_ids(rid: str, n: int) -> list[str]:
         return [rid] if n == 1 else [f"{rid}-{i}" for i in range(n)]
 
+    def _logprobs(self, chat: bool, chunk_or_stream, offset: int = 0) -> tuple[dict, int]:
+        c = chunk_or_stream
+        if chat:
+            return self.texts.chat(c.token_ids, c.logprobs, c.top_logprobs), offset
+        return self.texts.completion(c.token_ids, c.logprobs, c.top_logprobs, offset)
+
     async def _complete(self, batch, params, rid, kind: str, echo=None):
-        feed = _Merged(self, batch, params, self._sub_ids(rid, len(batch)))
-        texts = [[] for _ in batch]
+        items = self._fan(batch, params)
+        feed = _Merged(self, items, self._sub_ids(rid, len(items)))
+        texts = [[] for _ in items]
         try:
             async for index, chunk in feed:
                 texts[index].append(chunk.text)
@@ -457,22 +491,26 @@ class Router:
             return error_for(exc, rid)
         finally:
             await feed.aclose()
-        outcomes = [(stream, "".join(text), result)
-                    for stream, text, result in zip(feed.streams, texts, feed.results)]
+        chat = kind == "chat.completion"
+        k, shown = params.num_sequences, params.logprobs is not None
         choices = []
-        for i, (stream, text, _result) in enumerate(outcomes):
-            choice = {"index": i, "finish_reason": stream.finish_reason,
-                      "token_ids": stream.token_ids}
-            if kind == "chat.completion":
-                choice["message"] = {"role": "assistant", "content": text}
-            else:
-                choice["text"] = (echo[i] if echo else "") + text
-                choice["logprobs"] = ({"tokens": None, "token_logprobs": stream.logprobs}
-                                      if params.logprobs else None)
-            choices.append(choice)
+        for p in range(len(batch)):
+            group = feed.streams[p * k:(p + 1) * k]
+            picked = best_indices(params, [sum(s.logprobs or ()) for s in group])
+            for j, g in enumerate(picked):
+                stream, text = group[g], "".join(texts[p * k + g])
+                choice = {"index": p * params.n + j, "finish_reason": stream.finish_reason,
+                          "token_ids": stream.token_ids}
+                head = echo[p] if echo else ""
+                lp = self._logprobs(chat, stream, len(head))[0] if shown else None
+                if chat:
+                    choice["message"] = {"role": "assistant", "content": text}
+                else:
+                    choice["text"] = head + text
+                choice["logprobs"] = lp
+                choices.append(choice)
         return {"id": rid, "object": kind, "created": int(time.time()), "model": self.served_name,
-                "choices": choices,
-                "usage": _usage([o[0] for o in outcomes], [o[2] for o in outcomes])}
+                "choices": choices, "usage": _usage(feed.streams, feed.results, k)}
 
     async def _sse(self, batch, params, rid, kind: str, body, echo=None) -> AsyncIterator[str]:
         created = int(time.time())
@@ -480,33 +518,39 @@ class Router:
         options = body.stream_options
         timed = options is not None and options.include_timing
         head = {"id": rid, "object": kind, "created": created, "model": self.served_name}
-        echoed = set()
+        items = self._fan(batch, params)  # streaming: best_of is n, so sequence i is choice i
+        shown, n = params.logprobs is not None, params.n
+        started: set[int] = set()
+        offsets = [len(echo[i // n]) if echo else 0 for i in range(len(items))]
 
         def event(index: int, chunk: Chunk) -> str:
             choice = {"index": index, "finish_reason": chunk.finish_reason,
                       "token_ids": chunk.token_ids}
+            lp = None
+            if shown and chunk.token_ids:
+                lp, offsets[index] = self._logprobs(chat, chunk, offsets[index])
             if chat:
                 choice["delta"] = {"content": chunk.text}
             else:
                 text = chunk.text
-                if echo and index not in echoed:
-                    echoed.add(index)
-                    text = echo[index] + text
+                if echo and index not in started:
+                    text = echo[index // n] + text
                 choice["text"] = text
-                choice["logprobs"] = {"token_logprobs": chunk.logprobs} if chunk.logprobs else None
+            choice["logprobs"] = lp
+            started.add(index)
             obj = {**head, "choices": [choice]}
             if timed:
                 obj["produced_at"] = chunk.produced_at
             return _event(obj)
 
         sent = False
-        feed = _Merged(self, batch, params, self._sub_ids(rid, len(batch)))
+        feed = _Merged(self, items, self._sub_ids(rid, len(items)))
         try:
             async for index, chunk in feed:
-                if chat and not sent:
+                if chat and index not in started:
                     yield _event({**head, "choices": [{
-                        "index": 0, "finish_reason": None, "token_ids": [],
-                        "delta": {"role": "assistant", "content": ""}}]})
+                        "index": index, "finish_reason": None, "token_ids": [],
+                        "delta": {"role": "assistant", "content": ""}, "logprobs": None}]})
                 sent = True
                 yield event(index, chunk)
         except Exception as exc:  # noqa: BLE001 - before the first chunk: a real status code
@@ -520,8 +564,9 @@ class Router:
         finally:
             await feed.aclose()
         if options is None or options.include_usage:
-            usage = {**head, "choices": [], "usage": _usage(feed.streams, feed.results)}
-            if timed and len(batch) == 1:
+            usage = {**head, "choices": [],
+                     "usage": _usage(feed.streams, feed.results, params.num_sequences)}
+            if timed and len(items) == 1:
                 usage["timing"] = _timing(feed.streams[0], feed.results[0])
             yield _event(usage)
         yield "data: [DONE]\n\n"
@@ -531,11 +576,15 @@ class Router:
         if req.prompt and req.prompt_token_ids:
             raise ValueError("prompt: give either prompt or prompt_token_ids, not both")
         ids = await self.prompt_ids(req.prompt if req.prompt else list(req.prompt_token_ids))
-        fields = {name: getattr(req, name) for name in ("max_tokens", "temperature", "top_p",
-                                                        "top_k", "seed") if req.HasField(name)}
+        fields = {name: getattr(req, name) for name in _GRPC_OPTIONAL if req.HasField(name)}
         fields.setdefault("max_tokens", self.default_max_tokens)
+        if req.HasField("top_logprobs") and not req.logprobs:
+            raise ValueError("top_logprobs: needs logprobs=true")
+        logprobs = (req.top_logprobs if req.HasField("top_logprobs") else 0) \
+            if req.logprobs else None
         params = SamplingParams(stop=list(req.stop), stop_token_ids=list(req.stop_token_ids),
-                                ignore_eos=req.ignore_eos, logprobs=req.logprobs, **fields)
+                                ignore_eos=req.ignore_eos, logprobs=logprobs,
+                                logit_bias=dict(req.logit_bias), **fields)
         self.check_params(ids, params)
         return ids, params
 
@@ -584,6 +633,7 @@ class Router:
             resp.token_ids.extend(chunk.token_ids)
             resp.text += chunk.text
             resp.logprobs.extend(chunk.logprobs or [])
+            resp.top_logprobs.extend(_grpc_top(chunk))
             if chunk.finished:
                 self._grpc_final(resp, stream)
         return resp
@@ -594,6 +644,7 @@ class Router:
             msg = baton_pb2.GenerateResponse(request_id=request.request_id or stream.request_id,
                                              token_ids=chunk.token_ids, text=chunk.text,
                                              logprobs=chunk.logprobs or [],
+                                             top_logprobs=_grpc_top(chunk),
                                              produced_at=chunk.produced_at)
             if chunk.finished:
                 self._grpc_final(msg, stream)

@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from engine import SamplingParams
+from engine.sampling_params import MAX_LOGPROBS
 
 
 MAX_PROMPTS_PER_REQUEST = 128  # a batch in /v1/completions: one decode request per prompt
@@ -38,6 +39,13 @@ class _Common(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # vLLM's extensions, as vLLM names them.
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    logit_bias: dict[str, float] | None = None  # token id (a string in JSON) -> bias
     # Sent by OpenAI clients and frameworks, with no effect on the output here: accepted, ignored.
     user: str | None = None
     metadata: dict[str, str] | None = None
@@ -45,25 +53,20 @@ class _Common(BaseModel):
     service_tier: str | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
 
-    @model_validator(mode="after")
-    def _unsupported(self):
-        if self.n != 1:
-            raise ValueError(f"n: only n=1 is supported, got {self.n}")
-        if self.presence_penalty or self.frequency_penalty:
-            raise ValueError("presence_penalty/frequency_penalty: penalties are not supported")
-        return self
-
-    def sampling_params(self, default_max_tokens: int, logprobs: bool) -> SamplingParams:
+    def sampling_params(self, default_max_tokens: int, logprobs: int | None,
+                        best_of: int | None = None) -> SamplingParams:
+        """The request's sampling parameters (``ValueError`` naming a bad field)."""
         limit = next((v for v in (self.max_completion_tokens, self.max_tokens) if v is not None),
                      default_max_tokens)
         return SamplingParams(
             max_tokens=limit,
             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
             stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
-            logprobs=logprobs)
+            logprobs=logprobs, n=self.n, best_of=best_of,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty, min_p=self.min_p,
+            min_tokens=self.min_tokens, logit_bias=self.logit_bias)
 
 
 class CompletionRequest(_Common):
@@ -93,12 +96,13 @@ class CompletionRequest(_Common):
     def _unsupported_completion(self):
         if self.echo and self.logprobs is not None:
             raise ValueError("echo: not supported together with logprobs (prompt logprobs)")
-        if self.best_of not in (None, 1):
-            raise ValueError("best_of: not supported")
         if self.suffix:
             raise ValueError("suffix: not supported")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 1:
-            raise ValueError("logprobs: only the sampled token's logprob (0 or 1) is supported")
+        if self.stream and self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of: not supported when streaming (the best are known only "
+                             "at the end)")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs: must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         return self
 
 
@@ -139,9 +143,17 @@ class ChatCompletionRequest(_Common):
 
     @model_validator(mode="after")
     def _unsupported_chat(self):
-        if self.top_logprobs:
-            raise ValueError("top_logprobs: not supported")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs: needs logprobs=true")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"top_logprobs: must be in [0, {MAX_LOGPROBS}], got "
+                             f"{self.top_logprobs}")
         return self
+
+    @property
+    def logprobs_asked(self) -> int | None:
+        """The engine's ``logprobs``: None, or how many alternatives per token."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class TokenizeRequest(BaseModel):

@@ -12,9 +12,11 @@ which aborts the request on the decode replica and frees its blocks.
 
 Migration: when the call fails because its decode replica (or its token channel, or its engine)
 is gone, the request is submitted again, under a new internal id, with the prompt plus every
-token the stream already has as its prompt and the rest of ``max_tokens``; its tokens join the
-same stream, so the client sees one stream with nothing missing or repeated. Greedy tokens are
-those of an uninterrupted run, and so are seeded ones (draws are keyed by seed and position).
+token the stream already has as its prompt and the rest of ``max_tokens`` and ``min_tokens``
+(``num_resumed_tokens`` tells the engine those prompt tokens are output, for the penalties); its
+tokens join the same stream, so the client sees one stream with nothing missing or repeated.
+Greedy tokens are those of an uninterrupted run, and so are seeded ones (draws are keyed by seed
+and position).
 The resumed request is prefilled anew (a prefix-cache hit where the replica holds the blocks).
 A token that ends a request comes in the same delta as its finish reason, so a stream that has
 not finished always has tokens left to make.
@@ -61,6 +63,7 @@ class Chunk:
     logprobs: list[float] | None = None
     finish_reason: str | None = None
     produced_at: float = 0.0
+    top_logprobs: list[list] | None = None  # per token: [[id, logprob], ...], best first
 
     @property
     def finished(self) -> bool:
@@ -86,6 +89,7 @@ class RequestStream:
     on_token: Callable[[float | None, float], None] | None = None  # metrics: (gap, produced_at)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] | None = None
+    top_logprobs: list[list] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
@@ -107,8 +111,10 @@ class RequestStream:
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
 
     def __post_init__(self):
-        if self.params.logprobs:
+        if self.params.logprobs is not None:
             self.logprobs = []
+        if self.params.logprobs:
+            self.top_logprobs = []
 
     @property
     def finished(self) -> bool:
@@ -132,6 +138,8 @@ class RequestStream:
             self.token_ids.append(token)
             if self.logprobs is not None and delta.logprobs is not None:
                 self.logprobs.append(delta.logprobs[i])
+            if self.top_logprobs is not None and delta.top_logprobs is not None:
+                self.top_logprobs.append(delta.top_logprobs[i])
             if self.detok is not None and self.detok.add(token):
                 self._finish("stop", self.detok.stop_reason)
                 self.cancel()  # the engine stops on ids only: end it there
@@ -181,7 +189,8 @@ class RequestStream:
         chunk = Chunk(self.token_ids[self._sent:n],
                       self.detok.take() if self.detok is not None else "",
                       self.logprobs[self._sent:n] if self.logprobs is not None else None,
-                      self.finish_reason, self._oldest_unsent)
+                      self.finish_reason, self._oldest_unsent,
+                      self.top_logprobs[self._sent:n] if self.top_logprobs is not None else None)
         self._sent = n
         return chunk
 
@@ -200,7 +209,8 @@ class DecodeClient:
         """``own_serve_id``: this call is one of several one client request makes at once (a
         batch of prompts): it gets a Serve request id of its own (see ``_submit``)."""
         await self.sink.start()
-        detok = IncrementalDetokenizer(self.tokenizer, params.stop) if self.tokenizer else None
+        detok = IncrementalDetokenizer(self.tokenizer, params.stop, min_tokens=params.min_tokens) \
+            if self.tokenizer else None
         stream = RequestStream(request_id, len(ids), params, detok, on_token)
         stream.own_serve_id = own_serve_id
         stream.prompt_token_ids = tuple(ids)
@@ -214,8 +224,10 @@ class DecodeClient:
         have = stream.token_ids
         rid = stream.request_id if not stream.migrations else \
             f"{stream.request_id}~{stream.migrations}"
-        params = stream.params if not have else \
-            stream.params.model_copy(update={"max_tokens": stream.params.max_tokens - len(have)})
+        p = stream.params
+        params = p if not have else p.model_copy(update={
+            "max_tokens": p.max_tokens - len(have), "min_tokens": max(p.min_tokens - len(have), 0),
+            "num_resumed_tokens": len(have)})  # they count as output for the penalties
         stream.call_id = rid
         self.sink.register(rid, stream.feed)
         req = GenerateRequest(stream.prompt_token_ids + tuple(have), params, rid,

@@ -4,7 +4,8 @@
   (:class:`TwoBackends`): attention outputs of every layer within 1e-2, logits of every step
   within 2e-2; for prefill, prefill behind a cached prefix, chunked prefill, and decode at
   several batch sizes.
-- CUDA-graph decode vs eager: identical greedy tokens.
+- CUDA-graph decode vs eager: identical greedy tokens; with penalties, bias, min_tokens, min_p
+  and top logprobs too (engine one step ahead vs eager step by step).
 - Greedy tokens identical to transformers in float32 on a Qwen3-0.6B-shaped model, 64 tokens.
 """
 
@@ -206,6 +207,53 @@ def test_async_scheduling_matches_one_step_at_a_time(flashinfer_engine):
     assert ahead == run(sync, "stop-sync", prompts[1:2], stop)
     assert ahead[0][1] == "stop" and len(ahead[0][0]) <= 6
     assert flashinfer_engine.pool.num_used_blocks == 0 and sync.pool.num_used_blocks == 0
+
+
+def test_changed_logits_and_top_logprobs_under_cuda_graphs(flashinfer_engine):
+    """The sampling paths that change logits (penalties over the token history, with the newest
+    token read from the device one step ahead; bias; min_tokens; min_p) and top logprobs, on a
+    graphed engine running ahead, give the tokens and logprobs of the eager engine that waits
+    for every step; n sequences share their prompt's prefill."""
+    eager = _engine(attention_backend="flashinfer", enforce_eager=True, async_scheduling=False)
+    prompts = random_prompts([9, 40, 130, 33], vocab=VOCAB, seed=31)
+    params = [
+        SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, repetition_penalty=1.3,
+                       frequency_penalty=0.5, logprobs=5),
+        SamplingParams(temperature=0.8, seed=3, max_tokens=40, ignore_eos=True, min_p=0.05,
+                       presence_penalty=1.0, logit_bias={100: 5.0, 7: -100.0}),
+        SamplingParams(temperature=0, max_tokens=40, min_tokens=30, logprobs=2),
+        SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+    ]
+
+    def run(engine, tag):
+        ids = [engine.add_request(p, q, request_id=f"{tag}{i}")
+               for i, (p, q) in enumerate(zip(prompts, params))]
+        got = {i: ([], [], []) for i in ids}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                tokens, lps, tops = got[out.request_id]
+                tokens += out.new_token_ids
+                lps += out.new_logprobs or []
+                tops += [[t for t, _ in top] for top in out.new_top_logprobs or []]
+        return [got[i] for i in ids]
+
+    graphed, reference = run(flashinfer_engine, "pen-g"), run(eager, "pen-e")
+    for (g_tok, g_lp, g_top), (e_tok, e_lp, e_top) in zip(graphed, reference):
+        assert g_tok == e_tok and g_top == e_top
+        torch.testing.assert_close(torch.tensor(g_lp), torch.tensor(e_lp), atol=1e-3,
+                                   rtol=1e-3)
+    assert len(graphed[2][0]) >= 30 and all(len(t) == 5 for t in graphed[0][2])
+    # n = 4 of one 300-token prompt: one prefill, then each other sequence its last 12 tokens.
+    prompt = random_prompts([300], vocab=VOCAB, seed=32)[0]
+    before = flashinfer_engine.stats.scheduled_tokens
+    from engine.sampling_params import fan_out
+    for i, child in enumerate(fan_out(SamplingParams(temperature=1.0, seed=1, max_tokens=4,
+                                                     ignore_eos=True, n=4))):
+        flashinfer_engine.add_request(prompt, child, request_id=f"n{i}")
+    while flashinfer_engine.has_unfinished_requests():
+        flashinfer_engine.step()
+    assert flashinfer_engine.stats.scheduled_tokens - before == 300 + 3 * 12 + 4 * 3
+    assert flashinfer_engine.pool.num_used_blocks == 0 and eager.pool.num_used_blocks == 0
 
 
 def test_greedy_tokens_match_transformers_qwen3_06b_float32():

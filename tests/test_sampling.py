@@ -5,6 +5,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.sampler import Sampler
+from engine.sequence import Sequence
 from tests.models import random_prompts
 
 PROMPTS = random_prompts([4, 12, 30], vocab=512, seed=5)
@@ -67,11 +68,18 @@ def test_tiny_top_p_equals_greedy(llm):
 def test_top_k_and_top_p_keep_only_allowed_tokens():
     logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]] * 200)
     s = Sampler(torch.device("cpu"), seed=0)
-    tokens, _ = s(logits, [SamplingParams(top_k=2)] * 200, [None] * 200, [0] * 200)
+    tokens = s(logits, _rows(SamplingParams(top_k=2), 200)).tokens
     assert set(tokens.tolist()) == {0, 1}
     # softmax([4,3,2,1,0]) ≈ [.64, .23, .09, .03, .01]: top_p=0.8 keeps the first two.
-    tokens, _ = s(logits, [SamplingParams(top_p=0.8)] * 200, [None] * 200, [0] * 200)
+    tokens = s(logits, _rows(SamplingParams(top_p=0.8), 200)).tokens
     assert set(tokens.tolist()) == {0, 1}
+    # min_p=0.3 keeps tokens at least 0.3 × the top probability: the first two (.23/.64 > .3).
+    tokens = s(logits, _rows(SamplingParams(min_p=0.3), 200)).tokens
+    assert set(tokens.tolist()) == {0, 1}
+
+
+def _rows(params, n, prompt=(1,)):
+    return [Sequence(f"r{i}", list(prompt), params) for i in range(n)]
 
 
 def test_max_tokens(llm):

@@ -194,6 +194,131 @@ def test_the_official_openai_client(server, offline):
         client.models.retrieve("gpt-4o")
 
 
+SAMPLED = [
+    dict(temperature=0, presence_penalty=1.5, frequency_penalty=0.5),
+    dict(temperature=0, repetition_penalty=1.6, logit_bias={"17": 4.0, "100": -100}),
+    dict(temperature=0.9, seed=41, min_p=0.1, frequency_penalty=-0.5, min_tokens=8),
+]
+
+
+@pytest.mark.parametrize("fields", SAMPLED, ids=["penalties", "repetition+bias", "seeded"])
+def test_sampling_fields_give_the_offline_engines_tokens(server, offline, fields):
+    """Penalties, logit_bias, min_p and min_tokens served as the offline engine runs them
+    (test_logits_processing checks the engine against a written-out reference), whole and
+    streamed: in disaggregated serving the prefill replica samples the first token with them."""
+    _, url, _ = server
+    prompt = PROMPTS_IDS[:18]
+    want = offline.generate([prompt], SamplingParams(max_tokens=12, ignore_eos=True,
+                                                     **fields))[0]
+    body = {"prompt": prompt, "max_tokens": 12, "ignore_eos": True, **fields}
+    whole = _post(f"{url}/v1/completions", body).json()
+    assert whole["choices"][0]["token_ids"] == want.token_ids, whole
+    streamed = _post(f"{url}/v1/completions", {**body, "stream": True}, stream=True)
+    assert [t for e in _events(streamed) if e and e["choices"]
+            for t in e["choices"][0]["token_ids"]] == want.token_ids
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_n_choices_equal_n_single_requests(server, offline, stream):
+    """n seeded sequences per prompt, a batch of two prompts: choice p·n + i has the tokens of
+    a single request with seed + i (as vLLM seeds them); usage counts each prompt once."""
+    _, url, _ = server
+    prompts = PROMPTS[:2]
+    sampled = dict(temperature=1.0, seed=7, max_tokens=8, ignore_eos=True)
+    want = offline.generate(prompts, SamplingParams(n=3, **sampled))
+    resp = _post(f"{url}/v1/completions", {"prompt": prompts, "n": 3, "stream": stream,
+                                           **sampled}, stream=stream)
+    assert resp.status_code == 200, resp.text
+    if stream:
+        events = [e for e in _events(resp) if e is not None]
+        tokens = {}
+        for e in events[:-1]:
+            tokens.setdefault(e["choices"][0]["index"], []).extend(e["choices"][0]["token_ids"])
+        usage = events[-1]["usage"]
+    else:
+        body = resp.json()
+        assert [c["index"] for c in body["choices"]] == list(range(6))
+        tokens = {c["index"]: c["token_ids"] for c in body["choices"]}
+        usage = body["usage"]
+    assert [tokens[i] for i in range(6)] == [c.token_ids for group in want for c in group]
+    assert len({tuple(t) for t in tokens.values()}) > 1
+    n_prompt = sum(len(offline.engine.tokenize(p)) for p in prompts)
+    assert usage["prompt_tokens"] == n_prompt and usage["completion_tokens"] == 48
+    chat = _post(f"{url}/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "Hi"}], "n": 2, **sampled}).json()
+    assert [c["index"] for c in chat["choices"]] == [0, 1]
+    assert chat["choices"][0]["token_ids"] != chat["choices"][1]["token_ids"]
+
+
+def test_best_of_returns_the_most_likely_of_its_sequences(server, offline):
+    _, url, _ = server
+    sampled = dict(temperature=1.3, seed=3, max_tokens=6, ignore_eos=True)
+    want = offline.generate([PROMPTS[1]], SamplingParams(n=2, best_of=4, **sampled))[0]
+    body = _post(f"{url}/v1/completions", {"prompt": PROMPTS[1], "n": 2, "best_of": 4,
+                                           **sampled}).json()
+    assert [c["token_ids"] for c in body["choices"]] == [c.token_ids for c in want]
+    assert all(c["logprobs"] is None for c in body["choices"])  # ranked by them, not asked
+    assert body["usage"]["completion_tokens"] == 24  # every sequence ran
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_logprobs_objects_as_openai_shapes_them(server, offline, stream):
+    _, url, _ = server
+    want = offline.generate([PROMPTS[1]], SamplingParams(logprobs=3, **GREEDY))[0]
+    tok = offline.tokenizer
+
+    def collect(resp, chat):
+        if not stream:
+            c = resp.json()["choices"][0]
+            return c["logprobs"]["content"] if chat else c["logprobs"], c
+        parts = [e["choices"][0] for e in _events(resp) if e and e["choices"]
+                 and e["choices"][0]["logprobs"]]
+        if chat:
+            return [x for p in parts for x in p["logprobs"]["content"]], None
+        merged = {k: [v for p in parts for v in p["logprobs"][k]] for k in
+                  ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+        return merged, None
+
+    lp, _ = collect(_post(f"{url}/v1/completions", {"prompt": PROMPTS[1], "logprobs": 3,
+                                                   "echo": False, "stream": stream, **GREEDY},
+                          stream=stream), chat=False)
+    assert lp["tokens"] == [tok.decode([t]) for t in want.token_ids]
+    assert lp["token_logprobs"] == pytest.approx(want.logprobs, abs=1e-4)
+    assert [list(d) for d in lp["top_logprobs"]] == \
+        [list(dict.fromkeys(tok.decode([t]) for t, _ in top)) for top in want.top_logprobs]
+    assert lp["text_offset"] == [sum(len(x) for x in lp["tokens"][:i])
+                                 for i in range(len(lp["tokens"]))]
+    content, _ = collect(_post(f"{url}/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "Hi"}], "logprobs": True, "top_logprobs": 2,
+        "stream": stream, **GREEDY}, stream=stream), chat=True)
+    assert len(content) == 12
+    for entry in content:
+        assert entry["bytes"] == list(entry["token"].encode())
+        assert len(entry["top_logprobs"]) == 2
+        assert entry["top_logprobs"][0]["logprob"] >= entry["top_logprobs"][1]["logprob"]
+        assert entry["logprob"] == pytest.approx(entry["top_logprobs"][0]["logprob"])  # greedy
+
+
+def test_the_official_openai_client_sampling_options(server, offline):
+    """What the `openai` package sends for n, logprobs, penalties, logit_bias and seed."""
+    _, url, _ = server
+    client = _openai(url)
+    messages = [{"role": "user", "content": "Count to three."}]
+    got = client.chat.completions.create(
+        model="tiny", messages=messages, n=2, max_completion_tokens=6, temperature=0.8, seed=5,
+        presence_penalty=0.5, frequency_penalty=0.5, logit_bias={"17": 5}, logprobs=True,
+        top_logprobs=2, extra_body={"ignore_eos": True, "min_p": 0.05})
+    assert [c.index for c in got.choices] == [0, 1]
+    for choice in got.choices:
+        assert len(choice.logprobs.content) == 6
+        assert all(len(e.top_logprobs) == 2 for e in choice.logprobs.content)
+    cmpl = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=6, n=2,
+                                     best_of=3, logprobs=2, temperature=0.7, seed=11,
+                                     extra_body={"ignore_eos": True})
+    assert len(cmpl.choices) == 2 and len(cmpl.choices[0].logprobs.tokens) == 6
+    assert all(len(d) <= 2 for d in cmpl.choices[0].logprobs.top_logprobs)
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_batch_of_prompts_gets_one_choice_each_in_order(server, offline, stream):
     _, url, _ = server
@@ -298,8 +423,19 @@ def test_shared_prefix_moves_fewer_blocks(server):
     ({"prompt": "hi", "temperature": -1}, "temperature"),
     ({"prompt": "hi", "top_p": 0}, "top_p"),
     ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
-    ({"prompt": "hi", "n": 2}, "n: only n=1"),
-    ({"prompt": "hi", "best_of": 3}, "best_of"),
+    ({"prompt": "hi", "n": 0}, "n must be in [1, 128]"),
+    ({"prompt": "hi", "n": 3, "best_of": 2}, "best_of must be in [n=3"),
+    ({"prompt": "hi", "best_of": 3, "stream": True}, "best_of: not supported when streaming"),
+    ({"prompt": "hi", "presence_penalty": 2.5}, "presence_penalty must be in [-2, 2]"),
+    ({"prompt": "hi", "frequency_penalty": "Infinity"}, "frequency_penalty"),
+    ({"prompt": "hi", "repetition_penalty": 0}, "repetition_penalty must be positive"),
+    ({"prompt": "hi", "min_p": -0.1}, "min_p must be in [0, 1]"),
+    ({"prompt": "hi", "min_tokens": 20, "max_tokens": 5}, "min_tokens must be in [0, max_tokens=5]"),
+    ({"prompt": "hi", "logit_bias": {"99999": 1}}, "logit_bias/stop_token_ids: token ids [99999]"),
+    ({"prompt": "hi", "logit_bias": {"x": 1}}, "logit_bias: keys must be token ids"),
+    ({"prompt": "hi", "logit_bias": {"5": 200}}, "must be in [-100, 100]"),
+    ({"prompt": "hi", "logprobs": 21}, "logprobs: must be in [0, 20]"),
+    ({"prompt": "hi", "stop_token_ids": [10**6]}, "outside the vocabulary"),
     ({"prompt": "hi", "frobnicate": 1}, "frobnicate"),
     ({"prompt": [1] * 5000}, "leave no room"),
     ({"prompt": "hi", "max_tokens": 10**9}, "exceed the model's context"),
@@ -441,6 +577,23 @@ def test_grpc_client_request_ids_need_not_be_unique(stub, offline):
         assert list(resp.token_ids) == offline.generate([p], SamplingParams(**GREEDY))[0].token_ids
 
 
+def test_grpc_sampling_fields_and_top_logprobs(stub, offline):
+    from proto import baton_pb2
+    prompt = PROMPTS_IDS[:16]
+    fields = dict(temperature=0.9, seed=8, presence_penalty=0.7, frequency_penalty=0.3,
+                  repetition_penalty=1.2, min_p=0.05, min_tokens=6, logit_bias={21: 3.0})
+    want = offline.generate([prompt], SamplingParams(max_tokens=10, ignore_eos=True, logprobs=2,
+                                                     **fields))[0]
+    req = baton_pb2.GenerateRequest(prompt_token_ids=prompt, max_tokens=10, ignore_eos=True,
+                                    logprobs=True, top_logprobs=2, **fields)
+    for msgs in ([stub.Generate(req, timeout=60)], list(stub.GenerateStream(req, timeout=60))):
+        assert [t for m in msgs for t in m.token_ids] == want.token_ids
+        tops = [e for m in msgs for e in m.top_logprobs]
+        assert [list(e.token_ids) for e in tops] == [[t for t, _ in top]
+                                                     for top in want.top_logprobs]
+        assert [lp for m in msgs for lp in m.logprobs] == pytest.approx(want.logprobs, abs=1e-4)
+
+
 @pytest.mark.parametrize("how", ["cancel", "deadline"])
 def test_grpc_cancel_and_deadline_stop_the_request(server, stub, how):
     """A gRPC client that cancels, or whose deadline passes, ends the request on the server:
@@ -472,6 +625,13 @@ def test_grpc_cancel_and_deadline_stop_the_request(server, stub, how):
     (dict(prompt="hi", temperature=float("nan")), "temperature"),
     (dict(prompt="hi", max_tokens=2**32 - 1), "max_tokens"),
     (dict(prompt="hi", prompt_token_ids=[1]), "either prompt or prompt_token_ids"),
+    (dict(prompt="hi", presence_penalty=3.0), "presence_penalty must be in [-2, 2]"),
+    (dict(prompt="hi", repetition_penalty=float("inf")), "repetition_penalty"),
+    (dict(prompt="hi", logit_bias={99999: 1.0}), "outside the vocabulary"),
+    (dict(prompt="hi", logit_bias={3: -500.0}), "must be in [-100, 100]"),
+    (dict(prompt="hi", top_logprobs=2), "top_logprobs: needs logprobs=true"),
+    (dict(prompt="hi", logprobs=True, top_logprobs=40), "logprobs must be in [0, 20]"),
+    (dict(prompt="hi", max_tokens=4, min_tokens=9), "min_tokens"),
 ])
 @pytest.mark.parametrize("streaming", [False, True])
 def test_grpc_bad_input_is_invalid_argument(stub, fields, fragment, streaming):

@@ -17,6 +17,7 @@ which aborts the request when one appears.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import time
@@ -35,6 +36,7 @@ from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import FinishReason, Sequence
+from engine.structured import Grammars
 
 log = logging.getLogger(__name__)
 
@@ -153,6 +155,15 @@ class LLMEngine:
         if bad:
             raise ValueError(f"logit_bias/stop_token_ids: token ids {bad[:5]} are outside the "
                              f"vocabulary [0, {self.vocab_size})")
+        if params.structured_output is not None:
+            self.grammars.compile(params.structured_output)  # a bad spec: ValueError
+
+    @functools.cached_property
+    def grammars(self) -> Grammars:
+        """The model's structured-output compiler (made at the first request that needs it)."""
+        if self.tokenizer is None:
+            raise ValueError(f"structured output: model {self.source.name!r} has no tokenizer")
+        return Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids)
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
                     request_id: str | None = None, hold_blocks: bool = False) -> str:
@@ -176,6 +187,9 @@ class LLMEngine:
         seq = Sequence(request_id or uuid.uuid4().hex, ids, params)
         if params.seed is not None:
             seq.generator = self.sampler.new_generator()
+        if params.structured_output is not None:
+            resumed = ids[len(ids) - params.num_resumed_tokens:] if params.num_resumed_tokens else ()
+            seq.matcher = self.grammars.matcher(params.structured_output, resumed)
         return seq
 
     # -- prefill role -----------------------------------------------------------------------
@@ -271,7 +285,8 @@ class LLMEngine:
         step = LaunchedStep(due)
         if due:
             out = self.sampler(logits, due, running.tokens if running is not None else None,
-                               self.eos_token_ids)
+                               self.eos_token_ids,
+                               self.grammars if any(s.matcher for s in due) else None)
             step.tokens = out.tokens
             step.host_tokens, step.host_logprobs = self._to_host(out.tokens), \
                 self._to_host(out.logprobs)
@@ -306,6 +321,7 @@ class LLMEngine:
             seq.resolve_pending(token)
             self.scheduler.cache_full_blocks(seq)
             self._check_stop(seq, token)
+            self._advance_grammar(seq, token)
             k = seq.params.logprobs
             outputs.append(self._output(
                 seq, [token], [logprobs[i]] if k is not None else None,
@@ -315,6 +331,22 @@ class LLMEngine:
     def _append_token(self, seq: Sequence, token: int, logprob: float | None) -> None:
         seq.token_ids.append(token)
         self._check_stop(seq, token)
+        self._advance_grammar(seq, token)
+
+    def _advance_grammar(self, seq: Sequence, token: int) -> None:
+        """A structured-output sequence's matcher takes its new token; a complete grammar (its
+        end-of-sequence token taken) ends the sequence with ``stop``."""
+        m = seq.matcher
+        if m is None or m.is_terminated():
+            return
+        if not m.accept_token(token):  # the mask allowed it: only a token from elsewhere
+            log.error("request %s: token %d breaks its grammar; stopping it", seq.request_id,
+                      token)
+        elif not m.is_terminated():
+            return
+        if not seq.is_finished:
+            seq.stop_reason = token
+            self.scheduler.finish(seq, FinishReason.STOP)
 
     def _check_stop(self, seq: Sequence, token: int) -> None:
         p = seq.params

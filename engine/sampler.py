@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.sequence import PENDING, Sequence
+from engine.structured import apply_bitmasks
 from engine.uploads import upload
 
 _MASK64 = (1 << 64) - 1
@@ -63,14 +64,20 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, seqs: Seq[Sequence],
                  prev_tokens: torch.Tensor | None = None,
-                 eos_ids: Iterable[int] = ()) -> SampleOutput:
+                 eos_ids: Iterable[int] = (), grammars=None) -> SampleOutput:
         """``logits``: ``[B, V]`` float32 of ``seqs`` (each due its token at position
         ``num_tokens``); ``prev_tokens``: the running step's sampled ids (where pending tokens
-        live); ``eos_ids``: banned with ``stop_token_ids`` until ``min_tokens``."""
+        live); ``eos_ids``: banned with ``stop_token_ids`` until ``min_tokens``; ``grammars``
+        (:class:`~engine.structured.Grammars`): masks the rows whose sequence has a matcher."""
         params = [s.params for s in seqs]
         raw = logits
+        matchers = {i: s.matcher for i, s in enumerate(seqs) if s.matcher is not None}
+        if matchers:
+            logits = logits.clone()
+            apply_bitmasks(logits, list(matchers), grammars.bitmasks(len(seqs), matchers))
         if any(p.changes_logits for p in params):
-            logits = _change_logits(logits.clone(), seqs, prev_tokens, frozenset(eos_ids))
+            logits = _change_logits(logits if matchers else logits.clone(), seqs, prev_tokens,
+                                    frozenset(eos_ids))
         greedy_ids = logits.argmax(dim=-1)
         if all(p.greedy for p in params):
             tokens = greedy_ids

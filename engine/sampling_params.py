@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 
+from engine.structured import StructuredOutput
+
 MAX_LOGPROBS = 20  # top_logprobs per token, as OpenAI allows
 MAX_N = 128  # sequences per request (n, best_of)
 
@@ -48,6 +50,8 @@ class SamplingParams(BaseModel):
     min_tokens: int = 0
     n: int = 1
     best_of: int | None = None
+    # Every output token keeps the text inside this grammar (engine.structured).
+    structured_output: StructuredOutput | None = None
     # Set by whoever resumes a request elsewhere with its tokens so far appended to the prompt
     # (migration): the prompt's last ``num_resumed_tokens`` are output, for the penalties.
     num_resumed_tokens: int = 0

@@ -132,9 +132,11 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if seq.num_pending and (self._length_done(seq)
+            if seq.num_pending and (self._length_done(seq) or seq.matcher is not None
                                     or self._blocks_needed(seq, n) > self.pool.num_usable_blocks):
-                i += 1  # its pending token is its last: decide once it has arrived
+                # Its pending token is its last, or its grammar must see it before the next
+                # draw can be masked: decide once it has arrived.
+                i += 1
                 continue
             if self._blocks_needed(seq, n) > self.pool.num_usable_blocks:
                 self.finish(seq, FinishReason.LENGTH)  # can never fit in this cache

@@ -58,6 +58,7 @@ class Sequence:
     num_pending: int = 0  # trailing PENDING entries of ``token_ids``
     pending_row: int = -1  # row of the newest pending token in its step's sampled tokens
     arrival_order: int = field(default_factory=lambda: next(_ids))
+    matcher: object | None = None  # structured output: the grammar's state (engine.structured)
 
     def __post_init__(self):
         if not self.token_ids:

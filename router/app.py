@@ -29,6 +29,7 @@ from ray.serve.grpc_util import RayServegRPCContext
 from contracts.messages import TIMELINE, GenerateResult, timeline
 from engine import SamplingParams
 from engine.sampling_params import best_indices, fan_out
+from engine.structured import Grammars, StructuredOutput
 from engine.loader import load_tokenizer, resolve_model
 from proto import baton_pb2
 from router.door import APIKeyMiddleware, BodyLimitMiddleware, authorized
@@ -174,6 +175,17 @@ _GRPC_OPTIONAL = ("max_tokens", "temperature", "top_p", "top_k", "seed", "presen
                   "frequency_penalty", "repetition_penalty", "min_p", "min_tokens")
 
 
+def _grpc_structure(req) -> StructuredOutput | None:
+    which = req.WhichOneof("structured_output")
+    if which is None or (which == "json_object" and not req.json_object):
+        return None
+    if which == "choice":
+        return StructuredOutput.choice(req.choice.options)
+    if which == "json_object":
+        return StructuredOutput(kind="json_object")
+    return StructuredOutput(kind=which, spec=getattr(req, which))
+
+
 def _grpc_top(chunk: Chunk) -> list:
     return [baton_pb2.TopLogprobs(token_ids=[t for t, _ in alts], logprobs=[lp for _, lp in alts])
             for alts in chunk.top_logprobs or ()]
@@ -257,6 +269,7 @@ class Router:
         source = resolve_model(model)
         self.tokenizer = load_tokenizer(source)
         self.texts = TokenTexts(self.tokenizer)
+        self.grammars: Grammars | None = None  # structured outputs, checked at the door
         self.client = DecodeClient(decode, self.tokenizer, ray.util.get_node_ip_address())
         self.vocab_size = source.config.vocab_size
         self.max_model_len = min(max_model_len or source.config.max_position_embeddings,
@@ -294,6 +307,19 @@ class Router:
             raise ValueError(f"{field}: token ids {bad[:5]} are outside the vocabulary "
                              f"[0, {self.vocab_size})")
         return ids
+
+    async def check_structure(self, params: SamplingParams) -> None:
+        """A structured output that does not compile is the client's error: refused here, off
+        the event loop (a big schema takes a while), before any replica sees it."""
+        so = params.structured_output
+        if so is None:
+            return
+        if self.tokenizer is None:
+            raise ValueError(f"structured output: model {self.served_name!r} has no tokenizer")
+        if self.grammars is None:
+            self.grammars = Grammars(self.tokenizer, self.vocab_size,
+                                     [self.tokenizer.eos_token_id or 0])
+        await asyncio.to_thread(self.grammars.compile, so)
 
     async def chat_ids(self, body: ChatCompletionRequest) -> list[int]:
         if self.prompts is None or not getattr(self.tokenizer, "chat_template", None):
@@ -431,6 +457,7 @@ class Router:
             params = body.sampling_params(self.default_max_tokens, body.logprobs, body.best_of)
             for ids in batch:
                 self.check_params(ids, params)
+            await self.check_structure(params)
             echo = [p if isinstance(p, str) else self._text(ids)
                     for p, ids in zip(prompts, batch)] if body.echo else None
         except ValueError as exc:
@@ -446,6 +473,7 @@ class Router:
             ids = await self.chat_ids(body)
             params = body.sampling_params(self.default_max_tokens, body.logprobs_asked)
             self.check_params(ids, params)
+            await self.check_structure(params)
         except ValueError as exc:
             return error_for(exc, rid)
         return await self._answer([ids], params, rid, "chat.completion", body)
@@ -584,8 +612,10 @@ class Router:
             if req.logprobs else None
         params = SamplingParams(stop=list(req.stop), stop_token_ids=list(req.stop_token_ids),
                                 ignore_eos=req.ignore_eos, logprobs=logprobs,
-                                logit_bias=dict(req.logit_bias), **fields)
+                                logit_bias=dict(req.logit_bias),
+                                structured_output=_grpc_structure(req), **fields)
         self.check_params(ids, params)
+        await self.check_structure(params)
         return ids, params
 
     def _grpc_authorized(self, grpc_context) -> bool:

@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from engine import SamplingParams
 from engine.sampling_params import MAX_LOGPROBS
+from engine.structured import StructuredOutput
 
 
 MAX_PROMPTS_PER_REQUEST = 128  # a batch in /v1/completions: one decode request per prompt
@@ -20,6 +21,56 @@ class StreamOptions(BaseModel):
     # Baton extension: each chunk carries ``produced_at`` (when the engine produced its oldest
     # token, Unix seconds) and the usage chunk a ``timing`` of the request's milestones.
     include_timing: bool = False
+
+
+class JSONSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str | None = None
+    description: str | None = None
+    schema_: dict = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``: text, any JSON object, or JSON of a schema."""
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format: type json_schema needs json_schema.schema")
+        return self
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's ``structured_outputs``: one of ``json`` (a schema), ``regex``, ``choice``,
+    ``grammar`` (EBNF)."""
+    model_config = ConfigDict(extra="forbid")
+    json_: dict | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+
+def _structure(kind: str, value) -> StructuredOutput | None:
+    if value is None:
+        return None
+    if kind == "json":
+        return StructuredOutput.schema(value)
+    if kind == "choice":
+        return StructuredOutput.choice(value)
+    return StructuredOutput(kind=kind, spec=value)
+
+
+def _one_structure(named: dict) -> StructuredOutput | None:
+    """The one structured output a request names (a 400 naming them when it names several)."""
+    named = {k: v for k, v in named.items() if v is not None}
+    if len(named) > 1:
+        raise ValueError(f"{' and '.join(sorted(named))}: give one structured output, not "
+                         f"{len(named)}")
+    return next(iter(named.values()), None)
 
 
 class _Common(BaseModel):
@@ -46,6 +97,13 @@ class _Common(BaseModel):
     min_p: float = 0.0
     min_tokens: int = 0
     logit_bias: dict[str, float] | None = None  # token id (a string in JSON) -> bias
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and guided_*.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     # Sent by OpenAI clients and frameworks, with no effect on the output here: accepted, ignored.
     user: str | None = None
     metadata: dict[str, str] | None = None
@@ -66,7 +124,19 @@ class _Common(BaseModel):
             logprobs=logprobs, n=self.n, best_of=best_of,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, min_p=self.min_p,
-            min_tokens=self.min_tokens, logit_bias=self.logit_bias)
+            min_tokens=self.min_tokens, logit_bias=self.logit_bias,
+            structured_output=self.structured_output())
+
+    def structured_output(self) -> StructuredOutput | None:
+        rf, so = self.response_format, self.structured_outputs or StructuredOutputs()
+        named = {"response_format": None if rf is None or rf.type == "text" else
+                 StructuredOutput(kind="json_object") if rf.type == "json_object" else
+                 StructuredOutput.schema(rf.json_schema.schema_)}
+        for kind in ("json", "regex", "choice", "grammar"):
+            named[f"guided_{kind}"] = _structure(kind, getattr(self, f"guided_{kind}"))
+            named[f"structured_outputs.{kind}"] = _structure(
+                kind, getattr(so, "json_" if kind == "json" else kind))
+        return _one_structure(named)
 
 
 class CompletionRequest(_Common):

@@ -256,6 +256,36 @@ def test_changed_logits_and_top_logprobs_under_cuda_graphs(flashinfer_engine):
     assert flashinfer_engine.pool.num_used_blocks == 0 and eager.pool.num_used_blocks == 0
 
 
+def test_structured_output_under_cuda_graphs():
+    """A grammar's bitmask applied on the device, with the engine one step ahead and decode in
+    CUDA graphs: the tokens of the eager engine that waits for every step, each accepted by the
+    grammar (the tiny model: it has a tokenizer)."""
+    from engine.structured import StructuredOutput
+    schema = StructuredOutput.schema({"type": "object", "properties": {
+        "ok": {"type": "boolean"}, "n": {"type": "integer"}}, "required": ["ok", "n"]})
+    choice = StructuredOutput.choice(["alpha", "beta", "gamma delta"])
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=120, structured_output=so)
+              for s in range(3) for so in (schema, choice)]
+    prompts = ["Tell me about", "x", "hello there"] * 2
+    runs = []
+    for kw in (dict(), dict(enforce_eager=True, async_scheduling=False)):
+        engine = LLMEngine(EngineConfig(model="tiny", device="cuda", dtype="float32",
+                                        show_progress=False, **kw))
+        assert (engine.runner.graphs is not None) == (not kw)
+        ids = [engine.add_request(p, q, request_id=f"s{i}")
+               for i, (p, q) in enumerate(zip(prompts, params))]
+        tokens = {i: [] for i in ids}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                tokens[out.request_id] += out.new_token_ids
+        runs.append([tokens[i] for i in ids])
+        for toks, q in zip(runs[-1], params):
+            m = engine.grammars.matcher(q.structured_output)
+            assert all(m.accept_token(t) for t in toks)
+        assert engine.pool.num_used_blocks == 0
+    assert runs[0] == runs[1]
+
+
 def test_greedy_tokens_match_transformers_qwen3_06b_float32():
     from engine.loader import resolve_model
     from engine.tiny import write_random_qwen3

@@ -3,6 +3,7 @@ tokens, disaggregated (NIXL over host memory) and colocated alike; bad input is 
 cancelled stream leaves no KV block held."""
 
 import json
+import re
 import time
 
 import pytest
@@ -319,6 +320,56 @@ def test_the_official_openai_client_sampling_options(server, offline):
     assert all(len(d) <= 2 for d in cmpl.choices[0].logprobs.top_logprobs)
 
 
+STRUCTURED = [
+    ({"guided_choice": ["yes", "no", "maybe so"]}, {"kind": "choice",
+                                                   "spec": '["yes", "no", "maybe so"]'}),
+    ({"guided_regex": r"[a-c]{3}-\d{2}"}, {"kind": "regex", "spec": r"[a-c]{3}-\d{2}"}),
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "flag", "strict": True, "schema": {
+            "type": "object", "properties": {"ok": {"type": "boolean"}},
+            "required": ["ok"], "additionalProperties": False}}}},
+     {"kind": "json_schema", "spec": json.dumps({"additionalProperties": False, "properties": {
+         "ok": {"type": "boolean"}}, "required": ["ok"], "type": "object"}, sort_keys=True)}),
+    ({"structured_outputs": {"grammar": 'root ::= "(" [0-9]+ ")" | "none"'}},
+     {"kind": "grammar", "spec": 'root ::= "(" [0-9]+ ")" | "none"'}),
+]
+
+
+@pytest.mark.parametrize("fields, so", STRUCTURED, ids=["choice", "regex", "schema", "grammar"])
+def test_structured_outputs_give_the_offline_engines_tokens(server, offline, fields, so):
+    """Seeded sampling under a grammar, completions and chat: the offline engine's tokens (in
+    disaggregated mode the prefill replica's first token is masked too)."""
+    from engine.structured import StructuredOutput
+    _, url, _ = server
+    sampled = dict(temperature=1.0, seed=13, max_tokens=60)
+    want = offline.generate([PROMPTS[0]], SamplingParams(
+        structured_output=StructuredOutput(**so), **sampled))[0]
+    got = _post(f"{url}/v1/completions", {"prompt": PROMPTS[0], **sampled, **fields}).json()
+    assert got["choices"][0]["token_ids"] == want.token_ids, got
+    assert got["choices"][0]["text"] == want.text
+    streamed = _post(f"{url}/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "Answer."}], "stream": True, **sampled,
+        **fields}, stream=True)
+    text = "".join(e["choices"][0]["delta"].get("content") or "" for e in _events(streamed)
+                   if e and e["choices"])
+    if so["kind"] == "choice":
+        assert text in ("yes", "no", "maybe so")
+
+
+@pytest.mark.parametrize("body, fragment", [
+    ({"guided_regex": "(ab"}, "guided_regex: Regex parsing error"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "frob"}}}},
+     "response_format.json_schema"),
+    ({"response_format": {"type": "json_schema"}}, "needs json_schema.schema"),
+    ({"guided_choice": []}, "guided_choice"),
+    ({"guided_choice": ["a"], "guided_regex": "a"}, "give one structured output"),
+])
+def test_bad_structured_outputs_are_a_400(server, body, fragment):
+    _, url, _ = server
+    resp = _post(f"{url}/v1/completions", {"prompt": "hi", **body})
+    assert resp.status_code == 400 and fragment in resp.json()["error"]["message"], resp.text
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_batch_of_prompts_gets_one_choice_each_in_order(server, offline, stream):
     _, url, _ = server
@@ -592,6 +643,29 @@ def test_grpc_sampling_fields_and_top_logprobs(stub, offline):
         assert [list(e.token_ids) for e in tops] == [[t for t, _ in top]
                                                      for top in want.top_logprobs]
         assert [lp for m in msgs for lp in m.logprobs] == pytest.approx(want.logprobs, abs=1e-4)
+
+
+def test_grpc_structured_outputs(stub, offline):
+    import grpc
+
+    from engine.structured import StructuredOutput
+    from proto import baton_pb2
+    options = ["yes", "no", "maybe so"]
+    want = offline.generate([PROMPTS[1]], SamplingParams(
+        temperature=1.0, seed=4, max_tokens=30,
+        structured_output=StructuredOutput.choice(options)))[0]
+    resp = stub.Generate(baton_pb2.GenerateRequest(
+        prompt=PROMPTS[1], temperature=1.0, seed=4, max_tokens=30,
+        choice=baton_pb2.Choices(options=options)), timeout=60)
+    assert list(resp.token_ids) == want.token_ids and resp.text in options
+    resp = stub.Generate(baton_pb2.GenerateRequest(prompt=PROMPTS[1], temperature=0,
+                                                   max_tokens=30, regex=r"\d{4}"), timeout=60)
+    assert re.fullmatch(r"\d{4}", resp.text) and resp.finish_reason == "stop"
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Generate(baton_pb2.GenerateRequest(prompt="hi", json_schema='{"type": 1'),
+                      timeout=30)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "json_schema" in err.value.details()
 
 
 @pytest.mark.parametrize("how", ["cancel", "deadline"])

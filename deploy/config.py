@@ -76,6 +76,10 @@ class RouterConfig(_Strict):
     # are bounded by gRPC itself: 4 MiB). A text prompt that cannot fit the context is refused
     # with a 400 after at most a context's worth of tokenizing (router/prompts.py).
     max_request_bytes: int = Field(DEFAULT_MAX_REQUEST_BYTES, ge=1024)
+    # Chat answers: a leading <think>...</think> becomes `reasoning_content` (vLLM's qwen3
+    # reasoning parser); "none" leaves it in `content`. Tool calls are parsed whenever a
+    # request offers tools (Qwen3's <tool_call> form, vLLM's hermes parser).
+    reasoning_parser: Literal["qwen3", "none"] = "qwen3"
 
 
 class AdmissionConfig(_Strict):

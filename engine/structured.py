@@ -56,6 +56,11 @@ class StructuredOutput(BaseModel):
 _XGR_PREFIX = re.compile(r"^\[[^\]]*\] \S+:\d+: (Check failed: .*? is false: )?")
 
 
+def xgrammar_message(exc: BaseException) -> str:
+    """An xgrammar error's first line without its C++ source location."""
+    return _XGR_PREFIX.sub("", str(exc).strip().splitlines()[0])
+
+
 class Grammars:
     """Compiles a model's structured outputs (cached) and makes their matchers."""
 
@@ -84,9 +89,8 @@ class Grammars:
                 options = json.loads(so.spec)
                 return c.compile_grammar("root ::= " + " | ".join(json.dumps(o) for o in options))
             return c.compile_grammar(so.spec)
-        except (RuntimeError, ValueError) as exc:  # xgrammar's errors carry a C++ location
-            message = _XGR_PREFIX.sub("", str(exc).strip().splitlines()[0])
-            raise ValueError(f"{_FIELDS[so.kind]}: {message}") from None
+        except (RuntimeError, ValueError) as exc:
+            raise ValueError(f"{_FIELDS[so.kind]}: {xgrammar_message(exc)}") from None
 
     def matcher(self, so: StructuredOutput, replay: Iterable[int] = ()):
         """A new sequence's matcher, advanced through ``replay`` (tokens it already made)."""

@@ -34,6 +34,7 @@ from engine.loader import load_tokenizer, resolve_model
 from proto import baton_pb2
 from router.door import APIKeyMiddleware, BodyLimitMiddleware, authorized
 from router.errors import RequestTimeout, describe, log_failure
+from router.chat import StreamSplitter, split_message
 from router.logprobs import TokenTexts
 from router.metrics import RouterMetrics
 from router.prompts import PromptEncoder
@@ -144,6 +145,19 @@ def _usage(streams: list[RequestStream], results: list[GenerateResult | None],
             "prompt_tokens_details": {"cached_tokens": sum(s.num_cached_tokens
                                                            for s in firsts)},
             "kv_transfer": transfers[0] if len(transfers) == 1 else transfers}
+
+
+def _message(text: str, parsing: tuple[bool, bool]) -> dict:
+    """A chat choice's ``message``: the reasoning apart, tool calls parsed (content then None
+    when there is none besides them)."""
+    reasoning, content, calls = split_message(text, *parsing)
+    message = {"role": "assistant", "content": content}
+    if reasoning is not None:
+        message["reasoning_content"] = reasoning
+    if calls:
+        message["tool_calls"] = calls
+        message["content"] = content or None
+    return message
 
 
 def _log_timeline(stream: RequestStream, outcome: str) -> None:
@@ -279,6 +293,7 @@ class Router:
         self.served_name = served_name
         self.timeout_s = cfg.request_timeout_s
         self.default_max_tokens = cfg.max_tokens_default
+        self.reasoning_parser = cfg.reasoning_parser
         self.metrics = RouterMetrics()
         self.decode = decode
 
@@ -324,8 +339,11 @@ class Router:
     async def chat_ids(self, body: ChatCompletionRequest) -> list[int]:
         if self.prompts is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError(f"messages: model {self.served_name!r} has no chat template")
+        tools = [t.model_dump(exclude_none=True) for t in body.tools] \
+            if body.tool_mode != "none" else None
         return self.checked(await self.prompts.render_chat(
-            [m.model_dump(exclude_none=True) for m in body.messages]))
+            [m.for_template() for m in body.messages], tools=tools,
+            **(body.chat_template_kwargs or {})))
 
     def check_params(self, ids: list[int], params: SamplingParams) -> None:
         """What the engine cannot check: stop strings need text; the whole request must fit
@@ -429,8 +447,7 @@ class Router:
                 ids = await self.prompts.encode(body.prompt)
             else:
                 ids = await self.prompts.render_chat(
-                    [m.model_dump(exclude_none=True) for m in body.messages],
-                    body.add_generation_prompt)
+                    [m.for_template() for m in body.messages], body.add_generation_prompt)
         except ValueError as exc:
             return error_for(exc, "tokenize")
         return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids}
@@ -472,11 +489,17 @@ class Router:
         try:
             ids = await self.chat_ids(body)
             params = body.sampling_params(self.default_max_tokens, body.logprobs_asked)
+            if (calls := body.tool_grammar()) is not None:  # required / a named function
+                params = params.model_copy(update={"structured_output": calls})
             self.check_params(ids, params)
             await self.check_structure(params)
         except ValueError as exc:
             return error_for(exc, rid)
         return await self._answer([ids], params, rid, "chat.completion", body)
+
+    def _parsing(self, body) -> tuple[bool, bool]:
+        """(reasoning, tools): what a chat answer's text is split into."""
+        return self.reasoning_parser == "qwen3", body.tool_mode != "none"
 
     def _text(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
@@ -485,12 +508,13 @@ class Router:
         """``batch``: the prompts' token ids; each prompt gets ``n`` choices (``index`` =
         prompt × n + choice), from ``n`` sequences, or the best ``n`` of ``best_of``; ``echo``:
         each prompt's text, to put before its completions."""
+        parsing = self._parsing(body) if kind == "chat.completion" else None
         if body.stream:
             return DeferredStreamingResponse(self._sse(batch, params, rid, f"{kind}.chunk"
                                                        if kind == "chat.completion" else kind,
-                                                       body, echo),
+                                                       body, echo, parsing),
                                              media_type="text/event-stream")
-        return await self._complete(batch, params, rid, kind, echo)
+        return await self._complete(batch, params, rid, kind, echo, parsing)
 
     @staticmethod
     def _fan(batch, params: SamplingParams) -> list[tuple[list[int], SamplingParams]]:
@@ -508,7 +532,7 @@ class Router:
             return self.texts.chat(c.token_ids, c.logprobs, c.top_logprobs), offset
         return self.texts.completion(c.token_ids, c.logprobs, c.top_logprobs, offset)
 
-    async def _complete(self, batch, params, rid, kind: str, echo=None):
+    async def _complete(self, batch, params, rid, kind: str, echo=None, parsing=None):
         items = self._fan(batch, params)
         feed = _Merged(self, items, self._sub_ids(rid, len(items)))
         texts = [[] for _ in items]
@@ -532,7 +556,9 @@ class Router:
                 head = echo[p] if echo else ""
                 lp = self._logprobs(chat, stream, len(head))[0] if shown else None
                 if chat:
-                    choice["message"] = {"role": "assistant", "content": text}
+                    choice["message"] = _message(text, parsing)
+                    if choice["message"].get("tool_calls") and stream.finish_reason == "stop":
+                        choice["finish_reason"] = "tool_calls"
                 else:
                     choice["text"] = head + text
                 choice["logprobs"] = lp
@@ -540,7 +566,8 @@ class Router:
         return {"id": rid, "object": kind, "created": int(time.time()), "model": self.served_name,
                 "choices": choices, "usage": _usage(feed.streams, feed.results, k)}
 
-    async def _sse(self, batch, params, rid, kind: str, body, echo=None) -> AsyncIterator[str]:
+    async def _sse(self, batch, params, rid, kind: str, body, echo=None,
+                   parsing=None) -> AsyncIterator[str]:
         created = int(time.time())
         chat = kind == "chat.completion.chunk"
         options = body.stream_options
@@ -550,6 +577,7 @@ class Router:
         shown, n = params.logprobs is not None, params.n
         started: set[int] = set()
         offsets = [len(echo[i // n]) if echo else 0 for i in range(len(items))]
+        splitters = [StreamSplitter(*parsing) for _ in items] if chat else []
 
         def event(index: int, chunk: Chunk) -> str:
             choice = {"index": index, "finish_reason": chunk.finish_reason,
@@ -558,7 +586,17 @@ class Router:
             if shown and chunk.token_ids:
                 lp, offsets[index] = self._logprobs(chat, chunk, offsets[index])
             if chat:
-                choice["delta"] = {"content": chunk.text}
+                splitter = splitters[index]
+                parts = splitter.feed(chunk.text) + (splitter.finish() if chunk.finished else [])
+                delta = {}
+                for part, text in parts:
+                    delta[part] = delta.get(part, "") + text
+                if splitter.tool_calls and chunk.finished:
+                    delta["tool_calls"] = [{"index": j, **call}
+                                           for j, call in enumerate(splitter.tool_calls)]
+                    if chunk.finish_reason == "stop":
+                        choice["finish_reason"] = "tool_calls"
+                choice["delta"] = delta or {"content": ""}
             else:
                 text = chunk.text
                 if echo and index not in started:

@@ -19,6 +19,7 @@ tokenized: the ids equal ``apply_chat_template(..., tokenize=True)``.
 from __future__ import annotations
 
 import asyncio
+import functools
 import re
 from concurrent.futures import ThreadPoolExecutor
 
@@ -54,22 +55,35 @@ class PromptEncoder:
             return self._encode(valid_text(text, "prompt"))
         return await asyncio.get_running_loop().run_in_executor(self.pool, self.bounded, text)
 
-    async def render_chat(self, messages: list[dict], add_generation_prompt: bool = True
-                          ) -> list[int]:
+    async def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                          tools: list[dict] | None = None, **template_kwargs) -> list[int]:
+        """Token ids of the messages through the chat template (``tools`` and the keyword
+        arguments, e.g. ``enable_thinking``, go to the template)."""
         for i, m in enumerate(messages):
             valid_text(str(m.get("content") or ""), f"messages.{i}.content")
-        size = sum(len(str(m.get("content") or "")) for m in messages)
+        size = sum(len(str(m.get("content") or "")) for m in messages) + len(str(tools or ""))
+        render = functools.partial(self._render, messages, add_generation_prompt, tools,
+                                   template_kwargs)
         if size <= INLINE_CHARS:
-            return self._encode(self._render(messages, add_generation_prompt))
+            return self._encode(render())
         loop = asyncio.get_running_loop()
         self.refuse_by_length(size)
-        text = await loop.run_in_executor(self.pool, self._render, messages,
-                                          add_generation_prompt)
+        text = await loop.run_in_executor(self.pool, render)
         return await loop.run_in_executor(self.pool, self.bounded, text)
 
-    def _render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        return self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+    def _render(self, messages: list[dict], add_generation_prompt: bool = True,
+                tools: list[dict] | None = None, template_kwargs: dict | None = None) -> str:
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                tokenize=False, **(template_kwargs or {}))
+        except (TypeError, ValueError, KeyError, AttributeError) as exc:  # jinja's own errors too
+            raise ValueError(f"messages: the chat template cannot render them: {exc}") from None
+        except Exception as exc:  # noqa: BLE001 - jinja2 TemplateError and the like
+            if type(exc).__module__.startswith("jinja2"):
+                raise ValueError(f"messages: the chat template cannot render them: {exc}") \
+                    from None
+            raise
 
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)

@@ -3,6 +3,7 @@ refused with a message that names them."""
 
 from __future__ import annotations
 
+import json
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -182,17 +183,34 @@ class ContentPart(BaseModel):
     text: str | None = None
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    # A string, or a list of parts as current clients send (text parts only here).
-    content: str | list[ContentPart]
+    # A string, or a list of parts as current clients send (text parts only here); an
+    # assistant turn that only calls tools may have none.
+    content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant
+    tool_call_id: str | None = None  # tool
+    reasoning_content: str | None = None  # assistant; dropped from the prompt by the template
 
     @field_validator("content")
     @classmethod
     def _text_parts(cls, v):
-        if isinstance(v, str):
+        if v is None or isinstance(v, str):
             return v
         other = sorted({p.type for p in v if p.type != "text"})
         if other:
@@ -205,11 +223,60 @@ class ChatMessage(BaseModel):
     def _developer_is_system(cls, v):
         return "system" if v == "developer" else v  # OpenAI's newer name for the system role
 
+    @model_validator(mode="after")
+    def _content_given(self):
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"content: a {self.role} message needs content")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("tool_calls: only an assistant message has them")
+        return self
+
+    def for_template(self) -> dict:
+        """The message as a chat template reads it (arguments parsed, as Qwen3's renders)."""
+        m = self.model_dump(exclude_none=True)
+        for call in m.get("tool_calls", ()):
+            try:
+                call["function"]["arguments"] = json.loads(call["function"]["arguments"])
+            except ValueError:
+                pass  # not JSON: rendered as sent
+        return m
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: NamedFunction
+
 
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[Tool] | None = None
+    # Default: "auto" with tools, "none" without (as OpenAI).
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    # Passed to the chat template, e.g. {"enable_thinking": false} for Qwen3 (as vLLM does).
+    chat_template_kwargs: dict | None = None
 
     @model_validator(mode="after")
     def _unsupported_chat(self):
@@ -218,12 +285,44 @@ class ChatCompletionRequest(_Common):
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
             raise ValueError(f"top_logprobs: must be in [0, {MAX_LOGPROBS}], got "
                              f"{self.top_logprobs}")
+        choice = self.tool_choice
+        if choice not in (None, "none", "auto") and not self.tools:
+            raise ValueError("tool_choice: needs tools")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in \
+                {t.function.name for t in self.tools}:
+            raise ValueError(f"tool_choice: no tool named {choice.function.name!r} in tools")
+        names = [t.function.name for t in self.tools or ()]
+        if len(set(names)) != len(names):
+            raise ValueError("tools: two functions have one name")
         return self
 
     @property
     def logprobs_asked(self) -> int | None:
         """The engine's ``logprobs``: None, or how many alternatives per token."""
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    @property
+    def tool_mode(self) -> str:
+        """``none`` (no tools in the prompt, nothing parsed), ``auto`` (offered, parsed) or
+        ``forced`` (``required`` or a named function: the output is calls, by grammar)."""
+        choice = self.tool_choice or ("auto" if self.tools else "none")
+        if not self.tools or choice == "none":
+            return "none"
+        return "auto" if choice == "auto" else "forced"
+
+    def tool_grammar(self) -> StructuredOutput | None:
+        if self.tool_mode != "forced":
+            return None
+        if self.structured_output() is not None:
+            raise ValueError("tool_choice: a required or named tool call cannot be combined "
+                             "with a structured output")
+        from router.chat import tool_grammar
+
+        name = self.tool_choice.function.name \
+            if isinstance(self.tool_choice, NamedToolChoice) else None
+        spec = tool_grammar([t.model_dump(exclude_none=True) for t in self.tools], name,
+                            self.parallel_tool_calls and name is None)
+        return StructuredOutput(kind="grammar", spec=spec)
 
 
 class TokenizeRequest(BaseModel):

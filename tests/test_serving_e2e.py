@@ -370,6 +370,136 @@ def test_bad_structured_outputs_are_a_400(server, body, fragment):
     assert resp.status_code == 400 and fragment in resp.json()["error"]["message"], resp.text
 
 
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+                   "required": ["city"], "additionalProperties": False}}}
+NOW = {"type": "function", "function": {"name": "now", "parameters": {
+    "type": "object", "properties": {}, "additionalProperties": False}}}
+ASK = [{"role": "user", "content": "Weather in Paris?"}]
+
+
+def _chat(url, body, stream=False):
+    """(message, finish_reason) of a chat answer; streamed, the deltas folded into one."""
+    resp = _post(f"{url}/v1/chat/completions", {"messages": ASK, "max_tokens": 120,
+                                                **body, "stream": stream}, stream=stream)
+    assert resp.status_code == 200, resp.text
+    if not stream:
+        choice = resp.json()["choices"][0]
+        return choice["message"], choice["finish_reason"]
+    message, reason = {"content": ""}, None
+    for e in _events(resp):
+        if not e or not e["choices"]:
+            continue
+        delta, reason = e["choices"][0]["delta"], e["choices"][0]["finish_reason"] or reason
+        for key in ("content", "reasoning_content"):
+            if delta.get(key):
+                message[key] = message.get(key, "") + delta[key]
+        if delta.get("tool_calls"):
+            message["tool_calls"] = [{k: v for k, v in c.items() if k != "index"}
+                                     for c in delta["tool_calls"]]
+    return message, reason
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_tool_calls_forced_by_tool_choice_round_trip(server, stream):
+    """tool_choice required / a named function: the output is calls by grammar, parsed into
+    OpenAI's tool_calls (finish_reason tool_calls); the conversation goes on with the call and a
+    tool result."""
+    _, url, _ = server
+    sampled = dict(temperature=1.0, seed=2, tools=[WEATHER, NOW])
+    message, reason = _chat(url, {**sampled, "tool_choice": "required",
+                                  "parallel_tool_calls": False}, stream)
+    assert reason == "tool_calls" and len(message["tool_calls"]) == 1, message
+    for call in message["tool_calls"]:
+        assert call["type"] == "function" and call["id"].startswith("call_")
+        args = json.loads(call["function"]["arguments"])
+        assert call["function"]["name"] in ("get_weather", "now")
+        assert set(args) == ({"city"} if call["function"]["name"] == "get_weather" else set())
+    named, reason = _chat(url, {**sampled, "tool_choice": {
+        "type": "function", "function": {"name": "get_weather"}}}, stream)
+    assert [c["function"]["name"] for c in named["tool_calls"]] == ["get_weather"]
+    follow = ASK + [{"role": "assistant", "content": None, "tool_calls": named["tool_calls"]},
+                    {"role": "tool", "tool_call_id": named["tool_calls"][0]["id"],
+                     "content": "sunny, 21 C"}]
+    resp = _post(f"{url}/v1/chat/completions", {"messages": follow, "max_tokens": 4,
+                                                "tools": [WEATHER], "temperature": 0})
+    assert resp.status_code == 200, resp.text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_reasoning_and_auto_tool_calls_are_parsed_from_the_text(server, stream):
+    """The random model is made to write Qwen3's markup (a one-option guided_choice): the
+    reasoning comes back apart, a <tool_call> as tool_calls, with tool_choice auto."""
+    _, url, _ = server
+    text = ('<think>\nThe user wants weather.\n</think>\n\nLet me check.\n<tool_call>\n'
+            '{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>')
+    message, reason = _chat(url, {"temperature": 0, "guided_choice": [text],
+                                  "tools": [WEATHER]}, stream)
+    assert message["reasoning_content"] == "The user wants weather."
+    assert message["content"] == "Let me check."
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+            for c in message["tool_calls"]] == [("get_weather", {"city": "Paris"})]
+    assert reason == "tool_calls"
+    # Without tools the call stays text; reasoning is split all the same.
+    plain, reason = _chat(url, {"temperature": 0, "guided_choice": [text]}, stream)
+    assert plain["reasoning_content"] == "The user wants weather." and "tool_calls" not in plain
+    assert plain["content"].startswith("Let me check.\n<tool_call>") and reason == "stop"
+
+
+def test_the_thinking_switch_reaches_the_template(server, offline):
+    _, url, _ = server
+    tok = offline.tokenizer
+    for flag in (True, False):
+        body = _post(f"{url}/v1/chat/completions", {
+            "messages": ASK, "max_tokens": 2, "chat_template_kwargs": {"enable_thinking": flag},
+            "temperature": 0}).json()
+        want = tok.apply_chat_template(ASK, add_generation_prompt=True, enable_thinking=flag,
+                                       tokenize=False)
+        assert body["usage"]["prompt_tokens"] == len(tok.encode(want, add_special_tokens=False))
+    assert "<think>" in tok.apply_chat_template(ASK, add_generation_prompt=True,
+                                                enable_thinking=False, tokenize=False)
+
+
+def test_the_official_openai_client_tools(server):
+    _, url, _ = server
+    client = _openai(url)
+    got = client.chat.completions.create(
+        model="tiny", messages=ASK, tools=[WEATHER], tool_choice="required", max_tokens=80,
+        temperature=0.9, seed=4, parallel_tool_calls=False)
+    call = got.choices[0].message.tool_calls[0]
+    assert got.choices[0].finish_reason == "tool_calls"
+    assert call.function.name == "get_weather" and "city" in json.loads(call.function.arguments)
+    again = client.chat.completions.create(
+        model="tiny", max_tokens=3, tools=[WEATHER], messages=[
+            *ASK, got.choices[0].message.model_dump(exclude_none=True),
+            {"role": "tool", "tool_call_id": call.id, "content": "sunny"}])
+    assert again.choices[0].message.role == "assistant"
+    thought = client.chat.completions.create(
+        model="tiny", messages=ASK, max_tokens=40, temperature=0,
+        extra_body={"guided_choice": ["<think>\nhmm\n</think>\n\nok"]})
+    assert thought.choices[0].message.content == "ok"
+    assert thought.choices[0].message.model_extra["reasoning_content"] == "hmm"
+
+
+@pytest.mark.parametrize("body, fragment", [
+    ({"tool_choice": "required"}, "tool_choice: needs tools"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "x"}}},
+     "no tool named 'x'"),
+    ({"tools": [WEATHER, WEATHER]}, "two functions have one name"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "frob"}}}], "tool_choice": "required"}, "tools: "),
+    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {
+        "type": "json_object"}}, "cannot be combined with a structured output"),
+    ({"messages": [{"role": "user"}]}, "needs content"),
+    ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, "tool_calls"),
+])
+def test_bad_tool_requests_are_a_400(server, body, fragment):
+    _, url, _ = server
+    resp = _post(f"{url}/v1/chat/completions", {"messages": ASK, **body})
+    assert resp.status_code == 400 and fragment in resp.json()["error"]["message"], resp.text
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_batch_of_prompts_gets_one_choice_each_in_order(server, offline, stream):
     _, url, _ = server

@@ -102,3 +102,15 @@ def test_a_bad_spec_is_a_value_error_naming_the_field(llm, so, message):
 def test_choice_needs_strings():
     with pytest.raises(ValueError, match="guided_choice"):
         StructuredOutput.choice([])
+
+
+def test_chunked_prefill_and_n_sequences_under_a_grammar():
+    """A prompt prefilled in chunks, and n sequences sharing it, sample under the grammar as a
+    one-chunk prefill does."""
+    so = StructuredOutput.schema(SCHEMA)
+    prompt = "The quick brown fox jumps over the lazy dog " * 6
+    params = SamplingParams(temperature=1.0, seed=21, max_tokens=80, structured_output=so, n=3)
+    whole = LLM("tiny", max_num_batched_tokens=2048).generate(prompt, params)[0]
+    chunked = LLM("tiny", max_num_batched_tokens=16).generate(prompt, params)[0]
+    assert [c.token_ids for c in chunked] == [c.token_ids for c in whole]
+    assert len({tuple(c.token_ids) for c in whole}) > 1

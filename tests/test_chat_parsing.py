@@ -1,0 +1,76 @@
+"""Qwen3's chat output split into reasoning, content and tool calls, whole and streamed."""
+
+import json
+
+import pytest
+
+from router.chat import StreamSplitter, parse_tool_calls, split_message, tool_grammar
+
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+TEXTS = [
+    "<think>\nLet me see <maybe>.\n</think>\n\nIt is <b>sunny</b>.",
+    f"<think>\nhm\n</think>\n\nChecking.\n{CALL}\n{CALL.replace('Paris', 'Oslo')}",
+    CALL,
+    "<think>\ncut off while thinking\n\n",
+    "no markup at all\n",
+    "<think></think>x",
+    "<thin",
+    "a <tool_call>not json</tool_call> b",
+    "\n\n<think>not leading</think>y",
+]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+@pytest.mark.parametrize("step", [1, 2, 5, 1000])
+def test_a_stream_splits_as_the_whole_text_does(text, step):
+    whole = split_message(text, reasoning=True, tools=True)
+    s = StreamSplitter(reasoning=True, tools=True)
+    parts = []
+    for i in range(0, len(text), step):
+        parts += s.feed(text[i:i + step])
+    parts += s.finish()
+    got = {"reasoning_content": None, "content": ""}
+    for kind, piece in parts:
+        got[kind] = (got[kind] or "") + piece
+    assert got["reasoning_content"] == whole[0]
+    assert got["content"] == whole[1]
+    assert [c["function"] for c in s.tool_calls] == [c["function"] for c in whole[2]]
+
+
+def test_whole_texts():
+    assert split_message(TEXTS[0], True, True) == ("Let me see <maybe>.",
+                                                  "It is <b>sunny</b>.", [])
+    reasoning, content, calls = split_message(TEXTS[1], True, True)
+    assert (reasoning, content) == ("hm", "Checking.")
+    assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"city": "Paris"},
+                                                                      {"city": "Oslo"}]
+    assert all(c["id"].startswith("call_") and c["type"] == "function" for c in calls)
+    assert split_message(TEXTS[0], False, False) == (None, TEXTS[0], [])  # parsers off
+    assert parse_tool_calls(TEXTS[7]) == (TEXTS[7], [])  # a call that does not parse: content
+    assert split_message(TEXTS[3], True, False) == ("cut off while thinking\n\n", "", [])
+
+
+def test_tool_grammar_admits_calls_of_the_offered_functions_only():
+    import xgrammar as xgr
+
+    from engine.loader import load_tokenizer, resolve_model
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}},
+             {"type": "function", "function": {"name": "now"}}]
+    tok = load_tokenizer(resolve_model("tiny"))
+    compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(tok, vocab_size=512))
+
+    def admits(text, name=None, parallel=True):
+        m = xgr.GrammarMatcher(compiler.compile_grammar(tool_grammar(tools, name, parallel)))
+        return m.accept_string(text)
+
+    two = CALL + "\n" + CALL.replace('"get_weather", "arguments": {"city": "Paris"}',
+                                     '"now", "arguments": {}')
+    assert admits(CALL) and admits(two)
+    assert not admits(two, parallel=False)
+    assert not admits(CALL, name="now")
+    assert not admits(CALL.replace("get_weather", "get_time"))
+    assert not admits(CALL.replace('"city"', '"town"'))
+    with pytest.raises(ValueError, match="tools: "):
+        tool_grammar([{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "frob"}}}], None, True)

@@ -27,10 +27,25 @@ HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def replica_pids(deployment: str) -> list[int]:
+    """PIDs of the deployment's replicas (by process title); when this driver started the local
+    Ray cluster, only that cluster's (children of its raylet: another cluster on the machine
+    has replicas of the same title)."""
     from ray.thirdparty_files import psutil
 
-    return [p.pid for p in psutil.process_iter(["cmdline"])
-            if f"ServeReplica:baton:{deployment}" in " ".join(p.info["cmdline"] or [])]
+    raylet = _own_raylet_pid()
+    return [p.pid for p in psutil.process_iter(["cmdline", "ppid"])
+            if f"ServeReplica:baton:{deployment}" in " ".join(p.info["cmdline"] or [])
+            and (raylet is None or p.info["ppid"] == raylet)]
+
+
+def _own_raylet_pid() -> int | None:
+    import ray
+    from ray._private import ray_constants
+
+    node = ray._private.worker._global_node if ray.is_initialized() else None
+    procs = getattr(node, "all_processes", None) or {}
+    raylets = procs.get(ray_constants.PROCESS_TYPE_RAYLET) or []
+    return raylets[0].process.pid if raylets else None
 
 
 def stream(url: str, prompt: list[int], max_tokens: int, rec: dict, timeout: float) -> None:

@@ -27,6 +27,7 @@ import time
 from contracts.messages import (TIMELINE, DecodeTiming, GenerateRequest, GenerateResult,
                                 PrefillRequest, PrefillResult, serve_logger, timeline)
 from contracts.token_channel import TokenPublisher
+from deploy.metrics import EngineMetrics, TransferMetrics, in_replica
 from engine.async_engine import AsyncEngine
 from engine.sampling_params import SamplingParams
 from kvtransfer import (KVDestination, PushNotStarted, Transfer, TransferError, TransferState,
@@ -87,6 +88,11 @@ class DecodeServer:
             self.aengine.add_ticker(self.endpoint.poll)
         self.listing = (Publisher(directory, self.endpoint.info()).start()
                         if directory is not None and self.endpoint is not None else None)
+        self.metrics = self.transfers = None
+        if in_replica():  # each replica's own series, through Ray's metrics system
+            self.metrics = EngineMetrics(self.aengine.engine, extra=lambda: {
+                "kv_blocks_held_by_transfers": self.held_blocks}).start()
+            self.transfers = TransferMetrics("received") if prefill is not None else None
 
     def close(self) -> None:
         """At shutdown (Serve calls the deployment's ``__del__`` once it has drained): leave the
@@ -94,6 +100,8 @@ class DecodeServer:
         and leases on both sides are released now rather than at their deadlines."""
         if self.listing is not None:
             self.listing.stop()
+        if self.metrics is not None:
+            self.metrics.stop()
         self.aengine.shutdown()
         if self.endpoint is not None:
             self.endpoint.close()
@@ -164,10 +172,12 @@ class DecodeServer:
         if not h.call.done():  # the lease failed: it released the reservation, and the
             h.call.cancel()  # writer has stopped (it gives up at the deadline, before us)
             self._handovers.pop(rid, None)
+            self._count_failure("deadline")
             log.warning("request %s: no KV from the prefill replica by the deadline (%s); "
                         "prefilling here", rid, h.landed.result().error)
             return None
         if (exc := h.call.exception()) is not None:
+            self._count_failure(type(exc).__name__)
             if prefill_unavailable(exc):
                 if isinstance(exc, TransportUnavailableError):
                     log.warning("request %s: %s; prefilling here", rid, exc)
@@ -180,7 +190,13 @@ class DecodeServer:
         result = h.call.result()
         timing.prefill_returned = time.time()
         await self.admit(result, timing)
+        if self.transfers is not None:
+            self.transfers.record(result.stats)
         return result
+
+    def _count_failure(self, kind: str) -> None:
+        if self.transfers is not None:
+            self.transfers.failed(kind)
 
     # -- the hand-over, step by step ---------------------------------------------------------
     async def reserve(self, prompt: list[int], params: SamplingParams, request_id: str,

@@ -22,6 +22,7 @@ import json
 import logging
 import time
 import uuid
+from collections import deque
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
@@ -46,12 +47,14 @@ Prompt = str | Seq[int]
 @dataclass
 class EngineStats:
     """Counters since the engine started: steps, seconds spent inside ``step()``, tokens
-    scheduled (prompt and decode) and output tokens produced."""
+    scheduled (prompt and decode), output tokens produced, prompt tokens of the requests taken
+    (a disaggregated request counts in both roles' engines)."""
 
     steps: int = 0
     step_seconds: float = 0.0
     scheduled_tokens: int = 0
     output_tokens: int = 0
+    prompt_tokens: int = 0
 
 
 @dataclass
@@ -100,6 +103,9 @@ class LLMEngine:
         self.sampler = Sampler(self.device, config.seed)
         self._running_step: LaunchedStep | None = None  # launched, not yet resolved
         self.stats = EngineStats()
+        # (seconds, sequences) of recent steps, drained by a metrics reader (bounded: unread
+        # samples are dropped, never piled up).
+        self.step_samples: deque[tuple[float, int]] = deque(maxlen=4096)
         self.startup_s = time.perf_counter() - t0
         log.info("engine ready in %.1fs (%s, %s, attention %s, warm-up %.1fs)", self.startup_s,
                  self.device, str(self.dtype).removeprefix("torch."), self.runner.backend.name,
@@ -185,6 +191,7 @@ class LLMEngine:
         if request_id is not None and self.scheduler.find(request_id) is not None:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         seq = Sequence(request_id or uuid.uuid4().hex, ids, params)
+        self.stats.prompt_tokens += len(ids)
         if params.seed is not None:
             seq.generator = self.sampler.new_generator()
         if params.structured_output is not None:
@@ -271,8 +278,10 @@ class LLMEngine:
         for step in due:
             outputs += self._resolve(step)
         stats = self.stats
+        elapsed = time.perf_counter() - t0
         stats.steps += 1
-        stats.step_seconds += time.perf_counter() - t0
+        stats.step_seconds += elapsed
+        self.step_samples.append((elapsed, len(batch.seqs)))
         stats.scheduled_tokens += batch.num_tokens
         stats.output_tokens += sum(len(o.new_token_ids) for o in outputs)
         return outputs

@@ -57,6 +57,7 @@ class Scheduler:
         self.held: dict[str, list[int]] = {}  # prefill role: finished, blocks kept for a push
         self.num_preemptions = 0
         self.num_releases = 0  # sequences whose blocks went back to the pool, ever
+        self.finished_by_reason: dict[str, int] = {}  # sequences ended, ever, by reason
 
     # -- queue management -------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -89,6 +90,7 @@ class Scheduler:
             self._release(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+        self.finished_by_reason[reason.value] = self.finished_by_reason.get(reason.value, 0) + 1
 
     def release_held(self, request_id: str) -> None:
         blocks = self.held.pop(request_id, None)

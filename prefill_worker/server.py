@@ -13,6 +13,7 @@ import asyncio
 import time
 
 from contracts.messages import TIMELINE, PrefillRequest, PrefillResult, timeline
+from deploy.metrics import EngineMetrics, TransferMetrics, in_replica
 from engine.async_engine import AsyncEngine
 from kvtransfer import (EndpointInfo, PushNotStarted, TransferError, TransferState,
                         endpoint_for)
@@ -31,6 +32,11 @@ class PrefillServer:
         self.aengine.add_ticker(self.endpoint.poll)
         self.warmer = (LinkWarmer(self.endpoint, directory, self.aengine.submit).start()
                        if directory is not None else None)
+        self.metrics = self.transfers = None
+        if in_replica():  # each replica's own series, through Ray's metrics system
+            self.metrics = EngineMetrics(self.aengine.engine, extra=lambda: {
+                "kv_blocks_held_by_transfers": self.endpoint.held_blocks}).start()
+            self.transfers = TransferMetrics("sent")
 
     def close(self) -> None:
         """At shutdown (Serve calls the deployment's ``__del__`` once it has drained): stop the
@@ -38,6 +44,8 @@ class PrefillServer:
         sides are released now rather than at their deadlines."""
         if self.warmer is not None:
             self.warmer.stop()
+        if self.metrics is not None:
+            self.metrics.stop()
         self.aengine.shutdown()
         self.endpoint.close()
 
@@ -89,6 +97,11 @@ class PrefillServer:
                       "(%d B) over %s; %s", rid, transfer.state.name.lower(), len(req.prompt_token_ids),
                       first.num_cached_tokens, st.blocks_sent, st.bytes, st.backend,
                       timeline(received=received, prefilled=prefilled, pushed=time.time()))
+        if self.transfers is not None:
+            if transfer.state is TransferState.DONE:
+                self.transfers.record(transfer.stats)
+            else:
+                self.transfers.failed("not_started" if transfer.handle is None else "failed")
         if transfer.state is not TransferState.DONE:
             # Nothing written (never started): the decode replica can prefill it itself.
             failed = PushNotStarted if transfer.handle is None else TransferError

@@ -1,4 +1,6 @@
-"""Prometheus metrics of the ingress, in a registry of its own (no import-time globals)."""
+"""Metrics of the ingress: a Prometheus registry of its own (served on the replica's ``/metrics``,
+for one process) and, inside a Serve replica, the same series through Ray's metrics system
+(tagged with the replica: the cluster's answer, :mod:`deploy.metrics`)."""
 
 from __future__ import annotations
 
@@ -7,6 +9,64 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from kvtransfer import TransferStats
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class _Tee:
+    """A Prometheus metric and, when in a replica, its Ray twin: ``observe``, ``inc``, ``dec``
+    and ``labels`` go to both (a Ray gauge is set to the value the Prometheus one holds)."""
+
+    def __init__(self, prom, twin=None, names: tuple = (), tags: dict | None = None):
+        self.prom, self.twin, self.names, self.tags = prom, twin, names, tags
+        self.value = 0.0
+
+    def labels(self, *values) -> "_Tee":
+        return _Tee(self.prom.labels(*values), self.twin, self.names,
+                    dict(zip(self.names, values)))
+
+    def observe(self, v: float) -> None:
+        self.prom.observe(v)
+        if self.twin is not None:
+            self.twin.observe(v, tags=self.tags)
+
+    def inc(self, v: float = 1) -> None:
+        self.prom.inc(v)
+        self._twin_add(v)
+
+    def dec(self, v: float = 1) -> None:
+        self.prom.dec(v)
+        self._twin_add(-v)
+
+    def set(self, v: float) -> None:
+        self.prom.set(v)
+
+    def _twin_add(self, v: float) -> None:
+        if self.twin is None:
+            return
+        if hasattr(self.twin, "set"):  # a gauge
+            self.value += v
+            self.twin.set(self.value, tags=self.tags)
+        elif v > 0:
+            self.twin.inc(v, tags=self.tags)
+
+
+def _twins() -> dict | None:
+    from deploy.metrics import LATENCY_BUCKETS, in_replica
+    if not in_replica():
+        return None
+    from ray.serve import metrics as m
+    return {
+        "ttft": m.Histogram("baton_time_to_first_token_seconds", "Time to first token",
+                            boundaries=LATENCY_BUCKETS),
+        "itl": m.Histogram("baton_inter_token_latency_seconds", "Gap between streamed tokens",
+                           boundaries=LATENCY_BUCKETS),
+        "e2e": m.Histogram("baton_e2e_latency_seconds", "Request latency, end to end",
+                           boundaries=LATENCY_BUCKETS),
+        "requests": m.Counter("baton_requests", "Requests by outcome", tag_keys=("outcome",)),
+        "in_flight": m.Gauge("baton_requests_in_flight", "Requests being served"),
+        "tokens": m.Counter("baton_output_tokens", "Output tokens streamed to clients"),
+        "migrations": m.Counter("baton_request_migrations", "Requests moved to another decode "
+                                "replica after theirs was lost"),
+    }
 
 
 class RouterMetrics:
@@ -39,6 +99,10 @@ class RouterMetrics:
                                        registry=r)
         self.transfer_time = Histogram("baton_kv_transfer_seconds", "KV hand-over time",
                                        ["backend"], registry=r, buckets=_LATENCY_BUCKETS)
+        twins = _twins() or {}
+        for name, names in (("ttft", ()), ("itl", ()), ("e2e", ()), ("requests", ("outcome",)),
+                            ("in_flight", ()), ("tokens", ()), ("migrations", ())):
+            setattr(self, name, _Tee(getattr(self, name), twins.get(name), names))
 
     def record_transfer(self, t: TransferStats | None) -> None:
         if t is not None:

@@ -34,7 +34,12 @@ def ray_cluster():
     # Serve's throughput profile buffers 1000 log lines per replica; tests read them at once.
     os.environ.setdefault("RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE", "1")
     path = os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p)
+    from deploy.ray_env import free_port
+
+    # Replicas' metrics are exported on this port (ray.init's default picks none), every second.
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+             _metrics_export_port=free_port(),
+             _system_config={"metrics_report_interval_ms": 1000},
              runtime_env={"env_vars": {"PYTHONPATH": path,
                                        "BATON_CACHE": os.environ["BATON_CACHE"],
                                        "RAY_USAGE_STATS_ENABLED": "0"}})

@@ -1,0 +1,155 @@
+"""Each replica's metrics through Ray's metrics system, recorded where things happen.
+
+Made inside a Serve replica, ``ray.serve.metrics`` tags every series with its application,
+deployment and replica; each node's metrics agent exports them (``ray_`` prefixed) on the node's
+metrics port, which Prometheus scrapes through the service-discovery file Ray writes
+(``docs/serving.md``, "Metrics"). Outside a replica (tests driving a role server directly)
+nothing is recorded.
+
+- :class:`EngineMetrics` (decode and prefill replicas): a daemon thread reads the engine's
+  counters and gauges once a second and reports what changed, so the engine's step loop only
+  appends a step's duration and batch size to a bounded queue.
+- :class:`TransferMetrics` (both sides of a hand-over): bytes, blocks sent and skipped, hand-over
+  time, failures by kind.
+- The ingress's are in :mod:`router.metrics` (also served on its own ``/metrics``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+log = logging.getLogger(__name__)
+
+LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60]
+STEP_BUCKETS = [0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5]
+BATCH_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
+
+
+def in_replica() -> bool:
+    """Whether this process is a Serve replica (its metrics get the replica's tags)."""
+    try:
+        from ray import serve
+        serve.get_replica_context()
+        return True
+    except Exception:  # noqa: BLE001 - not in a replica (or Serve not installed)
+        return False
+
+
+def _serve_metrics():
+    from ray.serve import metrics
+    return metrics
+
+
+class EngineMetrics:
+    """An engine's state, reported every ``interval_s`` (vLLM's engine metrics, ``baton_``
+    names; ``docs/serving.md`` lists the mapping). ``extra`` adds role gauges (blocks held by
+    transfers)."""
+
+    def __init__(self, engine, interval_s: float = 1.0,
+                 extra: Callable[[], dict[str, float]] | None = None):
+        m = _serve_metrics()
+        self.engine, self.interval_s, self.extra = engine, interval_s, extra
+        g = {name: m.Gauge(f"baton_{name}", doc) for name, doc in (
+            ("num_requests_running", "Requests in the running batch"),
+            ("num_requests_waiting", "Requests waiting to be scheduled"),
+            ("num_requests_transferring", "Requests whose KV is being pushed to this engine"),
+            ("kv_cache_usage", "Fraction of KV blocks in use"),
+            ("kv_blocks_used", "KV blocks in use"),
+            ("kv_blocks_free", "KV blocks free"),
+            ("kv_blocks_held_by_transfers", "KV blocks leased to in-flight transfers"))}
+        self.gauges = g
+        self.counters = {name: m.Counter(f"baton_{name}", doc) for name, doc in (
+            ("prompt_tokens", "Prompt tokens of the requests this engine took"),
+            ("generation_tokens", "Tokens sampled"),
+            ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache"),
+            ("prefix_cache_hits", "Prompt tokens found in the prefix cache"),
+            ("num_preemptions", "Sequences preempted (recomputed later)"),
+            ("engine_steps", "Engine steps"))}
+        self.finished = m.Counter("baton_request_success", "Requests ended, by finish reason",
+                                  tag_keys=("finish_reason",))
+        self.step_time = m.Histogram("baton_engine_step_seconds", "Time inside one engine step",
+                                     boundaries=STEP_BUCKETS)
+        self.batch_size = m.Histogram("baton_engine_batch_size", "Sequences in one step",
+                                      boundaries=BATCH_BUCKETS)
+        self._last: dict = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="engine-metrics", daemon=True)
+
+    def start(self) -> "EngineMetrics":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.collect()
+            except Exception:  # noqa: BLE001 - metrics must never take the replica down
+                log.exception("engine metrics")
+
+    def collect(self) -> None:
+        e = self.engine
+        pool, sched, stats = e.pool, e.scheduler, e.stats
+        used, free = pool.num_used_blocks, pool.num_free_blocks
+        values = {"num_requests_running": len(sched.running),
+                  "num_requests_waiting": len(sched.waiting),
+                  "num_requests_transferring": len(sched.transferring),
+                  "kv_cache_usage": used / (used + free) if used + free else 0.0,
+                  "kv_blocks_used": used, "kv_blocks_free": free}
+        values.update(self.extra() if self.extra is not None else {})
+        for name, value in values.items():
+            if name in self.gauges:
+                self.gauges[name].set(value)
+        totals = {"prompt_tokens": stats.prompt_tokens,
+                  "generation_tokens": stats.output_tokens,
+                  "prefix_cache_queries": pool.query_tokens,
+                  "prefix_cache_hits": pool.hit_tokens,
+                  "num_preemptions": sched.num_preemptions,
+                  "engine_steps": stats.steps}
+        for name, total in totals.items():
+            self._rise(self.counters[name], name, total)
+        for reason, total in list(sched.finished_by_reason.items()):
+            self._rise(self.finished, ("finished", reason), total, {"finish_reason": reason})
+        samples = e.step_samples
+        while samples:
+            seconds, size = samples.popleft()
+            self.step_time.observe(seconds)
+            self.batch_size.observe(size)
+
+    def _rise(self, counter, key, total: float, tags: dict | None = None) -> None:
+        delta = total - self._last.get(key, 0)
+        if delta > 0:
+            counter.inc(delta, tags=tags)
+            self._last[key] = total
+
+
+class TransferMetrics:
+    """KV hand-overs seen from one side (``side``: ``sent`` on a prefill replica, ``received``
+    on a decode replica)."""
+
+    def __init__(self, side: str):
+        m = _serve_metrics()
+        self.side = side
+        tags = ("backend", "side")
+        self.bytes = m.Counter("baton_kv_transfer_bytes", "KV bytes handed over", tag_keys=tags)
+        self.blocks = m.Counter("baton_kv_transfer_blocks", "KV blocks by fate (sent, skipped)",
+                                tag_keys=("kind", "side"))
+        self.seconds = m.Histogram("baton_kv_transfer_seconds", "KV hand-over time",
+                                   boundaries=LATENCY_BUCKETS, tag_keys=tags)
+        self.failures = m.Counter("baton_kv_transfer_failures", "Hand-overs that failed, by kind",
+                                  tag_keys=("kind", "side"))
+
+    def record(self, stats) -> None:
+        tags = {"backend": stats.backend or "none", "side": self.side}
+        self.bytes.inc(stats.bytes, tags=tags)
+        self.seconds.observe(stats.seconds, tags=tags)
+        for kind, n in (("sent", stats.blocks_sent), ("skipped", stats.blocks_skipped)):
+            if n:
+                self.blocks.inc(n, tags={"kind": kind, "side": self.side})
+
+    def failed(self, kind: str) -> None:
+        self.failures.inc(1, tags={"kind": kind, "side": self.side})

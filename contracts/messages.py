@@ -55,9 +55,21 @@ class TokenDelta:
 
 
 @dataclass
+class PrefillTiming:
+    """When the prefill replica saw a request's milestones (``time.time()`` seconds)."""
+
+    received: float = 0.0  # the Serve call arrived
+    prefilled: float = 0.0  # the first token was sampled (the KV is complete)
+    pushed: float = 0.0  # the push of its KV ended
+    replica: str = ""  # the replica's id
+
+
+@dataclass
 class DecodeTiming:
     """When the decode replica saw a request's milestones (``time.time()`` seconds)."""
 
+    replica: str = ""  # the replica's id
+    prefill: PrefillTiming | None = None  # disaggregated: the prefill replica's own
     received: float = 0.0  # the Serve call arrived
     queued: float = 0.0  # handed to the engine: its prefill queued here, or its KV landed
     prefill_called: float = 0.0  # disaggregated: the prefill replica was called
@@ -104,6 +116,7 @@ class PrefillResult:
     stats: TransferStats = field(default_factory=TransferStats)
     prefill_seconds: float = 0.0
     first_top_logprobs: list[tuple[int, float]] | None = None
+    timing: PrefillTiming = field(default_factory=PrefillTiming)
 
 
 # Each serving module logs under Serve's logger, so its lines land in the replica's Serve log

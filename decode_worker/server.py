@@ -27,7 +27,7 @@ import time
 from contracts.messages import (TIMELINE, DecodeTiming, GenerateRequest, GenerateResult,
                                 PrefillRequest, PrefillResult, serve_logger, timeline)
 from contracts.token_channel import TokenPublisher
-from deploy.metrics import EngineMetrics, TransferMetrics, in_replica
+from deploy.metrics import EngineMetrics, TransferMetrics, in_replica, replica_id
 from engine.async_engine import AsyncEngine
 from engine.sampling_params import SamplingParams
 from kvtransfer import (KVDestination, PushNotStarted, Transfer, TransferError, TransferState,
@@ -89,6 +89,7 @@ class DecodeServer:
         self.listing = (Publisher(directory, self.endpoint.info()).start()
                         if directory is not None and self.endpoint is not None else None)
         self.metrics = self.transfers = None
+        self.replica = replica_id()
         if in_replica():  # each replica's own series, through Ray's metrics system
             self.metrics = EngineMetrics(self.aengine.engine, extra=lambda: {
                 "kv_blocks_held_by_transfers": self.held_blocks}).start()
@@ -119,7 +120,7 @@ class DecodeServer:
                 "output_tokens": self.aengine.engine.stats.output_tokens}
 
     async def generate(self, req: GenerateRequest) -> GenerateResult:
-        timing = DecodeTiming(received=time.time())
+        timing = DecodeTiming(received=time.time(), replica=self.replica)
         rid, prompt = req.request_id, list(req.prompt_token_ids)
         route = self.publisher.route(rid, await self.publisher.connect(req.reply_to))
         prefilled: PrefillResult | None = None
@@ -188,7 +189,7 @@ class DecodeServer:
                 return None
             raise exc
         result = h.call.result()
-        timing.prefill_returned = time.time()
+        timing.prefill_returned, timing.prefill = time.time(), result.timing
         await self.admit(result, timing)
         if self.transfers is not None:
             self.transfers.record(result.stats)

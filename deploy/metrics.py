@@ -16,6 +16,7 @@ nothing is recorded.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections.abc import Callable
@@ -35,6 +36,15 @@ def in_replica() -> bool:
         return True
     except Exception:  # noqa: BLE001 - not in a replica (or Serve not installed)
         return False
+
+
+def replica_id() -> str:
+    """This Serve replica's id ("" outside one)."""
+    try:
+        from ray import serve
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # noqa: BLE001 - not in a replica
+        return ""
 
 
 def _serve_metrics():
@@ -144,12 +154,25 @@ class TransferMetrics:
                                   tag_keys=("kind", "side"))
 
     def record(self, stats) -> None:
+        """A hand-over that ended well (a prefix-cache hit may have moved nothing)."""
         tags = {"backend": stats.backend or "none", "side": self.side}
-        self.bytes.inc(stats.bytes, tags=tags)
-        self.seconds.observe(stats.seconds, tags=tags)
-        for kind, n in (("sent", stats.blocks_sent), ("skipped", stats.blocks_skipped)):
-            if n:
-                self.blocks.inc(n, tags={"kind": kind, "side": self.side})
+        with _never_raises():
+            if stats.bytes > 0:  # Ray's counters refuse an increment of zero
+                self.bytes.inc(stats.bytes, tags=tags)
+            self.seconds.observe(stats.seconds, tags=tags)
+            for kind, n in (("sent", stats.blocks_sent), ("skipped", stats.blocks_skipped)):
+                if n > 0:
+                    self.blocks.inc(n, tags={"kind": kind, "side": self.side})
 
     def failed(self, kind: str) -> None:
-        self.failures.inc(1, tags={"kind": kind, "side": self.side})
+        with _never_raises():
+            self.failures.inc(1, tags={"kind": kind, "side": self.side})
+
+
+@contextlib.contextmanager
+def _never_raises():
+    """A metric that cannot be recorded is logged, never raised into a request."""
+    try:
+        yield
+    except Exception:  # noqa: BLE001
+        log.exception("recording a metric")

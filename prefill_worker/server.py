@@ -12,8 +12,9 @@ from __future__ import annotations
 import asyncio
 import time
 
-from contracts.messages import TIMELINE, PrefillRequest, PrefillResult, timeline
-from deploy.metrics import EngineMetrics, TransferMetrics, in_replica
+from contracts.messages import (TIMELINE, PrefillRequest, PrefillResult, PrefillTiming,
+                               timeline)
+from deploy.metrics import EngineMetrics, TransferMetrics, in_replica, replica_id
 from engine.async_engine import AsyncEngine
 from kvtransfer import (EndpointInfo, PushNotStarted, TransferError, TransferState,
                         endpoint_for)
@@ -33,6 +34,7 @@ class PrefillServer:
         self.warmer = (LinkWarmer(self.endpoint, directory, self.aengine.submit).start()
                        if directory is not None else None)
         self.metrics = self.transfers = None
+        self.replica = replica_id()
         if in_replica():  # each replica's own series, through Ray's metrics system
             self.metrics = EngineMetrics(self.aengine.engine, extra=lambda: {
                 "kv_blocks_held_by_transfers": self.endpoint.held_blocks}).start()
@@ -74,6 +76,7 @@ class PrefillServer:
                           type(exc).__name__, timeline(received=received, ended=time.time()))
             raise
         prefill_s, prefilled = time.perf_counter() - t0, time.time()
+        timing = PrefillTiming(received=received, prefilled=prefilled, replica=self.replica)
         loop = asyncio.get_running_loop()
         done: asyncio.Future = loop.create_future()
 
@@ -97,6 +100,7 @@ class PrefillServer:
                       "(%d B) over %s; %s", rid, transfer.state.name.lower(), len(req.prompt_token_ids),
                       first.num_cached_tokens, st.blocks_sent, st.bytes, st.backend,
                       timeline(received=received, prefilled=prefilled, pushed=time.time()))
+        timing.pushed = time.time()
         if self.transfers is not None:
             if transfer.state is TransferState.DONE:
                 self.transfers.record(transfer.stats)
@@ -110,5 +114,5 @@ class PrefillServer:
             request_id=rid, first_token=first.new_token_ids[0],
             first_logprob=first.new_logprobs[0] if first.new_logprobs else None,
             num_prompt_tokens=len(req.prompt_token_ids), num_cached_tokens=first.num_cached_tokens,
-            stats=transfer.stats, prefill_seconds=prefill_s,
+            stats=transfer.stats, prefill_seconds=prefill_s, timing=timing,
             first_top_logprobs=first.new_top_logprobs[0] if first.new_top_logprobs else None)

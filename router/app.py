@@ -33,6 +33,7 @@ from engine.structured import Grammars, StructuredOutput
 from engine.loader import load_tokenizer, resolve_model
 from proto import baton_pb2
 from router.door import APIKeyMiddleware, BodyLimitMiddleware, authorized
+from deploy.metrics import replica_id
 from router.errors import RequestTimeout, describe, log_failure
 from router.chat import StreamSplitter, split_message
 from router.logprobs import TokenTexts
@@ -160,20 +161,47 @@ def _message(text: str, parsing: tuple[bool, bool]) -> dict:
     return message
 
 
-def _log_timeline(stream: RequestStream, outcome: str) -> None:
+def _log_timeline(stream: RequestStream, outcome: str, ingress: str) -> None:
     """One line per request at the ingress; the decode replica logs its own under the same id
     (``<id>~<n>`` after the n-th migration)."""
-    t = stream.timing
-    moves = {f"moved{i + 1}": at for i, at in enumerate(stream.moved_at)}
-    TIMELINE.info("request %s ingress: %s, %d prompt + %d output tokens, %d migrations; %s",
-                  stream.request_id, outcome, stream.num_prompt_tokens, len(stream.token_ids),
-                  stream.migrations, timeline(received=t.received, submitted=t.submitted,
-                                              first_token=t.first_token, **moves,
-                                              finished=t.finished or time.time()))
+    names = _replicas(stream.result, ingress)
+    TIMELINE.info("request %s ingress: %s, %d prompt + %d output tokens, %d migrations; "
+                  "decode %s, prefill %s; %s", stream.request_id, outcome,
+                  stream.num_prompt_tokens, len(stream.token_ids), stream.migrations,
+                  names["decode"] or "-", names["prefill"] or "-",
+                  timeline(**dict(phases(stream, stream.result))))
 
 
-def _timing(stream: RequestStream, result: GenerateResult | None) -> dict:
-    return {"router": asdict(stream.timing),
+def phases(stream: RequestStream, result: GenerateResult | None) -> list[tuple[str, float]]:
+    """The request's milestones across the roles, in causal order (``time.time()`` of each
+    replica's host: on several nodes, as far apart as their clocks)."""
+    t, d = stream.timing, result.timing if result is not None else None
+    p = d.prefill if d is not None else None
+    marks = [("received", t.received), ("submitted", t.submitted)]
+    if d is not None:
+        marks += [("decode_received", d.received), ("prefill_called", d.prefill_called)]
+    if p is not None:
+        marks += [("prefill_received", p.received), ("prefilled", p.prefilled),
+                  ("pushed", p.pushed)]
+    if d is not None:
+        marks += [("prefill_returned", d.prefill_returned),
+                  ("admitted" if p is not None else "queued", d.queued),
+                  ("decode_first_token", d.first_token)]
+    marks += [("first_token", t.first_token)]
+    marks += [(f"moved{i + 1}", at) for i, at in enumerate(stream.moved_at)]
+    marks += [("finished", t.finished or time.time())]
+    return [(name, at) for name, at in marks if at]
+
+
+def _replicas(result: GenerateResult | None, ingress: str) -> dict:
+    d = result.timing if result is not None else None
+    return {"ingress": ingress, "decode": d.replica if d is not None else None,
+            "prefill": d.prefill.replica if d is not None and d.prefill is not None else None}
+
+
+def _timing(stream: RequestStream, result: GenerateResult | None, ingress: str) -> dict:
+    return {"phases": [[name, at] for name, at in phases(stream, result)],
+            "replicas": _replicas(result, ingress), "router": asdict(stream.timing),
             "decode": asdict(result.timing) if result is not None else None}
 
 
@@ -294,6 +322,7 @@ class Router:
         self.timeout_s = cfg.request_timeout_s
         self.default_max_tokens = cfg.max_tokens_default
         self.reasoning_parser = cfg.reasoning_parser
+        self.replica = replica_id()
         self.metrics = RouterMetrics()
         self.decode = decode
 
@@ -392,7 +421,7 @@ class Router:
             metrics.tokens.inc(len(stream.token_ids))
             metrics.migrations.inc(stream.migrations)
             metrics.e2e.observe(time.monotonic() - start)
-            _log_timeline(stream, outcome)
+            _log_timeline(stream, outcome, self.replica)
 
     async def finish(self, stream: RequestStream) -> GenerateResult | None:
         """The decode replica's result (usage, transfer stats), recorded in the metrics."""
@@ -514,7 +543,8 @@ class Router:
                                                        if kind == "chat.completion" else kind,
                                                        body, echo, parsing),
                                              media_type="text/event-stream")
-        return await self._complete(batch, params, rid, kind, echo, parsing)
+        return await self._complete(batch, params, rid, kind, echo, parsing,
+                                    timed=body.include_timing)
 
     @staticmethod
     def _fan(batch, params: SamplingParams) -> list[tuple[list[int], SamplingParams]]:
@@ -532,7 +562,8 @@ class Router:
             return self.texts.chat(c.token_ids, c.logprobs, c.top_logprobs), offset
         return self.texts.completion(c.token_ids, c.logprobs, c.top_logprobs, offset)
 
-    async def _complete(self, batch, params, rid, kind: str, echo=None, parsing=None):
+    async def _complete(self, batch, params, rid, kind: str, echo=None, parsing=None,
+                        timed: bool = False):
         items = self._fan(batch, params)
         feed = _Merged(self, items, self._sub_ids(rid, len(items)))
         texts = [[] for _ in items]
@@ -563,8 +594,11 @@ class Router:
                     choice["text"] = head + text
                 choice["logprobs"] = lp
                 choices.append(choice)
+        usage = _usage(feed.streams, feed.results, k)
+        if timed and len(items) == 1:
+            usage["timing"] = _timing(feed.streams[0], feed.results[0], self.replica)
         return {"id": rid, "object": kind, "created": int(time.time()), "model": self.served_name,
-                "choices": choices, "usage": _usage(feed.streams, feed.results, k)}
+                "choices": choices, "usage": usage}
 
     async def _sse(self, batch, params, rid, kind: str, body, echo=None,
                    parsing=None) -> AsyncIterator[str]:
@@ -633,7 +667,7 @@ class Router:
             usage = {**head, "choices": [],
                      "usage": _usage(feed.streams, feed.results, params.num_sequences)}
             if timed and len(items) == 1:
-                usage["timing"] = _timing(feed.streams[0], feed.results[0])
+                usage["timing"] = _timing(feed.streams[0], feed.results[0], self.replica)
             yield _event(usage)
         yield "data: [DONE]\n\n"
 

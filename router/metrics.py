@@ -4,10 +4,13 @@ for one process) and, inside a Serve replica, the same series through Ray's metr
 
 from __future__ import annotations
 
+import logging
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from kvtransfer import TransferStats
 
+log = logging.getLogger(__name__)
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
@@ -26,7 +29,10 @@ class _Tee:
     def observe(self, v: float) -> None:
         self.prom.observe(v)
         if self.twin is not None:
-            self.twin.observe(v, tags=self.tags)
+            try:
+                self.twin.observe(v, tags=self.tags)
+            except Exception:  # noqa: BLE001 - a metric never fails a request
+                log.exception("recording a metric")
 
     def inc(self, v: float = 1) -> None:
         self.prom.inc(v)
@@ -42,11 +48,14 @@ class _Tee:
     def _twin_add(self, v: float) -> None:
         if self.twin is None:
             return
-        if hasattr(self.twin, "set"):  # a gauge
-            self.value += v
-            self.twin.set(self.value, tags=self.tags)
-        elif v > 0:
-            self.twin.inc(v, tags=self.tags)
+        try:
+            if hasattr(self.twin, "set"):  # a gauge
+                self.value += v
+                self.twin.set(self.value, tags=self.tags)
+            elif v > 0:  # Ray's counters refuse an increment of zero
+                self.twin.inc(v, tags=self.tags)
+        except Exception:  # noqa: BLE001 - a metric never fails a request
+            log.exception("recording a metric")
 
 
 def _twins() -> dict | None:

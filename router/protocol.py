@@ -90,6 +90,9 @@ class _Common(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
+    # Baton extension: a whole (not streamed) answer's usage carries the request's timeline
+    # (streamed: stream_options.include_timing).
+    include_timing: bool = False
     n: int = 1
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0

@@ -711,6 +711,43 @@ def test_timing_fields_when_asked(server):
     assert "produced_at" not in plain[0] and "timing" not in plain[-1]
 
 
+def test_one_timeline_across_the_roles(server):
+    """A request's milestones from the ingress, decode and prefill replicas, in causal order,
+    in the answer's usage (include_timing) and in one ingress log line; their durations add up
+    to the time the client measured, less the HTTP hops."""
+    mode, url, _ = server
+    t0 = time.perf_counter()
+    body = _post(f"{url}/v1/completions", {"prompt": PROMPTS[1], **GREEDY,
+                                           "include_timing": True}).json()
+    measured = time.perf_counter() - t0
+    timing = body["usage"]["timing"]
+    names = [name for name, _ in timing["phases"]]
+    expected = ["received", "submitted", "decode_received"]
+    if mode == "disaggregated":
+        expected += ["prefill_called", "prefill_received", "prefilled", "pushed",
+                     "prefill_returned", "admitted"]
+    else:
+        expected += ["queued"]
+    assert names == expected + ["decode_first_token", "first_token", "finished"]
+    stamps = [at for _, at in timing["phases"]]
+    assert stamps == sorted(stamps)
+    durations = [b - a for a, b in zip(stamps, stamps[1:])]
+    assert sum(durations) == pytest.approx(stamps[-1] - stamps[0], abs=1e-6)
+    assert 0 <= measured - (stamps[-1] - stamps[0]) < 0.25  # the HTTP hops, on a busy 2-core CI
+    replicas = timing["replicas"]
+    assert replicas["ingress"] and replicas["decode"]
+    assert bool(replicas["prefill"]) == (mode == "disaggregated")
+    rid = body["id"]
+    deadline, line = time.time() + 20, None
+    while line is None and time.time() < deadline:
+        for f in serve_log_dir().glob("replica_baton_Router_*.log"):
+            line = next((x for x in f.read_text(errors="replace").splitlines()
+                         if f"request {rid} ingress:" in x), line)
+        time.sleep(0.2)
+    assert line is not None and f"decode {replicas['decode']}" in line
+    assert all(f"{name} +" in line for name in names)
+
+
 @pytest.fixture(scope="module")
 def stub(server):
     import grpc

@@ -5,6 +5,8 @@ for one process) and, inside a Serve replica, the same series through Ray's metr
 from __future__ import annotations
 
 import logging
+import threading
+import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -78,6 +80,22 @@ def _twins() -> dict | None:
     }
 
 
+class _GaugeRefresher:
+    """Ray exports a gauge's value only in the report that follows a ``set``: the ingress's
+    gauges move on requests, so their values are set again every second to stay in the export
+    (the engines' gauges are read and set every second anyway)."""
+
+    def __init__(self, tees: list[_Tee], interval_s: float = 1.0):
+        self.tees, self.interval_s = tees, interval_s
+        threading.Thread(target=self._loop, name="gauge-refresh", daemon=True).start()
+
+    def _loop(self) -> None:
+        while True:
+            time.sleep(self.interval_s)
+            for tee in self.tees:
+                tee._twin_add(0.0)
+
+
 class RouterMetrics:
     def __init__(self):
         r = self.registry = CollectorRegistry()
@@ -112,6 +130,8 @@ class RouterMetrics:
         for name, names in (("ttft", ()), ("itl", ()), ("e2e", ()), ("requests", ("outcome",)),
                             ("in_flight", ()), ("tokens", ()), ("migrations", ())):
             setattr(self, name, _Tee(getattr(self, name), twins.get(name), names))
+        if twins:
+            _GaugeRefresher([self.in_flight])
 
     def record_transfer(self, t: TransferStats | None) -> None:
         if t is not None:

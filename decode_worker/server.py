@@ -122,6 +122,7 @@ class DecodeServer:
     async def generate(self, req: GenerateRequest) -> GenerateResult:
         timing = DecodeTiming(received=time.time(), replica=self.replica)
         rid, prompt = req.request_id, list(req.prompt_token_ids)
+        await self.aengine.compile_grammar(req.params)  # off the engine thread
         route = self.publisher.route(rid, await self.publisher.connect(req.reply_to))
         prefilled: PrefillResult | None = None
         try:

@@ -78,6 +78,13 @@ class AsyncEngine:
         self._tickers.append(fn)
 
     # -- whole requests (without an outputs hook) -------------------------------------------
+    async def compile_grammar(self, params: SamplingParams) -> None:
+        """Compile a request's structured output on a worker thread, so the engine thread,
+        which compiles it again when the request is added, finds it in its cache instead of
+        stalling every running request for the compile (xgrammar releases the GIL)."""
+        if params.structured_output is not None:
+            await asyncio.to_thread(self.engine.grammars.compile, params.structured_output)
+
     async def run(self, prompt: Prompt, params: SamplingParams, request_id: str,
                   hold_blocks: bool = False) -> RequestOutput:
         """Run a request to its end and return its last output; a caller that goes away
@@ -86,6 +93,7 @@ class AsyncEngine:
         done = loop.create_future()
         self._waiters[request_id] = (loop, done)
         try:
+            await self.compile_grammar(params)
             await self.call(lambda e: e.add_request(prompt, params, request_id, hold_blocks))
             return await done
         except BaseException:

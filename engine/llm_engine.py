@@ -156,7 +156,7 @@ class LLMEngine:
 
     def validate_params(self, params: SamplingParams) -> None:
         """What only the model can check: token ids the parameters name are in its vocabulary,
-        and ``n`` is for the caller to fan out (one sequence per engine request)."""
+        and a structured output compiles for its tokenizer (cached)."""
         bad = [t for t in params.token_ids_used() if t >= self.vocab_size]
         if bad:
             raise ValueError(f"logit_bias/stop_token_ids: token ids {bad[:5]} are outside the "

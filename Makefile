@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 EXTRAS ?= test,serve,transfer,load
 
-.PHONY: install test test-gpu demo clean
+.PHONY: install test test-unit test-gpu demo clean
 
 install: $(VENV)/.installed
 
@@ -18,6 +18,10 @@ $(VENV)/.installed: pyproject.toml Makefile
 
 test: install
 	RAY_USAGE_STATS_ENABLED=0 $(BIN)/python -m pytest -q -m "not gpu"
+
+# The inner loop: no Ray, no GPU, nothing slow (tests/conftest.py marks them `unit`).
+test-unit: install
+	RAY_USAGE_STATS_ENABLED=0 $(BIN)/python -m pytest -q -m unit
 
 test-gpu: install
 	$(BIN)/python -m pytest -q -m gpu

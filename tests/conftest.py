@@ -12,6 +12,11 @@ def pytest_collection_modifyitems(config, items):
     # The README's commands end with `ray stop` (every Ray on the machine): they run first,
     # before the session's own local Ray starts.
     items.sort(key=lambda item: "readme" not in item.keywords)
+    # The fast tier (`make test-unit`): everything that needs no Ray, no GPU and no long wait.
+    unit = pytest.mark.unit
+    for item in items:
+        if not {"e2e", "gpu", "slow", "readme"} & set(item.keywords):
+            item.add_marker(unit)
     import torch
     if torch.cuda.is_available():
         return

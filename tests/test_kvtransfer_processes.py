@@ -13,6 +13,8 @@ from decode_worker.server import DecodeServer
 from engine import LLM, EngineConfig, SamplingParams
 from kvtransfer import TransferError, TransferState
 from tests.models import random_prompts
+
+pytestmark = pytest.mark.slow  # real processes per test: ~40 s of the suite
 from tests.roles import (NoPrefill, Peer, PeerPrefillHandle, capture_landed_kv, generate,
                          until_idle)
 

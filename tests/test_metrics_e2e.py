@@ -48,68 +48,67 @@ def _scrape(port: int) -> dict[str, list[tuple[dict, float]]]:
     return series
 
 
-def _total(series, name, **match) -> float:
+def _total(series, name, replicas: set[str], **match) -> float:
+    """The sum of ``name`` over this app's replicas (the shared test cluster also exports the
+    series of earlier tests' replicas, some of them only seconds later)."""
     return sum(v for labels, v in series.get(name, ())
-               if all(labels.get(k) == want for k, want in match.items()))
+               if labels.get("replica") in replicas
+               and all(labels.get(k) == want for k, want in match.items()))
 
 
-def _delta(before, after, name, **match) -> float:
-    """How much the matching series rose between two scrapes (the shared test cluster also
-    exports the series of earlier tests' replicas, which stay where they were)."""
-    return _total(after, name, **match) - _total(before, name, **match)
-
-
-def _risen(before, after, name, deployment) -> set[str]:
-    """Replicas of ``deployment`` whose counter ``name`` rose."""
-    old = {labels["replica"]: v for labels, v in before.get(name, ())
-           if labels.get("deployment") == deployment}
-    return {labels["replica"] for labels, v in after.get(name, ())
-            if labels.get("deployment") == deployment and v > old.get(labels["replica"], 0)}
-
-
-def _by_replica(series, name, deployment) -> dict[str, float]:
-    return {labels["replica"]: v for labels, v in series.get(name, ())
-            if labels.get("deployment") == deployment}
+def _by_replica(series, name, replicas: set[str]) -> dict[str, float]:
+    """``name`` summed per replica (over its other labels)."""
+    sums: dict[str, float] = {}
+    for labels, v in series.get(name, ()):
+        if labels.get("replica") in replicas:
+            sums[labels["replica"]] = sums.get(labels["replica"], 0.0) + v
+    return sums
 
 
 def test_every_replica_reports_its_own_series(app):
     url, port = app
-    before = _scrape(port)
+    seen = {"ingress": set(), "decode": set(), "prefill": set()}
     sent = 0
     for i in range(3):  # several rounds, so both ingress and both decode replicas get some
         for prompt in PROMPTS:
             resp = requests.post(f"{url}/v1/completions", timeout=60, json={
                 "prompt": f"{prompt} {i}", "max_tokens": 6, "temperature": 0,
-                "ignore_eos": True})
+                "ignore_eos": True, "include_timing": True})
             assert resp.status_code == 200, resp.text
+            for role, replica in resp.json()["usage"]["timing"]["replicas"].items():
+                seen[role].add(replica)
             sent += 1
+    assert [len(seen[r]) for r in ("ingress", "decode", "prefill")] == [2, 2, 1], seen
+    ours = set().union(*seen.values())
+    total = lambda name, **match: _total(series, name, ours, **match)  # noqa: E731
     deadline, series = time.time() + 45, {}
     while time.time() < deadline:
         series = _scrape(port)
-        if _delta(before, series, "ray_baton_request_success_total",
-                  deployment="DecodeServer") == sent and \
-                _delta(before, series, "ray_baton_requests_total") == sent:
+        if total("ray_baton_request_success_total", deployment="DecodeServer") == sent and \
+                total("ray_baton_requests_total") == sent:
             break
         time.sleep(1)
-    d = lambda name, **match: _delta(before, series, name, **match)  # noqa: E731
-    assert d("ray_baton_request_success_total", deployment="DecodeServer",
-             finish_reason="length") == sent
-    assert d("ray_baton_request_success_total",
-             deployment="PrefillServer") == sent  # the prefill engine stops after one token
-    assert d("ray_baton_requests_total", outcome="length") == sent  # the ingress
-    assert d("ray_baton_generation_tokens_total",
-             deployment="DecodeServer") == sent * 5  # the first of 6 comes from prefill
-    assert d("ray_baton_generation_tokens_total", deployment="PrefillServer") == sent
-    assert d("ray_baton_kv_transfer_bytes_total", side="received") == \
-        d("ray_baton_kv_transfer_bytes_total", side="sent") > 0
-    # Each decode replica reports its own pool: distinct replica tags, used + free = all blocks.
-    decodes = _risen(before, series, "ray_baton_engine_steps_total", "DecodeServer")
-    assert len(decodes) == 2
-    used = _by_replica(series, "ray_baton_kv_blocks_used", "DecodeServer")
-    free = _by_replica(series, "ray_baton_kv_blocks_free", "DecodeServer")
-    assert all(used[r] + free[r] == NUM_BLOCKS - 1 for r in decodes)
-    assert len(_risen(before, series, "ray_baton_requests_total", "Router")) == 2
-    assert d("ray_baton_engine_step_seconds_count", deployment="PrefillServer") > 0
+    assert total("ray_baton_request_success_total", deployment="DecodeServer",
+                 finish_reason="length") == sent
+    assert total("ray_baton_request_success_total",
+                 deployment="PrefillServer") == sent  # the prefill engine stops after one token
+    assert total("ray_baton_requests_total", outcome="length") == sent  # the ingress
+    assert total("ray_baton_generation_tokens_total",
+                 deployment="DecodeServer") == sent * 5  # the first of 6 comes from prefill
+    assert total("ray_baton_generation_tokens_total", deployment="PrefillServer") == sent
+    assert total("ray_baton_kv_transfer_bytes_total", side="received") == \
+        total("ray_baton_kv_transfer_bytes_total", side="sent") > 0
+    # Each replica's own series: each decode replica's KV gauges are its pool (used + free =
+    # all blocks), each replica counts its own share.
+    used = _by_replica(series, "ray_baton_kv_blocks_used", seen["decode"])
+    free = _by_replica(series, "ray_baton_kv_blocks_free", seen["decode"])
+    assert set(used) == set(free) == seen["decode"]
+    assert all(used[r] + free[r] == NUM_BLOCKS - 1 for r in used)
+    steps = _by_replica(series, "ray_baton_engine_steps_total", seen["decode"])
+    assert set(steps) == seen["decode"] and all(v > 0 for v in steps.values())
+    per_ingress = _by_replica(series, "ray_baton_requests_total", seen["ingress"])
+    assert set(per_ingress) == seen["ingress"] and sum(per_ingress.values()) == sent
+    assert total("ray_baton_engine_step_seconds_count", deployment="PrefillServer") > 0
     # Counters only rise.
     again = _scrape(port)
     for name in ("ray_baton_request_success_total", "ray_baton_generation_tokens_total",

@@ -108,8 +108,8 @@ async def _http_one(session, url: str, index: int, prompt, max_tokens: int, time
                         rec.tokens += toks
                         rec.chunks += 1
                         rec.delays.append((now - ev["produced_at"], len(toks)))
-                elif "timing" in ev:
-                    rec.timing = ev["timing"]
+                elif "timing" in (ev.get("usage") or {}):
+                    rec.timing = ev["usage"]["timing"]
     except Exception as exc:  # noqa: BLE001 - reported per request
         rec.error = f"{type(exc).__name__}: {exc}"
     rec.end = time.time()

@@ -27,7 +27,7 @@ import time
 from contracts.messages import (TIMELINE, DecodeTiming, GenerateRequest, GenerateResult,
                                 PrefillRequest, PrefillResult, serve_logger, timeline)
 from contracts.token_channel import TokenPublisher
-from deploy.metrics import EngineMetrics, TransferMetrics, in_replica, replica_id
+from deploy.metrics import EngineMetrics, TransferMetrics, replica_id
 from engine.async_engine import AsyncEngine
 from engine.sampling_params import SamplingParams
 from kvtransfer import (KVDestination, PushNotStarted, Transfer, TransferError, TransferState,
@@ -90,7 +90,7 @@ class DecodeServer:
                         if directory is not None and self.endpoint is not None else None)
         self.metrics = self.transfers = None
         self.replica = replica_id()
-        if in_replica():  # each replica's own series, through Ray's metrics system
+        if self.replica:  # a Serve replica: its own series, through Ray's metrics system
             self.metrics = EngineMetrics(self.aengine.engine, extra=lambda: {
                 "kv_blocks_held_by_transfers": self.held_blocks}).start()
             self.transfers = TransferMetrics("received") if prefill is not None else None

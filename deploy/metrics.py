@@ -28,23 +28,18 @@ STEP_BUCKETS = [0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1
 BATCH_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
 
 
-def in_replica() -> bool:
-    """Whether this process is a Serve replica (its metrics get the replica's tags)."""
-    try:
-        from ray import serve
-        serve.get_replica_context()
-        return True
-    except Exception:  # noqa: BLE001 - not in a replica (or Serve not installed)
-        return False
-
-
 def replica_id() -> str:
     """This Serve replica's id ("" outside one)."""
     try:
         from ray import serve
         return serve.get_replica_context().replica_id.unique_id
-    except Exception:  # noqa: BLE001 - not in a replica
+    except Exception:  # noqa: BLE001 - not in a replica (or Serve not installed)
         return ""
+
+
+def in_replica() -> bool:
+    """Whether this process is a Serve replica (its metrics get the replica's tags)."""
+    return bool(replica_id())
 
 
 def _serve_metrics():
@@ -156,7 +151,7 @@ class TransferMetrics:
     def record(self, stats) -> None:
         """A hand-over that ended well (a prefix-cache hit may have moved nothing)."""
         tags = {"backend": stats.backend or "none", "side": self.side}
-        with _never_raises():
+        with never_raises():
             if stats.bytes > 0:  # Ray's counters refuse an increment of zero
                 self.bytes.inc(stats.bytes, tags=tags)
             self.seconds.observe(stats.seconds, tags=tags)
@@ -165,12 +160,12 @@ class TransferMetrics:
                     self.blocks.inc(n, tags={"kind": kind, "side": self.side})
 
     def failed(self, kind: str) -> None:
-        with _never_raises():
+        with never_raises():
             self.failures.inc(1, tags={"kind": kind, "side": self.side})
 
 
 @contextlib.contextmanager
-def _never_raises():
+def never_raises():
     """A metric that cannot be recorded is logged, never raised into a request."""
     try:
         yield

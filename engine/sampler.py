@@ -176,15 +176,15 @@ def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence], rows: list[int]
     index = upload(rows, torch.int64, device)
     sub = logits[index]
     params = [s.params for s in seqs]
+    rep, freq, pres = upload([p.repetition_penalty for p in params]
+                             + [p.frequency_penalty for p in params]
+                             + [p.presence_penalty for p in params], torch.float32,
+                             device).to(logits.dtype).view(3, len(seqs), 1)
     if any(p.repetition_penalty != 1.0 for p in params):
         seen = torch.zeros(len(seqs), vocab + 1, dtype=torch.bool, device=device)
         seen.scatter_(1, ids, True)
-        rep = upload([p.repetition_penalty for p in params], torch.float32,
-                     device).to(logits.dtype)[:, None]
         sub = torch.where(seen[:, :vocab], torch.where(sub > 0, sub / rep, sub * rep), sub)
-    freq = upload([p.frequency_penalty for p in params], torch.float32, device).to(logits.dtype)
-    pres = upload([p.presence_penalty for p in params], torch.float32, device).to(logits.dtype)
-    sub = sub - freq[:, None] * counts - pres[:, None] * (counts > 0).to(logits.dtype)
+    sub = sub - freq * counts - pres * (counts > 0).to(logits.dtype)
     logits[index] = sub
 
 

@@ -14,7 +14,7 @@ import time
 
 from contracts.messages import (TIMELINE, PrefillRequest, PrefillResult, PrefillTiming,
                                timeline)
-from deploy.metrics import EngineMetrics, TransferMetrics, in_replica, replica_id
+from deploy.metrics import EngineMetrics, TransferMetrics, replica_id
 from engine.async_engine import AsyncEngine
 from kvtransfer import (EndpointInfo, PushNotStarted, TransferError, TransferState,
                         endpoint_for)
@@ -35,7 +35,7 @@ class PrefillServer:
                        if directory is not None else None)
         self.metrics = self.transfers = None
         self.replica = replica_id()
-        if in_replica():  # each replica's own series, through Ray's metrics system
+        if self.replica:  # a Serve replica: its own series, through Ray's metrics system
             self.metrics = EngineMetrics(self.aengine.engine, extra=lambda: {
                 "kv_blocks_held_by_transfers": self.endpoint.held_blocks}).start()
             self.transfers = TransferMetrics("sent")

@@ -40,7 +40,7 @@ from router.logprobs import TokenTexts
 from router.metrics import RouterMetrics
 from router.prompts import PromptEncoder
 from router.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                             TokenizeRequest)
+                             TokenizeRequest, structure)
 from router.streams import Chunk, DecodeClient, RequestStream
 
 app = FastAPI(title="Baton")
@@ -219,13 +219,12 @@ _GRPC_OPTIONAL = ("max_tokens", "temperature", "top_p", "top_k", "seed", "presen
 
 def _grpc_structure(req) -> StructuredOutput | None:
     which = req.WhichOneof("structured_output")
-    if which is None or (which == "json_object" and not req.json_object):
-        return None
-    if which == "choice":
-        return StructuredOutput.choice(req.choice.options)
     if which == "json_object":
-        return StructuredOutput(kind="json_object")
-    return StructuredOutput(kind=which, spec=getattr(req, which))
+        return StructuredOutput(kind="json_object") if req.json_object else None
+    if which == "choice":
+        return structure("choice", req.choice.options)
+    return structure("json" if which == "json_schema" else which,
+                     getattr(req, which) if which else None)
 
 
 def _grpc_top(chunk: Chunk) -> list:
@@ -594,11 +593,16 @@ class Router:
                     choice["text"] = head + text
                 choice["logprobs"] = lp
                 choices.append(choice)
-        usage = _usage(feed.streams, feed.results, k)
-        if timed and len(items) == 1:
-            usage["timing"] = _timing(feed.streams[0], feed.results[0], self.replica)
+        usage = self._usage(feed, params, timed)
         return {"id": rid, "object": kind, "created": int(time.time()), "model": self.served_name,
                 "choices": choices, "usage": usage}
+
+    def _usage(self, feed: _Merged, params: SamplingParams, timed: bool) -> dict:
+        """The answer's usage, with the request's timeline when asked (one sequence only)."""
+        usage = _usage(feed.streams, feed.results, params.num_sequences)
+        if timed and len(feed.streams) == 1:
+            usage["timing"] = _timing(feed.streams[0], feed.results[0], self.replica)
+        return usage
 
     async def _sse(self, batch, params, rid, kind: str, body, echo=None,
                    parsing=None) -> AsyncIterator[str]:
@@ -664,11 +668,7 @@ class Router:
         finally:
             await feed.aclose()
         if options is None or options.include_usage:
-            usage = {**head, "choices": [],
-                     "usage": _usage(feed.streams, feed.results, params.num_sequences)}
-            if timed and len(items) == 1:
-                usage["timing"] = _timing(feed.streams[0], feed.results[0], self.replica)
-            yield _event(usage)
+            yield _event({**head, "choices": [], "usage": self._usage(feed, params, timed)})
         yield "data: [DONE]\n\n"
 
     # -- gRPC (Serve's gRPC proxy calls these by RPC name) ------------------------------------

@@ -4,16 +4,26 @@ for one process) and, inside a Serve replica, the same series through Ray's metr
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from deploy.metrics import LATENCY_BUCKETS, in_replica, never_raises
 from kvtransfer import TransferStats
 
-log = logging.getLogger(__name__)
-_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+# The series the ingress records on requests, each in its Prometheus registry and (in a
+# replica) in Ray's: attribute, kind, name, description, label names.
+_TEED = (
+    ("ttft", "histogram", "baton_time_to_first_token_seconds", "Time to first token", ()),
+    ("itl", "histogram", "baton_inter_token_latency_seconds", "Gap between streamed tokens", ()),
+    ("e2e", "histogram", "baton_e2e_latency_seconds", "Request latency, end to end", ()),
+    ("requests", "counter", "baton_requests", "Requests by outcome", ("outcome",)),
+    ("in_flight", "gauge", "baton_requests_in_flight", "Requests being served (queue depth)", ()),
+    ("tokens", "counter", "baton_output_tokens", "Output tokens streamed to clients", ()),
+    ("migrations", "counter", "baton_request_migrations",
+     "Requests moved to another decode replica after theirs was lost", ()),
+)
 
 
 class _Tee:
@@ -31,10 +41,8 @@ class _Tee:
     def observe(self, v: float) -> None:
         self.prom.observe(v)
         if self.twin is not None:
-            try:
+            with never_raises():  # a metric never fails a request
                 self.twin.observe(v, tags=self.tags)
-            except Exception:  # noqa: BLE001 - a metric never fails a request
-                log.exception("recording a metric")
 
     def inc(self, v: float = 1) -> None:
         self.prom.inc(v)
@@ -44,40 +52,28 @@ class _Tee:
         self.prom.dec(v)
         self._twin_add(-v)
 
-    def set(self, v: float) -> None:
-        self.prom.set(v)
-
     def _twin_add(self, v: float) -> None:
         if self.twin is None:
             return
-        try:
+        with never_raises():  # a metric never fails a request
             if hasattr(self.twin, "set"):  # a gauge
                 self.value += v
                 self.twin.set(self.value, tags=self.tags)
             elif v > 0:  # Ray's counters refuse an increment of zero
                 self.twin.inc(v, tags=self.tags)
-        except Exception:  # noqa: BLE001 - a metric never fails a request
-            log.exception("recording a metric")
 
 
-def _twins() -> dict | None:
-    from deploy.metrics import LATENCY_BUCKETS, in_replica
-    if not in_replica():
-        return None
+def _prom(kind: str, name: str, doc: str, labels: tuple, registry):
+    if kind == "histogram":
+        return Histogram(name, doc, labels, registry=registry, buckets=LATENCY_BUCKETS)
+    return (Counter if kind == "counter" else Gauge)(name, doc, labels, registry=registry)
+
+
+def _ray(kind: str, name: str, doc: str, labels: tuple):
     from ray.serve import metrics as m
-    return {
-        "ttft": m.Histogram("baton_time_to_first_token_seconds", "Time to first token",
-                            boundaries=LATENCY_BUCKETS),
-        "itl": m.Histogram("baton_inter_token_latency_seconds", "Gap between streamed tokens",
-                           boundaries=LATENCY_BUCKETS),
-        "e2e": m.Histogram("baton_e2e_latency_seconds", "Request latency, end to end",
-                           boundaries=LATENCY_BUCKETS),
-        "requests": m.Counter("baton_requests", "Requests by outcome", tag_keys=("outcome",)),
-        "in_flight": m.Gauge("baton_requests_in_flight", "Requests being served"),
-        "tokens": m.Counter("baton_output_tokens", "Output tokens streamed to clients"),
-        "migrations": m.Counter("baton_request_migrations", "Requests moved to another decode "
-                                "replica after theirs was lost"),
-    }
+    if kind == "histogram":
+        return m.Histogram(name, doc, boundaries=LATENCY_BUCKETS, tag_keys=labels or None)
+    return (m.Counter if kind == "counter" else m.Gauge)(name, doc, tag_keys=labels or None)
 
 
 class _GaugeRefresher:
@@ -99,19 +95,14 @@ class _GaugeRefresher:
 class RouterMetrics:
     def __init__(self):
         r = self.registry = CollectorRegistry()
-        self.ttft = Histogram("baton_time_to_first_token_seconds", "Time to first token", registry=r,
-                              buckets=_LATENCY_BUCKETS)
-        self.itl = Histogram("baton_inter_token_latency_seconds", "Gap between streamed tokens",
-                             registry=r, buckets=_LATENCY_BUCKETS)
-        self.e2e = Histogram("baton_e2e_latency_seconds", "Request latency, end to end",
-                             registry=r, buckets=_LATENCY_BUCKETS)
-        self.requests = Counter("baton_requests", "Requests by outcome", ["outcome"], registry=r)
-        self.in_flight = Gauge("baton_requests_in_flight", "Requests being served (queue depth)",
-                               registry=r)
-        self.tokens = Counter("baton_output_tokens", "Output tokens", registry=r)
-        self.migrations = Counter("baton_request_migrations",
-                                  "Requests moved to another decode replica after theirs was lost",
-                                  registry=r)
+        twinned = in_replica()
+        for attr, kind, name, doc, labels in _TEED:
+            setattr(self, attr, _Tee(_prom(kind, name, doc, labels, r),
+                                     _ray(kind, name, doc, labels) if twinned else None, labels))
+        if twinned:
+            _GaugeRefresher([self.in_flight])
+        # Served on this ingress's /metrics only: one decode replica's KV, asked at scrape time,
+        # and the transfers of this ingress's requests (the replicas report their own to Ray).
         self.kv_used = Gauge("baton_kv_blocks_used", "KV blocks in use (decode replica)",
                              registry=r)
         self.kv_free = Gauge("baton_kv_blocks_free", "KV blocks free (decode replica)",
@@ -125,13 +116,7 @@ class RouterMetrics:
         self.transfer_blocks = Counter("baton_kv_transfer_blocks", "KV blocks by fate", ["kind"],
                                        registry=r)
         self.transfer_time = Histogram("baton_kv_transfer_seconds", "KV hand-over time",
-                                       ["backend"], registry=r, buckets=_LATENCY_BUCKETS)
-        twins = _twins() or {}
-        for name, names in (("ttft", ()), ("itl", ()), ("e2e", ()), ("requests", ("outcome",)),
-                            ("in_flight", ()), ("tokens", ()), ("migrations", ())):
-            setattr(self, name, _Tee(getattr(self, name), twins.get(name), names))
-        if twins:
-            _GaugeRefresher([self.in_flight])
+                                       ["backend"], registry=r, buckets=LATENCY_BUCKETS)
 
     def record_transfer(self, t: TransferStats | None) -> None:
         if t is not None:

@@ -55,7 +55,9 @@ class StructuredOutputs(BaseModel):
     grammar: str | None = None
 
 
-def _structure(kind: str, value) -> StructuredOutput | None:
+def structure(kind: str, value) -> StructuredOutput | None:
+    """The structured output of vLLM's ``guided_<kind>`` (also gRPC's fields): ``json`` (a
+    schema, as a dict or JSON text), ``regex``, ``choice``, ``grammar``; None for no value."""
     if value is None:
         return None
     if kind == "json":
@@ -137,8 +139,8 @@ class _Common(BaseModel):
                  StructuredOutput(kind="json_object") if rf.type == "json_object" else
                  StructuredOutput.schema(rf.json_schema.schema_)}
         for kind in ("json", "regex", "choice", "grammar"):
-            named[f"guided_{kind}"] = _structure(kind, getattr(self, f"guided_{kind}"))
-            named[f"structured_outputs.{kind}"] = _structure(
+            named[f"guided_{kind}"] = structure(kind, getattr(self, f"guided_{kind}"))
+            named[f"structured_outputs.{kind}"] = structure(
                 kind, getattr(so, "json_" if kind == "json" else kind))
         return _one_structure(named)
 

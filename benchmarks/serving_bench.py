@@ -4,6 +4,7 @@
     python -m benchmarks.serving_bench --model tiny --stub-forward ...   # CPU, forward is free
     python -m benchmarks.serving_bench --model dummy:Qwen3-0.6B --streams 1,16,64,256,512 \\
         --layouts colo,1p1d --gpus-per-role 0.5 --json results/serving.json      # GPU host
+    ... --dashboard results/dashboard.png   # also draw the Grafana dashboard from the run
 
 For each stream count the same requests (random token-id prompts, greedy, ``ignore_eos``) run
 through ``LLM.generate`` and through the served app (sent all at once by client processes),
@@ -448,6 +449,7 @@ def serve_layout(layout, config, args, pool, prompts, offline_tokens, fresh_prom
                 if ok else float("nan"),
                 "errors": len(zero) - len(ok), "hops_ms": breakdown(ok)}
             for n in args.streams:
+                out["marks"].append((time.time(), f"{layout} {protocol} {n}"))
                 meter = CpuMeter()
                 spy = start_py_spy(meter.pid("decode"), args, f"{layout}-{protocol}-{n}")
                 meter.start()
@@ -529,6 +531,10 @@ def main(argv=None) -> None:
     p.add_argument("--profile-dir", default="results/serving-profile")
     p.add_argument("--timeout", type=float, default=300)
     p.add_argument("--json", default=None)
+    p.add_argument("--dashboard", default=None, metavar="PNG",
+                   help="draw deploy/grafana/baton.json from Ray's metrics export over the run")
+    p.add_argument("--rate-window", type=float, default=10.0,
+                   help="seconds of the dashboard's rate() window")
     args = p.parse_args(argv)
     import torch
 
@@ -573,7 +579,7 @@ def main(argv=None) -> None:
     out = {"model": args.model, "input_len": args.input_len, "output_len": args.output_len,
            "device": torch.cuda.get_device_name() if gpu else f"CPU ({cpus} cores)",
            "date": time.strftime("%Y-%m-%d"), "args": {k: v for k, v in vars(args).items()},
-           "offline": off, "engine_ttft_ms": engine_ttft, "served": []}
+           "offline": off, "engine_ttft_ms": engine_ttft, "served": [], "marks": []}
 
     import ray
 
@@ -589,15 +595,30 @@ def main(argv=None) -> None:
         env_vars["BATON_GC_FREEZE"] = "0"
     runtime_env = {"env_vars": env_vars,
                    "worker_process_setup_hook": "benchmarks.serving_bench.worker_setup"}
+    metrics = {}
+    if args.dashboard:  # Ray's export on a port of ours, reported every second
+        metrics = {"_metrics_export_port": ray_env.free_port(),
+                   "_system_config": {"metrics_report_interval_ms": 1000}}
     ray.init(num_cpus=max(4, cpus), include_dashboard=False, log_to_driver=False,
-             logging_level="ERROR", runtime_env=runtime_env)
+             logging_level="ERROR", runtime_env=runtime_env, **metrics)
     pool = ProcessPoolExecutor(args.clients, mp_context=get_context("spawn"))
+    recorder = None
+    if args.dashboard:
+        from benchmarks.dashboard import Recorder
+        recorder = Recorder(metrics["_metrics_export_port"]).start()
     try:
         for layout in args.layouts.split(","):
             serve_layout(layout, layout_config(layout, engine, args), args, pool, prompts,
                          offline_tokens, fresh_prompts, out)
     finally:
         pool.shutdown(cancel_futures=True)
+        if recorder is not None:
+            time.sleep(3)  # the last reports reach the export
+            from benchmarks.dashboard import render
+            os.makedirs(os.path.dirname(os.path.abspath(args.dashboard)), exist_ok=True)
+            render(recorder.stop(), args.dashboard, rate_window_s=args.rate_window,
+                   marks=out["marks"], title=f"{args.model} {args.input_len} in / "
+                   f"{args.output_len} out, {out['device']}, {out['date']}")
         ray.shutdown()
     report(out)
     if args.json:

@@ -84,6 +84,7 @@ def cmd_demo(args) -> None:
                 grpc_options={"port": grpc_port, "grpc_servicer_functions": [GRPC_SERVICER]})
     t0 = time.perf_counter()
     serve.run(build_app(config), name="baton", route_prefix="/", blocking=False)
+    watch_startup(["baton"], timeout=args.timeout)
     wait_ready(f"http://127.0.0.1:{http}", timeout=args.timeout)
     print(f"ready in {time.perf_counter() - t0:.1f}s: http://127.0.0.1:{http}, "
           f"gRPC 127.0.0.1:{grpc_port}\n")
@@ -97,6 +98,52 @@ def cmd_demo(args) -> None:
         import ray
         ray.shutdown()
     print("\ndone")
+
+
+def startup_summary(status, apps: list[str]) -> tuple[str, str | None]:
+    """One line on the applications' start-up (each deployment's replicas running of all, and
+    the states of the others) from ``serve.status()``, and a failure message if one failed."""
+    parts, failed = [], None
+    for name in apps:
+        app = status.applications.get(name)
+        if app is None:
+            parts.append(f"{name}: not deployed yet")
+            continue
+        deps = []
+        for dep_name, dep in app.deployments.items():
+            states = {str(getattr(k, "value", k)): n for k, n in dep.replica_states.items()}
+            running, total = states.pop("RUNNING", 0), sum(states.values())
+            others = ", ".join(f"{n} {k.lower()}" for k, n in sorted(states.items()) if n)
+            deps.append(f"{dep_name} {running}/{running + total}" + (f" ({others})" if others
+                                                                      else ""))
+        state = str(getattr(app.status, "value", app.status))
+        parts.append(f"{name} {state.lower()}: " + ", ".join(deps))
+        if state == "DEPLOY_FAILED":
+            failed = f"{name}: {app.message}"
+    return "; ".join(parts), failed
+
+
+def watch_startup(apps: list[str], timeout: float, interval_s: float = 0.5) -> None:
+    """Print the start-up of Serve applications as it goes (a line whenever a replica changes
+    state: loading weights and capturing graphs take minutes on a big model) until every one
+    is running; SystemExit on a failed deployment, TimeoutError after ``timeout`` s."""
+    from ray import serve
+
+    t0, last = time.perf_counter(), None
+    while time.perf_counter() - t0 < timeout:
+        status = serve.status()
+        line, failed = startup_summary(status, apps)
+        if line != last:
+            print(f"[{time.perf_counter() - t0:6.1f}s] {line}", flush=True)
+            last = line
+        if failed:
+            raise SystemExit(f"deployment failed: {failed}")
+        if all(a in status.applications and
+               str(getattr(status.applications[a].status, "value", "")) == "RUNNING"
+               for a in apps):
+            return
+        time.sleep(interval_s)
+    raise TimeoutError(f"the applications did not start within {timeout}s: {last}")
 
 
 def wait_ready(url: str, timeout: float) -> None:
@@ -171,11 +218,14 @@ def cmd_serve(args) -> None:
     config = yaml.safe_load(open(args.config))
     _start_ray()
     serve.start(http_options=config.get("http_options"), grpc_options=config.get("grpc_options"))
+    names = []
     for app in config["applications"]:
         if app["import_path"] != "deploy.app:build_app":
             raise SystemExit(f"{args.config}: import_path must be deploy.app:build_app")
-        serve.run(build_app(app.get("args")), name=app.get("name", "baton"),
+        names.append(app.get("name", "baton"))
+        serve.run(build_app(app.get("args")), name=names[-1],
                   route_prefix=app.get("route_prefix", "/"), blocking=False)
+    watch_startup(names, timeout=args.timeout)
     port = (config.get("http_options") or {}).get("port", 8000)
     print(f"serving {args.config} on port {port}; Ctrl-C stops", flush=True)
     try:
@@ -195,6 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--cpu", action="store_true", help="stay on CPU even with a GPU")
     serve_cmd = sub.add_parser("serve", help="run a Serve config file on local Ray")
     serve_cmd.add_argument("config")
+    serve_cmd.add_argument("--timeout", type=float, default=1800,
+                           help="seconds the applications may take to start")
     gen = sub.add_parser("generate", help="offline generation")
     gen.add_argument("prompt", nargs="+")
     gen.add_argument("--model", default="tiny")

@@ -76,6 +76,9 @@ class EngineMetrics:
                                   tag_keys=("finish_reason",))
         self.step_time = m.Histogram("baton_engine_step_seconds", "Time inside one engine step",
                                      boundaries=STEP_BUCKETS)
+        self.queue_time = m.Histogram("baton_request_queue_time_seconds",
+                                      "Time from arrival to first scheduling",
+                                      boundaries=LATENCY_BUCKETS)
         self.batch_size = m.Histogram("baton_engine_batch_size", "Sequences in one step",
                                       boundaries=BATCH_BUCKETS)
         self._last: dict = {}
@@ -119,6 +122,9 @@ class EngineMetrics:
             self._rise(self.counters[name], name, total)
         for reason, total in list(sched.finished_by_reason.items()):
             self._rise(self.finished, ("finished", reason), total, {"finish_reason": reason})
+        queued = sched.queue_times
+        while queued:
+            self.queue_time.observe(queued.popleft())
         samples = e.step_samples
         while samples:
             seconds, size = samples.popleft()

@@ -91,7 +91,8 @@ class LLMEngine:
             self.dtype = parse_dtype(mcfg.torch_dtype) if self.device.type == "cuda" else torch.float32
         self.max_model_len = min(config.max_model_len or mcfg.max_position_embeddings,
                                  mcfg.max_position_embeddings)
-        self.model = load_model(self.source, self.device, self.dtype, seed=config.seed)
+        self.model = load_model(self.source, self.device, self.dtype, seed=config.seed,
+                                progress=config.show_progress)
         self.tokenizer = load_tokenizer(self.source)
         self.eos_token_ids = self._eos_ids()
         self.runner = ModelRunner(self.model, config, self.device, self.dtype, self.max_model_len)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from tqdm import tqdm
 
 from engine.config import ModelConfig
 from engine.models.qwen3 import PACKED_MODULES, Qwen3ForCausalLM
@@ -66,14 +67,14 @@ def resolve_model(spec: str) -> ModelSource:
 
 
 def load_model(source: ModelSource, device: torch.device, dtype: torch.dtype,
-               seed: int = 0) -> Qwen3ForCausalLM:
+               seed: int = 0, progress: bool = False) -> Qwen3ForCausalLM:
     with torch.device("meta"):
         model = Qwen3ForCausalLM(source.config)
     model = model.to(dtype).to_empty(device=device)
     if source.is_dummy:
         _init_random(model, seed)
     else:
-        load_weights(model, source.path)
+        load_weights(model, source.path, progress)
     model.model.rope.build(device)
     return model.eval().requires_grad_(False)
 
@@ -106,12 +107,14 @@ def _target(name: str) -> tuple[str, int | None]:
     return name, None
 
 
-def load_weights(model: Qwen3ForCausalLM, path: Path) -> None:
+def load_weights(model: Qwen3ForCausalLM, path: Path, progress: bool = False) -> None:
     params = dict(model.named_parameters())
     expected = {n for n in params}
     filled: dict[str, set[int | None]] = {}
     unexpected: list[str] = []
-    for file in _checkpoint_files(path):
+    files = _checkpoint_files(path)
+    for file in tqdm(files, desc="loading safetensors shards", unit="shard",
+                     disable=not progress, leave=False):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
                 if name == "lm_head.weight" and model.lm_head is None:

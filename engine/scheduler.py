@@ -21,6 +21,7 @@ before its pending token arrives; only known tokens are hashed for the prefix ca
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -58,6 +59,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_releases = 0  # sequences whose blocks went back to the pool, ever
         self.finished_by_reason: dict[str, int] = {}  # sequences ended, ever, by reason
+        # Seconds from arrival to first scheduling, of sequences not yet read by the metrics.
+        self.queue_times: deque[float] = deque(maxlen=4096)
 
     # -- queue management -------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -111,6 +114,7 @@ class Scheduler:
         seq.num_computed_tokens = seq.num_present_tokens
         seq.status = SequenceStatus.TRANSFERRING
         self.transferring[seq.request_id] = seq
+        self._started(seq)
         return True
 
     def admit_transferred(self, seq: Sequence) -> None:
@@ -202,11 +206,17 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.waiting.popleft()
             self.running.append(seq)
+            self._started(seq)
             batch.seqs.append(seq)
             batch.num_new_tokens.append(n)
             budget -= n
             computing.update(seq.block_hashes[seq.num_registered_blocks:])
         self.waiting.extendleft(reversed(deferred))
+
+    def _started(self, seq: Sequence) -> None:
+        if seq.scheduled_time is None:  # not again after a preemption (vLLM's queue time)
+            seq.scheduled_time = time.monotonic()
+            self.queue_times.append(seq.scheduled_time - seq.arrival_time)
 
     def _blocks_in_flight(self) -> set[int]:
         """Hashes of full prompt blocks that running sequences are still computing."""

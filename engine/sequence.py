@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -59,6 +60,8 @@ class Sequence:
     pending_row: int = -1  # row of the newest pending token in its step's sampled tokens
     arrival_order: int = field(default_factory=lambda: next(_ids))
     matcher: object | None = None  # structured output: the grammar's state (engine.structured)
+    arrival_time: float = field(default_factory=time.monotonic)
+    scheduled_time: float | None = None  # first taken into the batch (or given blocks to fill)
 
     def __post_init__(self):
         if not self.token_ids:

@@ -32,7 +32,8 @@ from engine.sampling_params import best_indices, fan_out
 from engine.structured import Grammars, StructuredOutput
 from engine.loader import load_tokenizer, resolve_model
 from proto import baton_pb2
-from router.door import APIKeyMiddleware, BodyLimitMiddleware, authorized
+from router.door import (APIKeyMiddleware, BodyLimitMiddleware, StatusCountMiddleware,
+                         authorized)
 from deploy.metrics import replica_id
 from router.errors import RequestTimeout, describe, log_failure
 from router.chat import StreamSplitter, split_message
@@ -48,6 +49,7 @@ API_KEY_ENV = "BATON_API_KEY"
 # The last added runs first: the key is checked before any of the body is read.
 app.add_middleware(BodyLimitMiddleware)
 app.add_middleware(APIKeyMiddleware)
+app.add_middleware(StatusCountMiddleware)
 
 
 def error_response(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
@@ -323,6 +325,7 @@ class Router:
         self.reasoning_parser = cfg.reasoning_parser
         self.replica = replica_id()
         self.metrics = RouterMetrics()
+        StatusCountMiddleware.count = self.metrics.count_http
         self.decode = decode
 
     # -- shared path ------------------------------------------------------------------------
@@ -703,21 +706,29 @@ class Router:
     async def _grpc_chunks(self, req, grpc_context):
         """(chunk, stream) of one gRPC request. A failure sets the call's status (a bad request:
         INVALID_ARGUMENT; overload: RESOURCE_EXHAUSTED, the retry hint in the details, as
-        Serve's gRPC path drops trailing metadata) and ends the iteration."""
-        if not self._grpc_authorized(grpc_context):
-            return
-        rid = f"grpc-{uuid.uuid4().hex}"  # the client's request_id is echoed, never a key
+        Serve's gRPC path drops trailing metadata) and ends the iteration. Every call is
+        counted by its status."""
+        code = grpc.StatusCode.CANCELLED  # unless it ends here: the client went away
         try:
-            ids, params = await self._grpc_inputs(req)
-            async with self.request(ids, params, rid) as stream:
-                async for chunk in stream.chunks(stream.deadline):
-                    if chunk.finished:
-                        await self.finish(stream)  # transfer metrics
-                    yield chunk, stream
-        except Exception as exc:  # noqa: BLE001 - every failure becomes a status
-            failure = describe(exc, rid)
-            log_failure(failure, exc, rid)
-            _grpc_status(grpc_context, failure.code, failure.message)
+            if not self._grpc_authorized(grpc_context):
+                code = grpc_context.code()
+                return
+            rid = f"grpc-{uuid.uuid4().hex}"  # the client's request_id is echoed, never a key
+            try:
+                ids, params = await self._grpc_inputs(req)
+                async with self.request(ids, params, rid) as stream:
+                    async for chunk in stream.chunks(stream.deadline):
+                        if chunk.finished:
+                            await self.finish(stream)  # transfer metrics
+                        yield chunk, stream
+                code = grpc.StatusCode.OK
+            except Exception as exc:  # noqa: BLE001 - every failure becomes a status
+                failure = describe(exc, rid)
+                log_failure(failure, exc, rid)
+                _grpc_status(grpc_context, failure.code, failure.message)
+                code = failure.code
+        finally:
+            self.metrics.count_grpc(code)
 
     @staticmethod
     def _grpc_final(msg, stream: RequestStream) -> None:

@@ -52,6 +52,27 @@ class APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
+class StatusCountMiddleware:
+    """Counts HTTP answers by status code (outermost, so refusals at the door count too). A
+    stream counts with the status it started with: an error after its first chunk is in-band."""
+    count = None  # set by the Router replica: a callable taking the status code
+
+    def __init__(self, asgi_app):
+        self.app = asgi_app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or self.count is None:
+            await self.app(scope, receive, send)
+            return
+
+        async def counted(message):
+            if message["type"] == "http.response.start":
+                self.count(message["status"])
+            await send(message)
+
+        await self.app(scope, receive, counted)
+
+
 class BodyLimitMiddleware:
     max_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # set by the Router replica
 

@@ -19,6 +19,8 @@ _TEED = (
     ("itl", "histogram", "baton_inter_token_latency_seconds", "Gap between streamed tokens", ()),
     ("e2e", "histogram", "baton_e2e_latency_seconds", "Request latency, end to end", ()),
     ("requests", "counter", "baton_requests", "Requests by outcome", ("outcome",)),
+    ("responses", "counter", "baton_responses", "Answers by protocol and status code",
+     ("protocol", "code")),
     ("in_flight", "gauge", "baton_requests_in_flight", "Requests being served (queue depth)", ()),
     ("tokens", "counter", "baton_output_tokens", "Output tokens streamed to clients", ()),
     ("migrations", "counter", "baton_request_migrations",
@@ -117,6 +119,13 @@ class RouterMetrics:
                                        registry=r)
         self.transfer_time = Histogram("baton_kv_transfer_seconds", "KV hand-over time",
                                        ["backend"], registry=r, buckets=LATENCY_BUCKETS)
+
+    def count_http(self, status: int) -> None:
+        self.responses.labels("http", str(status)).inc()
+
+    def count_grpc(self, code) -> None:
+        """``code``: a ``grpc.StatusCode`` (None: OK)."""
+        self.responses.labels("grpc", code.name if code is not None else "OK").inc()
 
     def record_transfer(self, t: TransferStats | None) -> None:
         if t is not None:

@@ -87,6 +87,37 @@ def test_grpc_needs_the_key(server):
         assert stub.Health(baton_pb2.HealthRequest(), timeout=10).status == "ok"
 
 
+def _answers(url) -> dict[tuple[str, str], float]:
+    from prometheus_client.parser import text_string_to_metric_families
+    text = requests.get(f"{url}/metrics", timeout=10).text
+    return {(s.labels["protocol"], s.labels["code"]): s.value
+            for f in text_string_to_metric_families(text) for s in f.samples
+            if s.name == "baton_responses_total"}
+
+
+def test_answers_are_counted_by_protocol_and_status_code(server):
+    """One ingress replica here, so its own /metrics holds every answer (401s at the door
+    included)."""
+    import grpc
+
+    from proto import baton_pb2, baton_pb2_grpc
+    url, address = server
+    before = _answers(url)
+    assert requests.get(f"{url}/v1/models", timeout=10).status_code == 401
+    assert requests.get(f"{url}/v1/models", headers=AUTH, timeout=10).status_code == 200
+    assert _completion(url, {"prompt": "hi", "max_tokens": 0}).status_code == 400
+    with grpc.insecure_channel(address) as channel:
+        stub = baton_pb2_grpc.BatonStub(channel)
+        req = baton_pb2.GenerateRequest(prompt="hi", max_tokens=2)
+        with pytest.raises(grpc.RpcError):
+            stub.Generate(req, timeout=30)
+        stub.Generate(req, metadata=[("authorization", f"Bearer {KEY}")], timeout=60)
+    after = _answers(url)
+    grew = {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
+    assert grew == {("http", "401"): 1, ("http", "200"): 2, ("http", "400"): 1,
+                    ("grpc", "UNAUTHENTICATED"): 1, ("grpc", "OK"): 1}  # 200s: /v1/models, the first scrape
+
+
 def _completion(url, body, **kw):
     return requests.post(f"{url}/v1/completions", json=body, headers=AUTH, timeout=60, **kw)
 

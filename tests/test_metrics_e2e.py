@@ -79,13 +79,17 @@ def test_every_replica_reports_its_own_series(app):
                 seen[role].add(replica)
             sent += 1
     assert [len(seen[r]) for r in ("ingress", "decode", "prefill")] == [2, 2, 1], seen
+    refused = [requests.post(f"{url}/v1/completions", timeout=60, json=body).status_code
+               for body in ({"prompt": "x", "max_tokens": -1}, {"prompt": "x", "model": "nope"})]
+    assert refused == [400, 404]
     ours = set().union(*seen.values())
     total = lambda name, **match: _total(series, name, ours, **match)  # noqa: E731
     deadline, series = time.time() + 45, {}
     while time.time() < deadline:
         series = _scrape(port)
         if total("ray_baton_request_success_total", deployment="DecodeServer") == sent and \
-                total("ray_baton_requests_total") == sent:
+                total("ray_baton_requests_total") == sent and \
+                total("ray_baton_responses_total") == sent + 2:
             break
         time.sleep(1)
     assert total("ray_baton_request_success_total", deployment="DecodeServer",
@@ -109,10 +113,16 @@ def test_every_replica_reports_its_own_series(app):
     per_ingress = _by_replica(series, "ray_baton_requests_total", seen["ingress"])
     assert set(per_ingress) == seen["ingress"] and sum(per_ingress.values()) == sent
     assert total("ray_baton_engine_step_seconds_count", deployment="PrefillServer") > 0
+    # Answers by status code; every request's queue time, once on each engine.
+    assert [total("ray_baton_responses_total", protocol="http", code=c)
+            for c in ("200", "400", "404")] == [sent, 1, 1]
+    for role in ("DecodeServer", "PrefillServer"):
+        assert total("ray_baton_request_queue_time_seconds_count", deployment=role) == sent
     # Counters only rise.
     again = _scrape(port)
     for name in ("ray_baton_request_success_total", "ray_baton_generation_tokens_total",
-                 "ray_baton_prompt_tokens_total", "ray_baton_requests_total"):
+                 "ray_baton_prompt_tokens_total", "ray_baton_requests_total",
+                 "ray_baton_responses_total"):
         old = {tuple(sorted(labels.items())): v for labels, v in series[name]}
         new = {tuple(sorted(labels.items())): v for labels, v in again[name]}
         assert all(new[k] >= v for k, v in old.items()), name
@@ -143,3 +153,42 @@ def test_the_dashboard_queries_only_exported_metrics(app):
     code = "".join((ROOT / f).read_text() for f in ("deploy/metrics.py", "router/metrics.py"))
     for name, declared in EVENT_COUNTERS.items():
         assert name in queried and declared in code, name
+
+
+def test_the_dashboard_renders_from_recorded_scrapes(app, tmp_path):
+    """The dashboard's PromQL evaluated over scrapes of Ray's export (how a GPU run draws its
+    picture without Grafana): the latency, throughput, KV and transfer panels all get data."""
+    from benchmarks.dashboard import Recorder, render
+    url, port = app
+    rec = Recorder(port, interval_s=1.0).start()
+    time.sleep(2.5)
+    for i in range(12):
+        resp = requests.post(f"{url}/v1/completions", timeout=60, json={
+            "prompt": f"{PROMPTS[i % len(PROMPTS)]} {i} again", "max_tokens": 8,
+            "temperature": 0, "ignore_eos": True})
+        assert resp.status_code == 200
+    time.sleep(5)  # Ray reports every second; the export lags a little more
+    scrapes = rec.stop()
+    counts = render(scrapes, tmp_path / "dashboard.png", rate_window_s=3)
+    assert (tmp_path / "dashboard.png").stat().st_size > 20_000
+    for title in ("Time to first token", "Inter-token latency", "Throughput (tokens/s)",
+                  "KV cache use per replica (blocks held by transfers: right axis)",
+                  "KV transfer (GB/s)", "Hand-over time",
+                  "Engine step time", "Queue time (arrival to first scheduling)"):
+        assert counts[title] > 0, (title, counts)
+
+
+def test_startup_progress_lines_name_every_deployment(app, capsys):
+    """`baton serve` and `baton demo` print the start-up as Serve reports it (a line per change)
+    until the app runs; here it is already running: one line."""
+    from ray import serve
+
+    from deploy.cli import startup_summary, watch_startup
+    line, failed = startup_summary(serve.status(), ["baton"])
+    assert failed is None
+    assert line.startswith("baton running: ")
+    for deployment, n in (("Router", 2), ("DecodeServer", 2), ("PrefillServer", 1)):
+        assert f"{deployment} {n}/{n}" in line, line
+    watch_startup(["baton"], timeout=30)
+    assert capsys.readouterr().out.strip().endswith(line)
+    assert "not deployed yet" in startup_summary(serve.status(), ["other"])[0]

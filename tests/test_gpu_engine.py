@@ -256,11 +256,17 @@ def test_changed_logits_and_top_logprobs_under_cuda_graphs(flashinfer_engine):
     assert flashinfer_engine.pool.num_used_blocks == 0 and eager.pool.num_used_blocks == 0
 
 
-def test_structured_output_under_cuda_graphs():
+def test_structured_output_under_cuda_graphs(tmp_path):
     """A grammar's bitmask applied on the device, with the engine one step ahead and decode in
     CUDA graphs: the tokens of the eager engine that waits for every step, each accepted by the
-    grammar (the tiny model: it has a tokenizer)."""
+    grammar. The model: random, with the tiny model's tokenizer (a grammar needs one) and
+    FlashInfer's head size (64), bfloat16 (CUDA graphs come with FlashInfer)."""
+    pytest.importorskip("flashinfer")
     from engine.structured import StructuredOutput
+    from engine.tiny import train_tokenizer, write_random_qwen3
+    model = write_random_qwen3(tmp_path / "m", dict(
+        hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64), tokenizer=train_tokenizer())
     schema = StructuredOutput.schema({"type": "object", "properties": {
         "ok": {"type": "boolean"}, "n": {"type": "integer"}}, "required": ["ok", "n"]})
     choice = StructuredOutput.choice(["alpha", "beta", "gamma delta"])
@@ -269,8 +275,9 @@ def test_structured_output_under_cuda_graphs():
     prompts = ["Tell me about", "x", "hello there"] * 2
     runs = []
     for kw in (dict(), dict(enforce_eager=True, async_scheduling=False)):
-        engine = LLMEngine(EngineConfig(model="tiny", device="cuda", dtype="float32",
-                                        show_progress=False, **kw))
+        engine = LLMEngine(EngineConfig(model=str(model), device="cuda", dtype="bfloat16",
+                                        attention_backend="flashinfer", show_progress=False,
+                                        **kw))
         assert (engine.runner.graphs is not None) == (not kw)
         ids = [engine.add_request(p, q, request_id=f"s{i}")
                for i, (p, q) in enumerate(zip(prompts, params))]

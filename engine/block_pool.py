@@ -147,9 +147,3 @@ class BlockPool:
                 self._free[b] = None
                 if block.block_hash is None:  # no cache value: hand it out first
                     self._free.move_to_end(b, last=False)
-
-    def reset_prefix_cache(self) -> None:
-        for block_hash, block_id in list(self._cached.items()):
-            if self.blocks[block_id].ref_cnt == 0:
-                self.blocks[block_id].block_hash = None
-                del self._cached[block_hash]

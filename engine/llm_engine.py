@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.block_pool import BlockPool
+from engine.kv_cache_manager import KVCacheManager
 from engine.config import EngineConfig, parse_dtype
 from engine.loader import load_model, load_tokenizer, resolve_model
 from engine.model_runner import ModelRunner
@@ -99,7 +100,8 @@ class LLMEngine:
         if self.device.type == "cuda":
             self.runner.warm_up(progress=config.show_progress)
         self.pool = BlockPool(self.runner.num_blocks, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.pool, config.block_size, config.max_num_seqs,
+        self.kv_manager = KVCacheManager(self.pool, config.block_size)
+        self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens, self.max_model_len)
         self.sampler = Sampler(self.device, config.seed)
         self._running_step: LaunchedStep | None = None  # launched, not yet resolved
@@ -250,10 +252,6 @@ class LLMEngine:
             step.wait()
             step.releases = self.scheduler.num_releases
 
-    @property
-    def num_transferring(self) -> int:
-        return len(self.scheduler.transferring)
-
     def abort_request(self, request_id: str) -> bool:
         seq = self.scheduler.find(request_id)
         if seq is None:
@@ -329,7 +327,7 @@ class LLMEngine:
             if seq.is_finished:  # stopped (or aborted) while this step ran: drop its token
                 continue
             seq.resolve_pending(token)
-            self.scheduler.cache_full_blocks(seq)
+            self.kv_manager.commit(seq)
             self._check_stop(seq, token)
             self._advance_grammar(seq, token)
             k = seq.params.logprobs

@@ -1,0 +1,116 @@
+"""The scheduler's view of the KV cache: which blocks a sequence holds, what the prefix cache
+already has, and which full blocks are offered to it. The scheduler decides who runs; this
+decides whether their tokens fit and gives them blocks, through five verbs:
+
+- :meth:`match` — the longest cached prefix of a sequence's prompt (nothing taken yet);
+- :meth:`allocate` — take that prefix and fresh blocks for a first chunk, or nothing;
+- :meth:`grow` — more blocks for a running sequence's next tokens, or nothing;
+- :meth:`free` — give a sequence's blocks back (its full blocks stay prefix-cache hits);
+- :meth:`commit` — offer the blocks filled with known tokens' KV to the prefix cache.
+
+Blocks live in :class:`engine.block_pool.BlockPool` (reference counts, the hash table, the LRU
+free queue); this module is where a sequence's token counts become block counts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from engine.block_pool import BlockPool, hash_blocks
+from engine.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class PrefixHit:
+    blocks: list[int]  # cached block ids of the prompt's leading full blocks
+    num_tokens: int  # tokens they hold (at most the sequence's tokens)
+
+
+class KVCacheManager:
+    def __init__(self, pool: BlockPool, block_size: int):
+        self.pool = pool
+        self.block_size = block_size
+        self.num_releases = 0  # sequences whose blocks went back to the pool, ever
+
+    # -- capacity ---------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def num_usable_blocks(self) -> int:
+        return self.pool.num_usable_blocks
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def fits_at_all(self, num_tokens: int) -> bool:
+        """Whether a sequence of ``num_tokens`` could ever fit in this cache."""
+        return self.blocks_for(num_tokens) <= self.num_usable_blocks
+
+    # -- the verbs --------------------------------------------------------------------------
+    def match(self, seq: Sequence) -> PrefixHit:
+        self._update_hashes(seq)
+        blocks = self.pool.match_prefix(seq.block_hashes)
+        return PrefixHit(blocks, min(len(blocks) * self.block_size, seq.num_tokens))
+
+    def allocate(self, seq: Sequence, hit: PrefixHit, num_tokens: int) -> bool:
+        """Reference ``hit``'s blocks and allocate the rest of the blocks for ``seq``'s first
+        ``num_tokens`` tokens; False (nothing taken) when free blocks are short."""
+        need = max(self.blocks_for(num_tokens) - len(hit.blocks), 0)
+        if need + self.pool.num_blocks_to_touch(hit.blocks) > self.pool.num_free_blocks:
+            return False
+        self.pool.touch(hit.blocks)
+        self.pool.record_lookup(seq.num_tokens, hit.num_tokens)
+        seq.block_ids = hit.blocks + self.pool.allocate(need)
+        seq.num_present_tokens = hit.num_tokens
+        seq.num_cached_tokens = hit.num_tokens
+        seq.num_registered_blocks = len(hit.blocks)
+        return True
+
+    def grow(self, seq: Sequence, num_tokens: int) -> bool:
+        """Blocks for ``seq``'s first ``num_tokens`` tokens; False (nothing taken) when free
+        blocks are short."""
+        extra = self.blocks_for(num_tokens) - len(seq.block_ids)
+        if extra > self.pool.num_free_blocks:
+            return False
+        if extra > 0:
+            seq.block_ids += self.pool.allocate(extra)
+        return True
+
+    def free(self, seq: Sequence) -> None:
+        self.free_blocks(seq.block_ids)
+        seq.block_ids = []
+        self.num_releases += 1
+
+    def free_blocks(self, block_ids: list[int]) -> None:
+        """Give blocks back in token order's reverse, so a prompt's last blocks (the least
+        shared) are evicted before its first ones."""
+        self.pool.free(block_ids[::-1])
+
+    def commit(self, seq: Sequence) -> None:
+        """Offer the blocks filled with computed KV of known tokens to the prefix cache."""
+        num_full = seq.num_computed_tokens // self.block_size
+        if num_full <= seq.num_registered_blocks or not self.pool.enable_prefix_caching:
+            return
+        self._update_hashes(seq)
+        num_full = min(num_full, len(seq.block_hashes))
+        for b in range(seq.num_registered_blocks, num_full):
+            self.pool.cache_block(seq.block_ids[b], seq.block_hashes[b])
+        seq.num_registered_blocks = num_full
+
+    def uncommitted(self, seqs: Iterable[Sequence]) -> set[int]:
+        """Hashes of full prompt blocks that these sequences are still computing (not yet in
+        the prefix cache)."""
+        if not self.pool.enable_prefix_caching:
+            return set()
+        return {h for seq in seqs if seq.num_registered_blocks < len(seq.block_hashes)
+                for h in seq.block_hashes[seq.num_registered_blocks:]}
+
+    def _update_hashes(self, seq: Sequence) -> None:
+        have = len(seq.block_hashes)
+        known = seq.num_resolved_tokens
+        if known // self.block_size > have:
+            parent = seq.block_hashes[-1] if have else None
+            seq.block_hashes += hash_blocks(seq.token_ids[:known], self.block_size, parent, have)

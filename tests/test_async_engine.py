@@ -1,0 +1,129 @@
+"""The engine on its own thread, driven from asyncio (engine.async_engine), as the role servers
+run it: whole requests (concurrent ones too) end as the offline engine's do; a caller that
+goes away aborts its request and gives its blocks back; a failing command fails only its
+caller; a dying engine thread fails every waiter and every later call; tickers run on the
+engine thread; an outputs hook gets each step's outputs at once."""
+
+import asyncio
+import threading
+
+import pytest
+
+from engine import LLM, EngineConfig, SamplingParams
+from engine.async_engine import AsyncEngine, EngineDeadError
+from tests.models import random_prompts
+
+CONFIG = dict(model="tiny", num_blocks=64, max_num_seqs=8, show_progress=False)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+PROMPTS = random_prompts([5, 17, 33, 9], vocab=256, seed=3)
+
+
+@pytest.fixture(scope="module")
+def offline():
+    return [c.token_ids for c in LLM(**CONFIG).generate(PROMPTS, GREEDY, use_tqdm=False)]
+
+
+@pytest.fixture
+def aengine():
+    engine = AsyncEngine(EngineConfig(**CONFIG))
+    yield engine
+    engine.shutdown()
+
+
+def _idle(aengine) -> bool:
+    e = aengine.engine
+    return not e.has_unfinished_requests() and e.pool.num_used_blocks == 0
+
+
+async def _until(check, timeout: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not check():
+        assert asyncio.get_running_loop().time() < deadline, "condition not reached"
+        await asyncio.sleep(0.01)
+
+
+def _last(out) -> tuple:
+    """A whole request's last output: its token, how many it made, why it ended."""
+    return out.new_token_ids[-1], out.num_output_tokens, out.finish_reason
+
+
+def test_whole_requests_concurrently_end_as_offline(aengine, offline):
+    async def main():
+        return await asyncio.gather(*(aengine.run(p, GREEDY, f"r{i}")
+                                      for i, p in enumerate(PROMPTS)))
+
+    assert [_last(o) for o in asyncio.run(main())] == [(t[-1], 12, "length") for t in offline]
+    assert _idle(aengine)
+
+
+def test_a_caller_that_goes_away_aborts_its_request(aengine):
+    async def main():
+        long = SamplingParams(temperature=0.0, max_tokens=10_000, ignore_eos=True)
+        task = asyncio.create_task(aengine.run(PROMPTS[1], long, "gone"))
+        await _until(lambda: aengine.engine.stats.output_tokens > 3)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await _until(lambda: _idle(aengine))
+
+    asyncio.run(main())
+    assert aengine.engine.scheduler.finished_by_reason.get("abort") == 1
+
+
+def test_a_failing_command_fails_its_caller_only(aengine, offline):
+    async def main():
+        with pytest.raises(ValueError, match="already in use"):
+            await aengine.call(lambda e: (e.add_request(PROMPTS[0], GREEDY, "dup"),
+                                          e.add_request(PROMPTS[0], GREEDY, "dup")))
+        await aengine.call(lambda e: e.abort_request("dup"))
+        return await aengine.run(PROMPTS[0], GREEDY, "after")
+
+    assert _last(asyncio.run(main())) == (offline[0][-1], 12, "length")
+    assert aengine.error is None
+
+
+def test_a_dying_engine_thread_fails_every_waiter_and_later_calls():
+    told = []
+    aengine = AsyncEngine(EngineConfig(**CONFIG), on_error=told.append)
+    try:
+        def broken_step():
+            raise RuntimeError("device lost")
+
+        async def main():
+            aengine.engine.step = broken_step
+            with pytest.raises(EngineDeadError, match="device lost"):
+                await asyncio.wait_for(aengine.run(PROMPTS[0], GREEDY, "x"), 10)
+            with pytest.raises(EngineDeadError):
+                aengine.submit(lambda e: None)
+            aengine.abort("x")  # harmless once dead
+
+        asyncio.run(main())
+        assert len(told) == 1 and isinstance(told[0], EngineDeadError)
+    finally:
+        aengine.shutdown()
+
+
+def test_tickers_and_the_outputs_hook_run_on_the_engine_thread():
+    seen, threads = [], set()
+
+    def hook(outputs):
+        threads.add(threading.current_thread().name)
+        seen.append([(o.request_id, tuple(o.new_token_ids), o.finished) for o in outputs])
+
+    aengine = AsyncEngine(EngineConfig(**CONFIG), on_outputs=hook)
+    ticks = []
+    aengine.add_ticker(lambda: ticks.append(threading.current_thread().name))
+    try:
+        async def main():
+            for i, p in enumerate(PROMPTS[:2]):
+                await aengine.call(lambda e, p=p, i=i: e.add_request(p, GREEDY, f"h{i}"))
+            await _until(lambda: sum(f for step in seen for *_, f in step) == 2)
+
+        asyncio.run(main())
+    finally:
+        aengine.shutdown()
+    assert threads == {"baton-engine"} and set(ticks) == {"baton-engine"}
+    for rid in ("h0", "h1"):  # every token once, in order, the last output finished
+        mine = [out for step in seen for out in step if out[0] == rid]
+        assert sum(len(toks) for _, toks, _ in mine) == GREEDY.max_tokens
+        assert [f for *_, f in mine] == [False] * (len(mine) - 1) + [True]

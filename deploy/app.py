@@ -11,8 +11,8 @@ from ray.serve import Application
 from deploy.config import BatonConfig, RoleConfig
 
 
-PREFILL_ROUTER = "router.request_routers:PrefixAwareRouter"
-DECODE_ROUTER = "router.request_routers:LeastKVLoadRouter"
+PREFILL_ROUTER = "router.replica_choice:PrefixAwareRouter"
+DECODE_ROUTER = "router.replica_choice:LeastKVLoadRouter"
 
 
 def _backpressure(cfg: BatonConfig):
@@ -36,7 +36,7 @@ def _options(cfg: BatonConfig, role: str, router_class: str, **router_kwargs) ->
 def build_app(args: dict[str, Any] | BatonConfig | None = None) -> Application:
     from decode_worker.deployment import DecodeDeployment
     from prefill_worker.deployment import PrefillDeployment
-    from router.app import Router
+    from router.ingress.app import Router
 
     cfg = args if isinstance(args, BatonConfig) else BatonConfig(**(args or {}))
     backend = cfg.transfer.backend  # auto: chosen per replica pair at each push

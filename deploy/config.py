@@ -25,7 +25,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from engine.config import EngineConfig
-from router.door import DEFAULT_MAX_REQUEST_BYTES
+from router.ingress.door import DEFAULT_MAX_REQUEST_BYTES
 
 
 class _Strict(BaseModel):
@@ -74,7 +74,7 @@ class RouterConfig(_Strict):
     api_key: str | None = Field(None, min_length=1)
     # A request body larger than this is refused with a 413 before it is parsed (gRPC messages
     # are bounded by gRPC itself: 4 MiB). A text prompt that cannot fit the context is refused
-    # with a 400 after at most a context's worth of tokenizing (router/prompts.py).
+    # with a 400 after at most a context's worth of tokenizing (router/ingress/prompts.py).
     max_request_bytes: int = Field(DEFAULT_MAX_REQUEST_BYTES, ge=1024)
     # Chat answers: a leading <think>...</think> becomes `reasoning_content` (vLLM's qwen3
     # reasoning parser); "none" leaves it in `content`. Tool calls are parsed whenever a

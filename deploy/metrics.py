@@ -11,7 +11,7 @@ nothing is recorded.
   appends a step's duration and batch size to a bounded queue.
 - :class:`TransferMetrics` (both sides of a hand-over): bytes, blocks sent and skipped, hand-over
   time, failures by kind.
-- The ingress's are in :mod:`router.metrics` (also served on its own ``/metrics``).
+- The ingress's are in :mod:`router.ingress.metrics` (also served on its own ``/metrics``).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from router.chat import StreamSplitter, parse_tool_calls, split_message, tool_grammar
+from router.ingress.chat import StreamSplitter, parse_tool_calls, split_message, tool_grammar
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 TEXTS = [

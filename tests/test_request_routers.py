@@ -3,7 +3,7 @@
 import asyncio
 from types import SimpleNamespace
 
-from router.request_routers import LeastKVLoadRouter, PrefixAwareRouter
+from router.replica_choice import LeastKVLoadRouter, PrefixAwareRouter
 
 
 def _replica(name, kv=0.0):

@@ -11,9 +11,9 @@ from importlib import resources
 import pytest
 
 from engine.loader import load_tokenizer, resolve_model
-from router.door import APIKeyMiddleware, BodyLimitMiddleware
-from router.errors import RequestTimeout, describe, log_failure
-from router.prompts import INLINE_CHARS, SLICE_CHARS, PromptEncoder
+from router.ingress.door import APIKeyMiddleware, BodyLimitMiddleware
+from router.ingress.errors import RequestTimeout, describe, log_failure
+from router.ingress.prompts import INLINE_CHARS, SLICE_CHARS, PromptEncoder
 
 
 @pytest.fixture(scope="module")

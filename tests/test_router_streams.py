@@ -11,7 +11,7 @@ from contracts import TokenDelta
 from engine import SamplingParams
 from engine.detokenizer import IncrementalDetokenizer
 from engine.loader import load_tokenizer, resolve_model
-from router.streams import RequestStream, RequestTimeout
+from router.ingress.streams import RequestStream, RequestTimeout
 
 
 @pytest.fixture(scope="module")

@@ -62,7 +62,7 @@ def describe(exc: BaseException, request_id: str) -> Failure:
     from ray.serve.exceptions import BackPressureError
 
     from kvtransfer.types import TransferError
-    from router.streams import replica_lost
+    from router.ingress.streams import replica_lost
 
     cause = root_cause(exc)
     if isinstance(cause, BackPressureError):  # a bounded queue is full: come back shortly

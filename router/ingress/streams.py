@@ -35,7 +35,7 @@ from contracts.token_channel import TokenChannelLost, TokenSink
 from engine import SamplingParams
 from engine.async_engine import EngineDeadError
 from engine.detokenizer import IncrementalDetokenizer
-from router.errors import RequestTimeout
+from router.ingress.errors import RequestTimeout
 
 log = serve_logger(__name__)
 

@@ -321,7 +321,7 @@ class ChatCompletionRequest(_Common):
         if self.structured_output() is not None:
             raise ValueError("tool_choice: a required or named tool call cannot be combined "
                              "with a structured output")
-        from router.chat import tool_grammar
+        from router.ingress.chat import tool_grammar
 
         name = self.tool_choice.function.name \
             if isinstance(self.tool_choice, NamedToolChoice) else None

@@ -1,11 +1,11 @@
 """The ingress: OpenAI-compatible HTTP (FastAPI through Serve) and gRPC, in one deployment.
 
 Per request: validate → apply the chat template → tokenize → start it on a decode replica
-(:class:`~router.streams.DecodeClient`; its tokens come back over the token channel, not as Serve
-items) → detokenize and check stop strings as they arrive → SSE chunks, a JSON body, or gRPC
-messages, each carrying every token that arrived since the previous one. Bad input is a 400 in
-OpenAI's error format (gRPC: INVALID_ARGUMENT); a request that cannot be served in time ends with
-an error, never a silent hang.
+(:class:`~router.ingress.streams.DecodeClient`; its tokens come back over the token channel, not
+as Serve items) → detokenize and check stop strings as they arrive → SSE chunks, a JSON body, or
+gRPC messages, each carrying every token that arrived since the previous one. Bad input is a 400
+in OpenAI's error format (gRPC: INVALID_ARGUMENT); a request that cannot be served in time ends
+with an error, never a silent hang.
 """
 
 import asyncio
@@ -32,19 +32,20 @@ from engine.sampling_params import best_indices, fan_out
 from engine.structured import Grammars, StructuredOutput
 from engine.loader import load_tokenizer, resolve_model
 from proto import baton_pb2
-from router.door import (APIKeyMiddleware, BodyLimitMiddleware, StatusCountMiddleware,
-                         authorized)
+from router.ingress.door import (APIKeyMiddleware, BodyLimitMiddleware,
+                                 StatusCountMiddleware, authorized)
 from deploy.metrics import replica_id
-from router.errors import RequestTimeout, describe, log_failure
-from router.chat import StreamSplitter, split_message
-from router.logprobs import TokenTexts
-from router.metrics import RouterMetrics
-from router.prompts import PromptEncoder
-from router.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                             TokenizeRequest, structure)
-from router.streams import Chunk, DecodeClient, RequestStream
+from router.ingress.errors import RequestTimeout, describe, log_failure
+from router.ingress.chat import StreamSplitter, split_message
+from router.ingress.logprobs import TokenTexts
+from router.ingress.metrics import RouterMetrics
+from router.ingress.prompts import PromptEncoder
+from router.ingress.protocol import (ChatCompletionRequest, CompletionRequest,
+                                     DetokenizeRequest, TokenizeRequest, structure)
+from router.ingress.streams import Chunk, DecodeClient, RequestStream
 
 app = FastAPI(title="Baton")
+TEXT, CHAT = "text_completion", "chat.completion"  # the two endpoints' answer objects
 API_KEY_ENV = "BATON_API_KEY"
 # The last added runs first: the key is checked before any of the body is read.
 app.add_middleware(BodyLimitMiddleware)
@@ -496,37 +497,49 @@ class Router:
 
     @app.post("/v1/completions")
     async def completions(self, body: CompletionRequest):
-        rid = f"cmpl-{uuid.uuid4().hex}"
-        if (missing := self._unknown_model(body.model)) is not None:
-            return missing
-        try:
-            prompts = body.prompts()
-            batch = [await self.prompt_ids(p) for p in prompts]
-            params = body.sampling_params(self.default_max_tokens, body.logprobs, body.best_of)
-            for ids in batch:
-                self.check_params(ids, params)
-            await self.check_structure(params)
-            echo = [p if isinstance(p, str) else self._text(ids)
-                    for p, ids in zip(prompts, batch)] if body.echo else None
-        except ValueError as exc:
-            return error_for(exc, rid)
-        return await self._answer(batch, params, rid, "text_completion", body, echo)
+        return await self._generate(body, TEXT, self._completion_inputs)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest):
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        return await self._generate(body, CHAT, self._chat_inputs)
+
+    async def _completion_inputs(self, body: CompletionRequest):
+        """One prompt or a batch (text or ids), ``best_of``; with ``echo``, each prompt's text."""
+        prompts = body.prompts()
+        batch = [await self.prompt_ids(p) for p in prompts]
+        params = body.sampling_params(self.default_max_tokens, body.logprobs, body.best_of)
+        echo = [p if isinstance(p, str) else self._text(ids)
+                for p, ids in zip(prompts, batch)] if body.echo else None
+        return batch, params, echo
+
+    async def _chat_inputs(self, body: ChatCompletionRequest):
+        """One prompt, the messages through the chat template; a forced tool call's grammar."""
+        ids = await self.chat_ids(body)
+        params = body.sampling_params(self.default_max_tokens, body.logprobs_asked)
+        if (calls := body.tool_grammar()) is not None:  # required / a named function
+            params = params.model_copy(update={"structured_output": calls})
+        return [ids], params, None
+
+    async def _generate(self, body, kind: str, inputs):
+        """What both endpoints share. ``inputs(body)`` gives ``(batch, params, echo)``:
+        ``batch`` the prompts' token ids, each prompt getting ``n`` choices (``index`` =
+        prompt × n + choice) from ``n`` sequences, or the best ``n`` of ``best_of``; ``echo``
+        each prompt's text, to put before its completions (or None). A bad request is a 400
+        before any replica sees it; then an SSE stream or a whole answer."""
+        rid = f"{'chatcmpl' if kind == CHAT else 'cmpl'}-{uuid.uuid4().hex}"
         if (missing := self._unknown_model(body.model)) is not None:
             return missing
         try:
-            ids = await self.chat_ids(body)
-            params = body.sampling_params(self.default_max_tokens, body.logprobs_asked)
-            if (calls := body.tool_grammar()) is not None:  # required / a named function
-                params = params.model_copy(update={"structured_output": calls})
-            self.check_params(ids, params)
+            batch, params, echo = await inputs(body)
+            for ids in batch:
+                self.check_params(ids, params)
             await self.check_structure(params)
         except ValueError as exc:
             return error_for(exc, rid)
-        return await self._answer([ids], params, rid, "chat.completion", body)
+        if body.stream:
+            return DeferredStreamingResponse(self._sse(batch, params, rid, kind, body, echo),
+                                             media_type="text/event-stream")
+        return await self._complete(batch, params, rid, kind, body, echo)
 
     def _parsing(self, body) -> tuple[bool, bool]:
         """(reasoning, tools): what a chat answer's text is split into."""
@@ -535,28 +548,13 @@ class Router:
     def _text(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
 
-    async def _answer(self, batch, params, rid: str, kind: str, body, echo=None):
-        """``batch``: the prompts' token ids; each prompt gets ``n`` choices (``index`` =
-        prompt × n + choice), from ``n`` sequences, or the best ``n`` of ``best_of``; ``echo``:
-        each prompt's text, to put before its completions."""
-        parsing = self._parsing(body) if kind == "chat.completion" else None
-        if body.stream:
-            return DeferredStreamingResponse(self._sse(batch, params, rid, f"{kind}.chunk"
-                                                       if kind == "chat.completion" else kind,
-                                                       body, echo, parsing),
-                                             media_type="text/event-stream")
-        return await self._complete(batch, params, rid, kind, echo, parsing,
-                                    timed=body.include_timing)
-
-    @staticmethod
-    def _fan(batch, params: SamplingParams) -> list[tuple[list[int], SamplingParams]]:
-        """Every sequence of the request, prompt by prompt (``num_sequences`` each)."""
+    def _feed(self, batch, params: SamplingParams, rid: str) -> _Merged:
+        """Every sequence of the request, prompt by prompt (``num_sequences`` each), merged;
+        one sequence keeps the request's id, several get ``<id>-<i>``."""
         children = fan_out(params)
-        return [(ids, child) for ids in batch for child in children]
-
-    @staticmethod
-    def _sub_ids(rid: str, n: int) -> list[str]:
-        return [rid] if n == 1 else [f"{rid}-{i}" for i in range(n)]
+        items = [(ids, child) for ids in batch for child in children]
+        n = len(items)
+        return _Merged(self, items, [rid] if n == 1 else [f"{rid}-{i}" for i in range(n)])
 
     def _logprobs(self, chat: bool, chunk_or_stream, offset: int = 0) -> tuple[dict, int]:
         c = chunk_or_stream
@@ -564,11 +562,9 @@ class Router:
             return self.texts.chat(c.token_ids, c.logprobs, c.top_logprobs), offset
         return self.texts.completion(c.token_ids, c.logprobs, c.top_logprobs, offset)
 
-    async def _complete(self, batch, params, rid, kind: str, echo=None, parsing=None,
-                        timed: bool = False):
-        items = self._fan(batch, params)
-        feed = _Merged(self, items, self._sub_ids(rid, len(items)))
-        texts = [[] for _ in items]
+    async def _complete(self, batch, params, rid, kind: str, body, echo=None):
+        feed = self._feed(batch, params, rid)
+        texts = [[] for _ in feed.items]
         try:
             async for index, chunk in feed:
                 texts[index].append(chunk.text)
@@ -576,7 +572,8 @@ class Router:
             return error_for(exc, rid)
         finally:
             await feed.aclose()
-        chat = kind == "chat.completion"
+        chat = kind == CHAT
+        parsing = self._parsing(body) if chat else None
         k, shown = params.num_sequences, params.logprobs is not None
         choices = []
         for p in range(len(batch)):
@@ -596,7 +593,7 @@ class Router:
                     choice["text"] = head + text
                 choice["logprobs"] = lp
                 choices.append(choice)
-        usage = self._usage(feed, params, timed)
+        usage = self._usage(feed, params, body.include_timing)
         return {"id": rid, "object": kind, "created": int(time.time()), "model": self.served_name,
                 "choices": choices, "usage": usage}
 
@@ -607,18 +604,18 @@ class Router:
             usage["timing"] = _timing(feed.streams[0], feed.results[0], self.replica)
         return usage
 
-    async def _sse(self, batch, params, rid, kind: str, body, echo=None,
-                   parsing=None) -> AsyncIterator[str]:
+    async def _sse(self, batch, params, rid, kind: str, body, echo=None) -> AsyncIterator[str]:
         created = int(time.time())
-        chat = kind == "chat.completion.chunk"
+        chat = kind == CHAT
         options = body.stream_options
         timed = options is not None and options.include_timing
-        head = {"id": rid, "object": kind, "created": created, "model": self.served_name}
-        items = self._fan(batch, params)  # streaming: best_of is n, so sequence i is choice i
+        head = {"id": rid, "object": f"{kind}.chunk" if chat else kind, "created": created,
+                "model": self.served_name}
+        feed = self._feed(batch, params, rid)  # streaming: best_of is n, so sequence i is choice i
         shown, n = params.logprobs is not None, params.n
         started: set[int] = set()
-        offsets = [len(echo[i // n]) if echo else 0 for i in range(len(items))]
-        splitters = [StreamSplitter(*parsing) for _ in items] if chat else []
+        offsets = [len(echo[i // n]) if echo else 0 for i in range(len(feed.items))]
+        splitters = [StreamSplitter(*self._parsing(body)) for _ in feed.items] if chat else []
 
         def event(index: int, chunk: Chunk) -> str:
             choice = {"index": index, "finish_reason": chunk.finish_reason,
@@ -651,7 +648,6 @@ class Router:
             return _event(obj)
 
         sent = False
-        feed = _Merged(self, items, self._sub_ids(rid, len(items)))
         try:
             async for index, chunk in feed:
                 if chat and index not in started:

@@ -1,0 +1,1 @@
+"""The ingress deployment: OpenAI HTTP and gRPC."""

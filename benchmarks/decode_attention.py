@@ -11,6 +11,9 @@ decode kernel and a merge kernel; the grid depends only on the batch size, so it
 The cache is one layer's ``[pages, 2, kv heads, page size, head dim]`` with any strides (the
 engine's block-major layout); pages are given as FlashInfer's ``kv_indptr`` / ``kv_indices`` /
 ``kv_last_page_len`` on the device. The reference is the torch attention backend.
+
+Measured against FlashInfer by ``benchmarks/decode_split_bench.py`` and not faster, so the engine
+does not use it (``docs/benchmarks.md``); it lives here, with the benchmark.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Decode attention inside CUDA graphs at small batches: FlashInfer's wrapper as the engine uses
 it (CUDA cores; under graphs FlashInfer always splits the KV and merges), its tensor-core wrapper
 with and without the split (``disable_split_kv``), and the one-launch Triton kernel
-(``kernels/decode_attention.py``), per layer, over one cache per layer so nothing stays in L2.
+(``benchmarks/decode_attention.py``), per layer, over one cache per layer so nothing stays in L2.
 Also checks that a no-split graph captured at one context replays right at another.
 
     python -m benchmarks.decode_split_bench
@@ -45,7 +45,7 @@ def per_layer_us(hq, hk, batch, ctx, tensor_cores, no_split, caches, q, ws, max_
 
 
 def triton_us(hq, hk, batch, ctx, caches, q, max_pages) -> float:
-    from kernels.decode_attention import DecodeAttention
+    from benchmarks.decode_attention import DecodeAttention
     pages = -(-ctx // PAGE)
     runner = DecodeAttention(batch, max_pages, hq, hk, D, PAGE, D ** -0.5, q.device)
     runner.plan(torch.arange(0, batch * pages + 1, pages, dtype=torch.int32),

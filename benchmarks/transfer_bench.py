@@ -8,6 +8,10 @@ the transfer lands (for ``cuda_ipc``, when the sender's acknowledgement arrives,
   hand-over = push called → receiver sees DONE      sender = push called → sender sees DONE
   ceiling   = plain device copy of the same bytes (one GPU) or peer copy cuda:0 → cuda:1
 
+Each push runs with the cache block-major (``NLKHBD``, Baton's) and layer-major (``LNKHBD``, the
+order Baton measured against and did not take: :class:`LayerMajorLayout`, which only this
+benchmark has).
+
     python -m benchmarks.transfer_bench --placement same-gpu   # cuda_ipc, nixl
     python -m benchmarks.transfer_bench --placement two-gpu    # nccl, nixl, cuda_ipc
     python -m benchmarks.transfer_bench --placement cpu        # nixl (DRAM), nccl (gloo)
@@ -20,6 +24,7 @@ import json
 import multiprocessing as mp
 import statistics
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -34,11 +39,34 @@ PLACEMENTS = {
 }
 
 
+@dataclass(frozen=True)
+class LayerMajorLayout(KVLayout):
+    """A cache stored layer-major, ``[layers, blocks, ...]`` in memory: each layer of a run of
+    blocks is a region of its own. ``num_blocks`` is the size of both caches (a layer's offset);
+    as a field it is also checked equal on both sides before a push."""
+
+    num_blocks: int
+
+    def regions(self, runs, side: int) -> list[tuple[int, int]]:
+        per_block = self.block_bytes_per_layer
+        return [((layer * self.num_blocks + run[side]) * per_block, run[2] * per_block)
+                for layer in range(self.num_layers) for run in runs]
+
+
+def layout_for(order: str, dtype: str, num_blocks: int) -> KVLayout:
+    """Qwen3-8B's layout in memory order ``order``: ``NLKHBD`` or ``LNKHBD``."""
+    if order == "NLKHBD":
+        return KVLayout(dtype=dtype, **LAYOUT_8B)
+    if order == "LNKHBD":
+        return LayerMajorLayout(dtype=dtype, num_blocks=num_blocks, **LAYOUT_8B)
+    raise ValueError(f"memory order: unknown {order!r}; choose NLKHBD or LNKHBD")
+
+
 def make_cache(device: str, num_blocks: int, layout: KVLayout) -> torch.Tensor:
-    """A random cache in ``layout.memory_order``, indexed [layer, block, ...] either way."""
+    """A random cache in ``layout``'s memory order, indexed [layer, block, ...] either way."""
     dtype = torch.bfloat16 if layout.dtype == "bfloat16" else torch.float32
     inner = (2, layout.num_kv_heads, layout.block_size, layout.head_dim)
-    if layout.memory_order == "LNKHBD":
+    if isinstance(layout, LayerMajorLayout):
         return torch.randn((layout.num_layers, num_blocks, *inner), dtype=dtype, device=device)
     storage = torch.randn((num_blocks, layout.num_layers, *inner), dtype=dtype, device=device)
     return storage.transpose(0, 1)
@@ -162,6 +190,7 @@ def main(argv=None) -> None:
     p.add_argument("--sizes", type=int, nargs="*", default=[1, 4, 16, 64, 128, 256])
     p.add_argument("--patterns", nargs="*", default=["contiguous", "random"])
     p.add_argument("--memory-orders", nargs="*", default=["NLKHBD", "LNKHBD"],
+                   choices=["NLKHBD", "LNKHBD"],
                    help="block-major (Baton's) and layer-major cache layouts")
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--num-blocks", type=int, default=600)
@@ -181,7 +210,7 @@ def main(argv=None) -> None:
     rows = []
     for backend in backends:
         for order in args.memory_orders:
-            ordered = KVLayout(dtype=dtype, memory_order=order, **LAYOUT_8B)
+            ordered = layout_for(order, dtype, args.num_blocks)
             for pattern in args.patterns:
                 try:
                     got = run_backend(backend, devices, args.sizes, pattern, args.reps,

@@ -83,7 +83,7 @@ class DecodeServer:
         self.endpoint = None
         self._handovers: dict[str, HandOver] = {}
         if prefill is not None:
-            self.endpoint = endpoint_for(self.aengine.engine, backend, polled=True,
+            self.endpoint = endpoint_for(self.aengine.engine.kv_cache_spec(), backend, polled=True,
                                          **endpoint_kwargs)
             self.aengine.add_ticker(self.endpoint.poll)
         self.listing = (Publisher(directory, self.endpoint.info()).start()

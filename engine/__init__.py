@@ -5,9 +5,9 @@
 
 from engine.config import EngineConfig
 from engine.llm import LLM
-from engine.llm_engine import LLMEngine
+from engine.llm_engine import KVCacheSpec, LLMEngine
 from engine.outputs import Completion, OutputCollector, RequestOutput
 from engine.sampling_params import SamplingParams
 
-__all__ = ["LLM", "LLMEngine", "Completion", "EngineConfig", "OutputCollector", "RequestOutput",
-           "SamplingParams"]
+__all__ = ["LLM", "LLMEngine", "Completion", "EngineConfig", "KVCacheSpec", "OutputCollector",
+           "RequestOutput", "SamplingParams"]

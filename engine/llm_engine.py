@@ -58,6 +58,21 @@ class EngineStats:
     prompt_tokens: int = 0
 
 
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """An engine's paged KV cache as a transfer layer needs it: the cache, indexed ``[layer,
+    block, K/V, kv head, slot, head dim]`` over block-major memory (one block of every layer is
+    one contiguous region), and what names its layout (``dtype`` as ``"bfloat16"``)."""
+
+    kv_cache: torch.Tensor
+    model: str
+    dtype: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+
+
 @dataclass
 class LaunchedStep:
     """A step queued on the device: the sequences due a token (row ``i`` of ``tokens``), the
@@ -113,6 +128,14 @@ class LLMEngine:
         log.info("engine ready in %.1fs (%s, %s, attention %s, warm-up %.1fs)", self.startup_s,
                  self.device, str(self.dtype).removeprefix("torch."), self.runner.backend.name,
                  self.runner.warm_up_s)
+
+    def kv_cache_spec(self) -> KVCacheSpec:
+        """The KV cache and its layout, for a transfer endpoint (``kvtransfer.endpoint_for``)."""
+        cfg = self.source.config
+        return KVCacheSpec(kv_cache=self.runner.kv_cache, model=self.source.model_id,
+                           dtype=str(self.dtype).removeprefix("torch."),
+                           num_layers=cfg.num_hidden_layers, num_kv_heads=cfg.num_key_value_heads,
+                           head_dim=cfg.head_dim, block_size=self.config.block_size)
 
     @property
     def vocab_size(self) -> int:

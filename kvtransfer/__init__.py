@@ -5,15 +5,21 @@
 typed contracts between prefill and decode.
 """
 
+from __future__ import annotations
+
 import os
 import socket
 import sys
+from typing import TYPE_CHECKING
 
 from kvtransfer.backends import BACKENDS, choose_backend, default_backend
 from kvtransfer.endpoint import KVEndpoint, Transfer
 from kvtransfer.types import (PROTOCOL_VERSION, EndpointInfo, KVDestination, KVLayout,
                               LayoutMismatchError, PushNotStarted, TransferError, TransferState,
                               TransferStats, TransportUnavailableError)
+
+if TYPE_CHECKING:  # the engine does not import this package, nor this package the engine
+    from engine import KVCacheSpec
 
 __all__ = [
     "BACKENDS", "PROTOCOL_VERSION", "EndpointInfo", "KVDestination", "KVEndpoint", "KVLayout",
@@ -23,22 +29,23 @@ __all__ = [
 ]
 
 
-def layout_of(engine) -> KVLayout:
-    """The KV layout of an :class:`engine.LLMEngine`."""
-    cfg = engine.source.config
-    return KVLayout(model=engine.source.model_id, dtype=str(engine.dtype).removeprefix("torch."),
-                    num_layers=cfg.num_hidden_layers, num_kv_heads=cfg.num_key_value_heads,
-                    head_dim=cfg.head_dim, block_size=engine.config.block_size)
+def layout_of(spec: KVCacheSpec) -> KVLayout:
+    """The KV layout of an engine's cache, from :meth:`engine.LLMEngine.kv_cache_spec`."""
+    return KVLayout(model=spec.model, dtype=spec.dtype, num_layers=spec.num_layers,
+                    num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
+                    block_size=spec.block_size)
 
 
-def endpoint_for(engine, backend: str = "local", polled: bool = False, **kwargs) -> KVEndpoint:
-    """Register an engine's KV cache as a transfer endpoint. ``polled``: the owner polls the
-    endpoint whenever a transfer is in flight (an engine thread does); NIXL on CPU then runs
-    without its progress thread, which would spin a core that a small machine needs."""
-    if polled and backend in ("nixl", "auto") and not engine.runner.kv_cache.is_cuda:
+def endpoint_for(spec: KVCacheSpec, backend: str = "local", polled: bool = False,
+                 **kwargs) -> KVEndpoint:
+    """Register an engine's KV cache (:meth:`engine.LLMEngine.kv_cache_spec`) as a transfer
+    endpoint. ``polled``: the owner polls the endpoint whenever a transfer is in flight (an
+    engine thread does); NIXL on CPU then runs without its progress thread, which would spin a
+    core that a small machine needs."""
+    if polled and backend in ("nixl", "auto") and not spec.kv_cache.is_cuda:
         kwargs.setdefault("progress_thread", False)
     kwargs.setdefault("node_id", current_node_id())
-    return KVEndpoint(engine.runner.kv_cache, layout_of(engine), backend, **kwargs)
+    return KVEndpoint(spec.kv_cache, layout_of(spec), backend, **kwargs)
 
 
 def current_node_id() -> str:

@@ -315,5 +315,5 @@ class KVEndpoint:
 
 
 def _descriptor_count(layout: KVLayout, src, dst) -> int:
-    from kvtransfer.backends.base import block_runs, region_offsets
-    return len(region_offsets(layout, 0, block_runs(src, dst), 0))
+    from kvtransfer.backends.base import block_runs
+    return len(layout.regions(block_runs(src, dst), 0))

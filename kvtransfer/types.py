@@ -58,10 +58,9 @@ class KVLayout:
     """How one engine's KV cache sits in memory. Two endpoints may exchange blocks only when
     their layouts are equal (checked by :func:`check_compatible` before any bytes move).
 
-    ``memory_order`` names the order of the cache in memory: Baton's is ``"NLKHBD"`` (blocks,
-    layers, K/V, kv heads, block size, head dim: one block of all layers is contiguous);
-    ``"LNKHBD"`` (layer-major) is kept for the layout benchmark. Either way the tensor the
-    endpoint holds is indexed ``[layer, block, ...]``.
+    The cache is block-major in memory (blocks, layers, K/V, kv heads, block size, head dim: one
+    block of all layers is contiguous); the tensor the endpoint holds is the view indexed
+    ``[layer, block, ...]``.
     """
 
     model: str
@@ -70,7 +69,6 @@ class KVLayout:
     num_kv_heads: int
     head_dim: int
     block_size: int
-    memory_order: str = "NLKHBD"
 
     def compat_hash(self) -> str:
         text = "|".join(f"{k}={v}" for k, v in sorted(asdict(self).items()))
@@ -87,6 +85,13 @@ class KVLayout:
     @property
     def block_bytes(self) -> int:
         return self.num_layers * self.block_bytes_per_layer
+
+    def regions(self, runs, side: int) -> list[tuple[int, int]]:
+        """``(byte offset, length)`` from the cache's start of the contiguous regions that hold
+        ``runs`` (``(src_start, dst_start, count)``, :func:`kvtransfer.backends.base.block_runs`;
+        side 0: the source blocks, 1: the destination's): one region per run, every layer of
+        its blocks."""
+        return [(run[side] * self.block_bytes, run[2] * self.block_bytes) for run in runs]
 
 
 def check_compatible(local: KVLayout, peer: KVLayout, local_version: int = PROTOCOL_VERSION,

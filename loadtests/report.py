@@ -11,7 +11,9 @@ import csv
 import json
 from pathlib import Path
 
-from loadtests.metrics import goodput
+from loadtests.config import SweepConfig
+from loadtests.layouts import parse_layout
+from loadtests.metrics import goodput, read_records, summarize
 
 COLUMNS = [  # (key, header, format)
     ("layout", "layout", "{}"), ("load", "load", "{:g}"), ("requests", "requests", "{}"),
@@ -185,10 +187,6 @@ def write_report(cfg, points: list[dict], failures: list[dict], meta: dict) -> l
 def rebuild(run: Path, slo_overrides: dict | None = None) -> list[Path]:
     """Recompute a finished sweep's report from its records, optionally under other SLOs;
     the failures recorded by the sweep are kept."""
-    from loadtests.layouts import parse_layout
-    from loadtests.metrics import read_records, summarize
-    from loadtests.sweep import SweepConfig
-
     run = Path(run)
     cfg = SweepConfig.model_validate_json((run / "config.json").read_text())
     cfg = cfg.model_copy(update={"out": run, "slo": cfg.slo.model_copy(

@@ -29,7 +29,8 @@ class PrefillServer:
         """``directory``: where decode replicas list their KV endpoints; the links to them are
         warmed as they appear (``kvtransfer.directory``)."""
         self.aengine = AsyncEngine(config)
-        self.endpoint = endpoint_for(self.aengine.engine, backend, polled=True, **endpoint_kwargs)
+        self.endpoint = endpoint_for(self.aengine.engine.kv_cache_spec(), backend, polled=True,
+                                     **endpoint_kwargs)
         self.aengine.add_ticker(self.endpoint.poll)
         self.warmer = (LinkWarmer(self.endpoint, directory, self.aengine.submit).start()
                        if directory is not None else None)

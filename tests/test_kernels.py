@@ -5,7 +5,7 @@ import torch
 
 from kernels import (copy_blocks, copy_blocks_reference, qk_norm_rope_store,
                      qk_norm_rope_store_reference, rmsnorm, rmsnorm_reference, silu_and_mul,
-                     silu_and_mul_reference, store_kv, store_kv_reference)
+                     silu_and_mul_reference, store_kv_reference)
 from kernels.gemv import GemvConfig, config_for
 
 
@@ -32,7 +32,7 @@ def test_copy_blocks_cpu():
 def test_store_kv_skips_negative_slots():
     cache = torch.zeros(4, 2, 2, 4, 8)
     k, v = torch.randn(3, 2, 8), torch.randn(3, 2, 8)
-    store_kv(k, v, cache, torch.tensor([5, -1, 12]))
+    store_kv_reference(k, v, cache, torch.tensor([5, -1, 12]))
     want = torch.zeros_like(cache)
     want[1, 0, :, 1], want[1, 1, :, 1] = k[0], v[0]  # slot 5: block 1, offset 1
     want[3, 0, :, 0], want[3, 1, :, 0] = k[2], v[2]  # slot 12: block 3, offset 0
@@ -43,17 +43,6 @@ def test_store_kv_skips_negative_slots():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_copy_blocks_triton_matches_reference(dtype):
     _check_copy_blocks("cuda", dtype)
-
-
-@pytest.mark.gpu
-def test_store_kv_cuda_matches_reference():
-    k, v = torch.randn(9, 2, 8, device="cuda"), torch.randn(9, 2, 8, device="cuda")
-    slots = torch.tensor([0, 3, -1, 17, 40, -1, 95, 50, 64], device="cuda")
-    cache = torch.zeros(6, 2, 2, 16, 8, device="cuda")
-    ref = cache.clone()
-    store_kv(k, v, cache, slots)
-    store_kv_reference(k, v, ref, slots)
-    assert torch.equal(cache, ref)
 
 
 # -- Triton kernels of the model (CUDA) against their torch references ------------------------
@@ -110,17 +99,6 @@ def test_qk_norm_rope_store_triton_matches_reference(dtype, heads):
     assert storage.transpose(0, 1)[0].abs().sum() == 0  # other layers untouched
 
 
-@pytest.mark.gpu
-def test_store_kv_triton_strided_cache():
-    storage = torch.zeros(6, 3, 2, 2, 16, 8, device="cuda", dtype=torch.bfloat16)
-    cache, ref = storage.transpose(0, 1)[2], storage.clone().transpose(0, 1)[2]
-    k, v = (torch.randn(5, 2, 8, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    slots = torch.tensor([0, 17, -1, 95, 33], device="cuda")
-    store_kv(k, v, cache, slots)
-    store_kv_reference(k, v, ref, slots)
-    assert torch.equal(cache, ref)
-
-
 GEMV_CONFIGS = [GemvConfig(), GemvConfig(4, 512, 4, 2), GemvConfig(4, 1024, 8, 2),
                 GemvConfig(8, 512, 4, 4), GemvConfig(8, 1024, 8, 2), GemvConfig(4, 2048, 4, 2)]
 
@@ -172,7 +150,7 @@ def test_norm_gemv_triton_matches_reference(with_residual, shape):
 @pytest.mark.gpu
 @pytest.mark.parametrize("heads", [(16, 8), (32, 8), (64, 8)])
 def test_decode_attention_triton_matches_reference(heads):
-    from kernels.decode_attention import DecodeAttention, decode_attention_reference
+    from benchmarks.decode_attention import DecodeAttention, decode_attention_reference
     hq, hk = heads
     g = torch.Generator().manual_seed(hq)
     contexts = [1, 15, 16, 17, 100, 1000, 5000, 64]

@@ -14,7 +14,7 @@ from decode_worker.server import DecodeServer
 from engine import LLM, EngineConfig, SamplingParams
 from kvtransfer import (KVDestination, KVEndpoint, KVLayout, LayoutMismatchError,
                         TransferError, TransferState)
-from kvtransfer.backends.base import TransportBackend, block_runs, region_offsets
+from kvtransfer.backends.base import TransportBackend, block_runs
 from kvtransfer.backends.local import LocalFabric
 from kvtransfer.types import advance, check_compatible
 from prefill_worker.server import PrefillServer
@@ -126,14 +126,12 @@ def test_state_only_moves_forward_and_failed_wins():
 def test_block_runs_coalesce_consecutive_pairs():
     assert block_runs([4, 5, 6, 9], [1, 2, 3, 4]) == [(4, 1, 3), (9, 4, 1)]
     assert block_runs([1, 2], [5, 7]) == [(1, 5, 1), (2, 7, 1)]
-    # Block-major (Baton's): one region per run, all layers of a block together.
-    assert region_offsets(LAYOUT, 10, [(4, 1, 3)], 0) == [(4 * LAYOUT.block_bytes,
-                                                           3 * LAYOUT.block_bytes)]
-    # Layer-major: one region per run and layer.
-    layer_major = KVLayout(**{**LAYOUT.__dict__, "memory_order": "LNKHBD"})
-    per = layer_major.block_bytes_per_layer
-    assert region_offsets(layer_major, 10, [(4, 1, 3)], 0) == [(4 * per, 3 * per),
-                                                               ((10 + 4) * per, 3 * per)]
+    # Block-major: one region per run, all layers of a block together.
+    assert LAYOUT.regions([(4, 1, 3)], 0) == [(4 * LAYOUT.block_bytes, 3 * LAYOUT.block_bytes)]
+    assert LAYOUT.regions([(4, 1, 3), (9, 7, 1)], 1) == [(1 * LAYOUT.block_bytes,
+                                                          3 * LAYOUT.block_bytes),
+                                                         (7 * LAYOUT.block_bytes,
+                                                          LAYOUT.block_bytes)]
 
 
 class SlowFake(TransportBackend):

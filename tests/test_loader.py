@@ -41,7 +41,8 @@ def test_sharded_checkpoint_with_index_loads_the_same(checkpoint):
 def test_bfloat16_cast_on_load(checkpoint):
     llm = LLM(str(checkpoint), dtype="bfloat16")
     assert next(llm.engine.model.parameters()).dtype == torch.bfloat16
-    assert llm.engine.runner.kv_cache.dtype == torch.bfloat16
+    spec = llm.engine.kv_cache_spec()
+    assert spec.kv_cache.dtype == torch.bfloat16 and spec.dtype == "bfloat16"
     assert len(llm.generate(random_prompts([5]), GREEDY)[0].token_ids) == 8
 
 

@@ -76,7 +76,7 @@ def _always_expected(transfer_id: str):
 
 def block_runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]]:
     """Coalesce paired block ids into ``(src_start, dst_start, count)`` runs, so that
-    consecutive blocks on both sides move as one region per layer."""
+    consecutive blocks on both sides move as one region (:meth:`KVLayout.regions`)."""
     runs: list[tuple[int, int, int]] = []
     for s, d in zip(src, dst):
         if runs and s == runs[-1][0] + runs[-1][2] and d == runs[-1][1] + runs[-1][2]:
@@ -84,16 +84,3 @@ def block_runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, i
         else:
             runs.append((s, d, 1))
     return runs
-
-
-def region_offsets(layout: KVLayout, num_blocks: int, runs, side: int):
-    """``(byte offset, length)`` of the contiguous regions that hold ``runs`` (side 0: src,
-    1: dst) in a cache of ``num_blocks`` blocks: one per run when block-major (``NLKHBD``),
-    one per run and layer when layer-major (``LNKHBD``)."""
-    if layout.memory_order == "NLKHBD":
-        return [(run[side] * layout.block_bytes, run[2] * layout.block_bytes) for run in runs]
-    if layout.memory_order != "LNKHBD":
-        raise ValueError(f"memory_order: unknown {layout.memory_order!r}")
-    per_block = layout.block_bytes_per_layer
-    return [((layer * num_blocks + run[side]) * per_block, run[2] * per_block)
-            for layer in range(layout.num_layers) for run in runs]

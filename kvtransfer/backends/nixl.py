@@ -2,11 +2,12 @@
 
 The whole KV cache is registered once (VRAM on GPUs, DRAM on CPU). ``connection_info`` is the
 agent's metadata plus the cache's base address; a sender adds the peer agent once and then writes
-each push as one descriptor list (a region per layer per run of consecutive blocks). On CPU the
-UCX backend runs with shared memory (``UCX_TLS=sm,self`` unless set) and no peer error handling,
-the configuration that works without network devices. ``progress_thread`` is NIXL's own (on by
-default): it moves transfers on by itself but spins a core. An owner that polls both sides
-whenever a transfer is in flight (the serving roles' engine threads) can do without it.
+each push as one descriptor list (a region per run of consecutive blocks, every layer of them:
+``KVLayout.regions``). On CPU the UCX backend runs with shared memory (``UCX_TLS=sm,self`` unless
+set) and no peer error handling, the configuration that works without network devices.
+``progress_thread`` is NIXL's own (on by default): it moves transfers on by itself but spins a
+core. An owner that polls both sides whenever a transfer is in flight (the serving roles' engine
+threads) can do without it.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import os
 import struct
 from collections.abc import Sequence
 
-from kvtransfer.backends.base import TransportBackend, block_runs, region_offsets
+from kvtransfer.backends.base import TransportBackend, block_runs
 from kvtransfer.types import EndpointInfo, TransferError, TransferState
 
 log = logging.getLogger(__name__)
@@ -76,13 +77,11 @@ class NixlBackend(TransportBackend):
         if not src_blocks:  # the receiver holds everything: only tell it so
             self.agent.send_notif(self._peers[peer.endpoint_id], transfer_id.encode())
             return _NOTHING_TO_WRITE
-        remote_base, remote_dev, remote_blocks = _HEADER.unpack_from(peer.connection)
+        remote_base, remote_dev, _remote_blocks = _HEADER.unpack_from(peer.connection)
         runs = block_runs(src_blocks, dst_blocks)
         local_base = self.kv_cache.data_ptr()
-        src = [(local_base + off, n, self.device_id)
-               for off, n in region_offsets(self.layout, self.kv_cache.shape[1], runs, 0)]
-        dst = [(remote_base + off, n, remote_dev)
-               for off, n in region_offsets(self.layout, remote_blocks, runs, 1)]
+        src = [(local_base + off, n, self.device_id) for off, n in self.layout.regions(runs, 0)]
+        dst = [(remote_base + off, n, remote_dev) for off, n in self.layout.regions(runs, 1)]
         agent = self.agent
         handle = agent.initialize_xfer("WRITE", agent.get_xfer_descs(src, self.mem_type),
                                        agent.get_xfer_descs(dst, self.mem_type),

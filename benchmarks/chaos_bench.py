@@ -117,7 +117,7 @@ def main() -> None:
               "transfer": {"backend": args.backend}}
     ray_env.apply()
     path = os.pathsep.join(x for x in (HERE, os.environ.get("PYTHONPATH", "")) if x)
-    ray.init(num_cpus=max(4, os.cpu_count() or 2), include_dashboard=False,
+    ray.init(address="local", num_cpus=max(4, os.cpu_count() or 2), include_dashboard=False,
              log_to_driver=False, logging_level="ERROR",
              runtime_env={"env_vars": {"PYTHONPATH": path}})
     port = 18000 + os.getpid() % 1000

@@ -599,7 +599,7 @@ def main(argv=None) -> None:
     if args.dashboard:  # Ray's export on a port of ours, reported every second
         metrics = {"_metrics_export_port": ray_env.free_port(),
                    "_system_config": {"metrics_report_interval_ms": 1000}}
-    ray.init(num_cpus=max(4, cpus), include_dashboard=False, log_to_driver=False,
+    ray.init(address="local", num_cpus=max(4, cpus), include_dashboard=False, log_to_driver=False,
              logging_level="ERROR", runtime_env=runtime_env, **metrics)
     pool = ProcessPoolExecutor(args.clients, mp_context=get_context("spawn"))
     recorder = None

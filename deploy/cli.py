@@ -50,8 +50,10 @@ def _start_ray(num_cpus: int | None = None) -> None:
     from deploy import ray_env
 
     ray_env.apply()  # HAProxy ingress and Serve's throughput profile for this local cluster
-    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
-             logging_level="ERROR")
+    # With num_cpus: a new local instance of that size (the demo), even where another Ray runs
+    # here; without: join the Ray that `ray start` brought up on this machine, if there is one.
+    ray.init(address="local" if num_cpus else None, num_cpus=num_cpus,
+             include_dashboard=False, log_to_driver=False, logging_level="ERROR")
 
 
 def _demo_config(gpu: bool) -> dict:

@@ -41,8 +41,10 @@ def ray_cluster():
     path = os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p)
     from deploy.ray_env import free_port
 
-    # Replicas' metrics are exported on this port (ray.init's default picks none), every second.
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+    # address="local": a new instance even where another Ray runs on the machine (ray.init
+    # would join one it finds, and refuse num_cpus). Replicas' metrics are exported on this
+    # port (ray.init's default picks none), every second.
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
              _metrics_export_port=free_port(),
              _system_config={"metrics_report_interval_ms": 1000},
              runtime_env={"env_vars": {"PYTHONPATH": path,

@@ -9,7 +9,9 @@ is computed here from those records, exactly, never from locust's binned percent
                  message carrying k tokens splits its gap evenly among them
     TPOT         a request's mean inter-token gap, (E2E - TTFT) / (output tokens - 1)
     E2E          send → last byte of the stream
-    meets SLO    no error, TTFT <= slo.ttft_ms and TPOT <= slo.itl_ms
+    ITL p99/req  a request's own 99th-percentile inter-token gap (its worst stalls)
+    meets SLO    no error, TTFT <= slo.ttft_ms, and, for each bound that is set,
+                 TPOT <= slo.itl_ms and ITL p99/req <= slo.itl_p99_ms
     goodput      the highest offered load at which at least ``slo.attainment`` of the requests
                  meet the SLO
 """
@@ -62,14 +64,25 @@ class Slo(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     ttft_ms: float = Field(gt=0)
-    itl_ms: float = Field(gt=0)
+    itl_ms: float | None = Field(None, gt=0)  # each request's mean gap (TPOT); None: no bound
+    itl_p99_ms: float | None = Field(None, gt=0)  # each request's own gap p99; None: no bound
     attainment: float = Field(0.9, gt=0, le=1)
 
     def met_by(self, rec: RequestRecord) -> bool:
         if rec.error is not None or rec.ttft_s is None:
             return False
-        tpot = rec.tpot_s
-        return rec.ttft_s * 1e3 <= self.ttft_ms and (tpot is None or tpot * 1e3 <= self.itl_ms)
+        tpot, p99 = rec.tpot_s, percentile(rec.itl_s, 99)
+        return (rec.ttft_s * 1e3 <= self.ttft_ms
+                and (self.itl_ms is None or tpot is None or tpot * 1e3 <= self.itl_ms)
+                and (self.itl_p99_ms is None or p99 is None or p99 * 1e3 <= self.itl_p99_ms))
+
+    def describe(self) -> str:
+        bounds = [f"TTFT ≤ {self.ttft_ms:g} ms"]
+        if self.itl_ms is not None:
+            bounds.append(f"mean inter-token gap ≤ {self.itl_ms:g} ms")
+        if self.itl_p99_ms is not None:
+            bounds.append(f"the request's own inter-token p99 ≤ {self.itl_p99_ms:g} ms")
+        return ", ".join(bounds[:-1]) + " and " + bounds[-1] if len(bounds) > 1 else bounds[0]
 
 
 def percentile(values: list[float], q: float) -> float | None:

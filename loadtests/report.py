@@ -13,7 +13,7 @@ from pathlib import Path
 
 from loadtests.config import SweepConfig
 from loadtests.layouts import parse_layout
-from loadtests.metrics import goodput, read_records, summarize
+from loadtests.metrics import Slo, goodput, read_records, summarize
 
 COLUMNS = [  # (key, header, format)
     ("layout", "layout", "{}"), ("load", "load", "{:g}"), ("requests", "requests", "{}"),
@@ -70,8 +70,7 @@ def summary_markdown(cfg, points: list[dict], failures: list[dict], meta: dict) 
         + (f", {wl.num_prefixes} prefixes of {wl.shared_prefix_len()} tokens"
            if wl.kind == "shared-prefix" else "")
         + (f", {wl.turns} turns" if wl.kind == "multi-turn" else "") + f", seed {wl.seed}",
-        f"- SLO: TTFT ≤ {cfg.slo.ttft_ms:g} ms and mean inter-token gap ≤ {cfg.slo.itl_ms:g} ms "
-        f"for at least {cfg.slo.attainment:.0%} of requests",
+        f"- SLO: {cfg.slo.describe()} for at least {cfg.slo.attainment:.0%} of requests",
         f"- replicas: {cfg.resources.num_gpus:g} GPU and {cfg.resources.num_cpus:g} CPU each; "
         f"engine {json.dumps(cfg.engine_config())}",
         f"- {meta.get('date', '')}, commit {meta.get('commit', '?')}, {meta.get('cluster', '')}",
@@ -185,12 +184,13 @@ def write_report(cfg, points: list[dict], failures: list[dict], meta: dict) -> l
 
 
 def rebuild(run: Path, slo_overrides: dict | None = None) -> list[Path]:
-    """Recompute a finished sweep's report from its records, optionally under other SLOs;
-    the failures recorded by the sweep are kept."""
+    """Recompute a finished sweep's report from its records, optionally under other SLOs
+    (each key given replaces the saved bound; None lifts it); the failures recorded by the
+    sweep are kept."""
     run = Path(run)
     cfg = SweepConfig.model_validate_json((run / "config.json").read_text())
-    cfg = cfg.model_copy(update={"out": run, "slo": cfg.slo.model_copy(
-        update={k: v for k, v in (slo_overrides or {}).items() if v is not None})})
+    slo = Slo.model_validate({**cfg.slo.model_dump(), **(slo_overrides or {})})
+    cfg = cfg.model_copy(update={"out": run, "slo": slo})
     old = json.loads((run / "summary.json").read_text()) if (run / "summary.json").exists() \
         else {}
     points = []
@@ -208,18 +208,27 @@ def rebuild(run: Path, slo_overrides: dict | None = None) -> list[Path]:
     return write_report(cfg, points, old.get("failures", []), old.get("meta", {}))
 
 
+def _bound(text: str) -> float | None:
+    return None if text.lower() == "off" else float(text)
+
+
 def main(argv=None) -> None:
     import argparse
 
     p = argparse.ArgumentParser(prog="python -m loadtests.report",
                                 description="Rebuild a sweep's report from its request records.")
     p.add_argument("run", type=Path, help="the sweep's results folder")
-    p.add_argument("--slo-ttft-ms", type=float, default=None)
-    p.add_argument("--slo-itl-ms", type=float, default=None)
-    p.add_argument("--slo-attainment", type=float, default=None)
-    a = p.parse_args(argv)
-    written = rebuild(a.run, {"ttft_ms": a.slo_ttft_ms, "itl_ms": a.slo_itl_ms,
-                              "attainment": a.slo_attainment})
+    # Given flags replace the saved SLO's bounds; "off" lifts an inter-token bound.
+    p.add_argument("--slo-ttft-ms", dest="ttft_ms", type=float, default=argparse.SUPPRESS)
+    p.add_argument("--slo-itl-ms", dest="itl_ms", type=_bound, default=argparse.SUPPRESS,
+                   help="each request's mean inter-token gap (TPOT), ms, or off")
+    p.add_argument("--slo-itl-p99-ms", dest="itl_p99_ms", type=_bound,
+                   default=argparse.SUPPRESS,
+                   help="each request's own inter-token p99, ms, or off")
+    p.add_argument("--slo-attainment", dest="attainment", type=float,
+                   default=argparse.SUPPRESS)
+    a = vars(p.parse_args(argv))
+    written = rebuild(a.pop("run"), a)
     print("\n".join(str(w) for w in written))
 
 

@@ -354,8 +354,10 @@ def parse_args(argv=None) -> SweepConfig:
     w.add_argument("--seed", type=int, default=0)
     s = p.add_argument_group("SLOs (goodput)")
     s.add_argument("--slo-ttft-ms", type=float, required=True)
-    s.add_argument("--slo-itl-ms", type=float, required=True,
+    s.add_argument("--slo-itl-ms", type=float, default=None,
                    help="bound on each request's mean inter-token gap (TPOT)")
+    s.add_argument("--slo-itl-p99-ms", type=float, default=None,
+                   help="bound on each request's own inter-token p99 (its stalls)")
     s.add_argument("--slo-attainment", type=float, default=0.9)
     d = p.add_argument_group("deployment")
     d.add_argument("--gpus-per-replica", type=float, default=0.0,
@@ -395,7 +397,8 @@ def _config(a, spec: dict, out: Path) -> SweepConfig:
         rates=a.rates or [], users=[int(u) for u in a.users or []],
         duration_s=a.duration, drain_s=a.drain_timeout, protocol=a.protocol, arrival=a.arrival,
         workload=workloads.WorkloadSpec(kind=a.workload, **spec), prompt_format=a.prompt_format,
-        slo=Slo(ttft_ms=a.slo_ttft_ms, itl_ms=a.slo_itl_ms, attainment=a.slo_attainment),
+        slo=Slo(ttft_ms=a.slo_ttft_ms, itl_ms=a.slo_itl_ms, itl_p99_ms=a.slo_itl_p99_ms,
+                attainment=a.slo_attainment),
         out=out, address=a.address, num_cpus=a.num_cpus,
         resources=Resources(num_gpus=a.gpus_per_replica, num_cpus=a.cpus_per_replica),
         engine=a.engine, transfer_backend=a.transfer_backend,

@@ -11,6 +11,7 @@ import pytest
 
 from loadtests import report
 from loadtests import workloads as W
+from loadtests.config import SweepConfig
 from loadtests.layouts import Resources, auto_layouts, missing_resources, parse_layout
 from loadtests.metrics import RequestRecord, Slo, goodput, percentile, read_records, summarize
 
@@ -160,6 +161,43 @@ def test_summary_and_slo():
     timed = summarize(recs, slo, duration_s=10)  # the run's duration is the longer window
     assert timed["output_tok_s"] == pytest.approx(2.0) and timed["sent_rps"] == 0.5
     assert timed["achieved_rps"] == pytest.approx(0.4)
+
+
+def test_slo_on_each_requests_own_inter_token_p99():
+    # 100 gaps of 10 ms but two stalls of 100 ms: the mean (11.8 ms) holds a 20 ms TPOT bound,
+    # the request's own p99 (~100 ms) breaks a 25 ms p99 bound; a steady stream holds both.
+    stalled = _rec(0, 0.05, [0.01] * 98 + [0.1, 0.1])
+    steady = _rec(1, 0.05, [0.012] * 100)
+    loose, tight = Slo(ttft_ms=1000, itl_ms=20), Slo(ttft_ms=2000, itl_p99_ms=25)
+    assert loose.met_by(stalled) and loose.met_by(steady)
+    assert not tight.met_by(stalled) and tight.met_by(steady)
+    assert not Slo(ttft_ms=1000, itl_ms=20, itl_p99_ms=25).met_by(stalled)
+    assert Slo(ttft_ms=100).met_by(stalled) and not Slo(ttft_ms=10).met_by(stalled)  # TTFT only
+    assert tight.describe() == "TTFT ≤ 2000 ms and the request's own inter-token p99 ≤ 25 ms"
+    with pytest.raises(ValueError):
+        Slo(ttft_ms=1000, itl_p99_ms=0)
+
+
+def test_report_recomputes_a_run_under_the_inter_token_p99_slo(tmp_path):
+    cfg = SweepConfig(layouts=["colo1"], rates=[1, 2], slo=Slo(ttft_ms=1000, itl_ms=20),
+                      out=tmp_path)
+    (tmp_path / "config.json").write_text(cfg.model_dump_json())
+    for load, records in ((1, [_rec(0, 0.05, [0.012] * 100), _rec(1, 0.05, [0.012] * 100)]),
+                          (2, [_rec(0, 0.05, [0.01] * 98 + [0.1, 0.1]),
+                               _rec(1, 0.05, [0.012] * 100)])):
+        folder = tmp_path / "colo1" / cfg.label(load)
+        folder.mkdir(parents=True)
+        (folder / "requests.jsonl").write_text("".join(r.to_json() + "\n" for r in records))
+    report.main([str(tmp_path)])  # as saved: every request meets the TPOT bound
+    assert [p["slo_fraction"] for p in json.loads(
+        (tmp_path / "summary.json").read_text())["points"]] == [1.0, 1.0]
+    report.main([str(tmp_path), "--slo-ttft-ms", "2000", "--slo-itl-ms", "off",
+                 "--slo-itl-p99-ms", "25"])
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert [p["slo_fraction"] for p in summary["points"]] == [1.0, 0.5]
+    assert summary["goodput"][0]["goodput"] == 1
+    assert "SLO: TTFT ≤ 2000 ms and the request's own inter-token p99 ≤ 25 ms" in \
+        (tmp_path / "summary.md").read_text()
 
 
 def test_goodput_is_the_highest_load_meeting_the_slo():

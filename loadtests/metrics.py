@@ -71,10 +71,13 @@ class Slo(BaseModel):
     def met_by(self, rec: RequestRecord) -> bool:
         if rec.error is not None or rec.ttft_s is None:
             return False
-        tpot, p99 = rec.tpot_s, percentile(rec.itl_s, 99)
-        return (rec.ttft_s * 1e3 <= self.ttft_ms
-                and (self.itl_ms is None or tpot is None or tpot * 1e3 <= self.itl_ms)
-                and (self.itl_p99_ms is None or p99 is None or p99 * 1e3 <= self.itl_p99_ms))
+        if rec.ttft_s * 1e3 > self.ttft_ms:
+            return False
+        tpot = rec.tpot_s
+        if self.itl_ms is not None and tpot is not None and tpot * 1e3 > self.itl_ms:
+            return False
+        p99 = percentile(rec.itl_s, 99) if self.itl_p99_ms is not None else None
+        return p99 is None or p99 * 1e3 <= self.itl_p99_ms
 
     def describe(self) -> str:
         bounds = [f"TTFT ≤ {self.ttft_ms:g} ms"]

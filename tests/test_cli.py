@@ -1,9 +1,19 @@
 """`baton serve`'s start-up lines from Serve's status (a failed deployment ends it with Serve's
-message); a running app is checked against real Serve in test_metrics_e2e."""
+message); a running app is checked against real Serve in test_metrics_e2e. The demo's Ray."""
 
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
 from types import SimpleNamespace as NS
 
+import pytest
+
 from deploy.cli import startup_summary
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _status(app_state: str, message: str = "", **deployments) -> NS:
@@ -25,3 +35,22 @@ def test_a_failed_deployment_carries_serves_message():
         ["baton"])
     assert line.startswith("baton deploy_failed: DecodeServer 0/0")
     assert failed == "baton: DecodeServer: CUDA out of memory"
+
+
+@pytest.mark.e2e
+def test_the_demo_starts_its_own_ray_beside_a_stale_cluster_address():
+    """`ray.init` without an address joins the cluster named in `ray_current_cluster` and then
+    refuses num_cpus; the demo (and the tests' own Ray, through the same call) starts a new
+    instance whatever that file says. Run apart: this process may hold the tests' Ray."""
+    tmp = Path(tempfile.mkdtemp(prefix="rayc", dir="/tmp"))  # short: Ray's socket paths
+    (tmp / "ray").mkdir()
+    (tmp / "ray" / "ray_current_cluster").write_text("127.0.0.1:1")  # nothing listens
+    code = ("from deploy.cli import _start_ray; _start_ray(num_cpus=2); import ray; "
+            "print('cpus', ray.cluster_resources()['CPU']); ray.shutdown()")
+    env = {**os.environ, "RAY_TMPDIR": str(tmp), "PYTHONPATH": str(ROOT)}
+    env.pop("RAY_ADDRESS", None)
+    run = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True,
+                         text=True, timeout=180)
+    shutil.rmtree(tmp, ignore_errors=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "cpus 2.0" in run.stdout

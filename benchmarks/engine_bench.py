@@ -12,6 +12,13 @@ Tasks (models are ``dummy:`` specs: random weights, real shapes):
   output tok/s and the decode steps' % of their memory floor.
 - ``prefill``: batch 1, 1k/2k/8k-token prompts: ms and % of the compute floor (FLOPs / GEMM rate).
 - ``hf``: transformers ``generate`` at batch 1 (same shape, bf16) for the ratio.
+- ``sizes``: per model, with default settings: batch-1 decode ms/token and % of floor, a decode
+  step of 64 sequences, throughput at the largest batch whose sequences all fit in the cache.
+- ``onerow``: the decode graph alone (device time of one replay) at batch 1 with each one-row
+  projection path (Triton skinny matmul with and without the RMSNorm folded in, cuBLAS), next to
+  batch 64: how the engine's per-shape choice was made.
+
+``--quantization fp8`` and ``--kv-cache-dtype fp8`` run every task with FP8 weights / KV cache.
 """
 
 from __future__ import annotations
@@ -106,12 +113,47 @@ def model_bytes(engine: LLMEngine) -> tuple[int, int]:
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     if model.lm_head is not None:  # untied: the embedding is only gathered, row by row
         weights -= model.model.embed_tokens.weight.numel() * engine.dtype.itemsize
-    kv = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * engine.dtype.itemsize
+    kv = (cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim
+          * engine.runner.kv_dtype.itemsize)
     return weights, kv
 
 
+ENGINE_OPTIONS: dict = {}  # --quantization / --kv-cache-dtype, for every engine of the run
+
+
 def _engine(model: str, **kw) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=model, device="cuda", show_progress=False, **kw))
+    return LLMEngine(EngineConfig(model=model, device="cuda", show_progress=False,
+                                  **{**ENGINE_OPTIONS, **kw}))
+
+
+def onerow(model: str, batches=(1, 64)) -> dict:
+    """Device ms of one decode-graph replay per one-row projection path, and at batch 64."""
+    engine = _engine(model, max_num_seqs=max(batches), cuda_graph_max_batch=max(batches))
+    runner, graphs = engine.runner, engine.runner.graphs
+    projs = [p for layers in engine.model.projections().values() for p in layers]
+    saved = [(p, p.gemv_config, p.fuse_norm) for p in projs]
+    head = engine.model.lm_head_gemv
+
+    def replay_ms(size: int) -> float:
+        graphs.capture(progress=False)
+        return _cuda_ms(graphs.graphs[size].replay, reps=50)
+
+    row = {"task": "onerow", "model": model, "weights": engine.weights_name}
+    row["batch1_engine_ms"] = round(replay_ms(1), 4)
+    for p, _, _ in saved:
+        p.fuse_norm = False
+    row["batch1_gemv_unfused_ms"] = round(replay_ms(1), 4)
+    for p, _, _ in saved:
+        p.gemv_config = None
+    engine.model.lm_head_gemv = None
+    row["batch1_cublas_ms"] = round(replay_ms(1), 4)
+    for p, cfg, fuse in saved:
+        p.gemv_config, p.fuse_norm = cfg, fuse
+    engine.model.lm_head_gemv = head
+    for b in batches[1:]:
+        row[f"batch{b}_ms"] = round(replay_ms(b), 4)
+    row["norm_fused"] = runner.norm_fused
+    return row
 
 
 def _prompt(engine: LLMEngine, n: int, seed: int) -> list[int]:
@@ -141,6 +183,47 @@ def decode(model: str, ceil: dict, prompt_len: int = 128, new: int = 1024) -> di
             "one_row_gemv": {n: list(c) if c else "cublas"
                              for n, c in engine.runner.gemv_choices.items()},
             "norm_fused": engine.runner.norm_fused}
+
+
+def sizes(model: str, ceil: dict, lo: int = 100, hi: int = 1024) -> dict:
+    """One row per model size: batch-1 decode (ms/token, % of floor), a decode step of 64
+    sequences, and throughput at the largest batch whose sequences all fit in the KV cache at
+    once (in/out lengths uniform in [lo, hi]), on one engine with default settings."""
+    engine = _engine(model)
+    weights, kv_tok = model_bytes(engine)
+
+    def decode_steps(n: int, new: int) -> list:
+        for i in range(n):
+            engine.add_request(_prompt(engine, 128, 1000 + i),
+                               SamplingParams(temperature=0, max_tokens=new, ignore_eos=True))
+        rec = Recorder(engine)
+        rec.run()
+        return [st for st in rec.steps if st[0] and st[1] == n]
+
+    decode_steps(1, 8)  # warm
+    one = decode_steps(1, 256)
+    ms1 = statistics.median(st[4] for st in one) * 1e3
+    floor1 = statistics.median((weights + kv_tok * st[2]) / (ceil["copy_GBps"] * 1e9) * 1e3
+                               for st in one)
+    ms64 = statistics.median(st[4] for st in decode_steps(64, 64)) * 1e3
+    fit = min(256, engine.pool.num_usable_blocks * engine.config.block_size // (2 * hi))
+    g = torch.Generator().manual_seed(0)
+    ins = torch.randint(lo, hi + 1, (fit,), generator=g).tolist()
+    outs = torch.randint(lo, hi + 1, (fit,), generator=g).tolist()
+    for i, (a, b) in enumerate(zip(ins, outs)):
+        engine.add_request(_prompt(engine, a, i),
+                           SamplingParams(temperature=0, max_tokens=b, ignore_eos=True))
+    seconds = Recorder(engine).run()
+    return {"task": "sizes", "model": model, "weights": engine.weights_name,
+            "kv_cache": str(engine.runner.kv_dtype)[6:],
+            "weights_GB": round(weights / 1e9, 2),
+            "kv_cache_tokens": engine.pool.num_usable_blocks * engine.config.block_size,
+            "batch1_ms_per_token": round(ms1, 3), "batch1_floor_ms": round(floor1, 3),
+            "batch1_pct_of_floor": round(100 * floor1 / ms1, 1),
+            "batch64_ms_per_step": round(ms64, 3), "throughput_seqs": fit,
+            "throughput_tok_s": round(sum(outs) / seconds, 1),
+            "preemptions": engine.scheduler.num_preemptions,
+            "decode_tensor_cores": engine.runner.backend.decode_tensor_cores}
 
 
 def long_run(model: str, new: int = 10_000) -> dict:
@@ -230,8 +313,11 @@ def main() -> None:
                                                    "prefill", "hf"])
     ap.add_argument("--decode-models", nargs="+", default=["dummy:Qwen3-0.6B", "dummy:Qwen3-8B"])
     ap.add_argument("--prefill-model", default="dummy:Qwen3-8B")
+    ap.add_argument("--quantization", choices=["fp8"], default=None)
+    ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    ENGINE_OPTIONS.update(quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
     ceil = ceilings()
     rows = [{"task": "ceilings", **ceil}]
     print(json.dumps(rows[0]), flush=True)
@@ -244,6 +330,10 @@ def main() -> None:
         torch.cuda.empty_cache()
 
     for model in args.decode_models:
+        if "sizes" in args.tasks:
+            emit(sizes(model, ceil))
+        if "onerow" in args.tasks:
+            emit(onerow(model))
         if "decode" in args.tasks:
             emit(decode(model, ceil))
         if "throughput" in args.tasks:

@@ -27,11 +27,14 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--decode-tensor-cores", choices=["auto", "on", "off"], default="auto")
     ap.add_argument("--replay-only", action="store_true", help="stop after the graph's GPU time")
+    ap.add_argument("--quantization", choices=["fp8"], default=None)
+    ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
     args = ap.parse_args()
     tc = {"auto": None, "on": True, "off": False}[args.decode_tensor_cores]
     engine = LLMEngine(EngineConfig(model=args.model, device="cuda",
                                     max_num_seqs=max(8, args.batch), decode_tensor_cores=tc,
-                                    show_progress=False))
+                                    quantization=args.quantization,
+                                    kv_cache_dtype=args.kv_cache_dtype, show_progress=False))
     params = SamplingParams(temperature=0, max_tokens=args.steps * 3, ignore_eos=True)
     for i in range(args.batch):
         engine.add_request([100 + i] * args.prompt_len, params)
@@ -67,7 +70,7 @@ def main() -> None:
         t4 = time.perf_counter()
         for seq, tok in zip(due, tokens):
             engine._append_token(seq, tok, None)
-            engine._output(seq, [tok])
+            engine._output(seq, [tok], None)
         t5 = time.perf_counter()
         for k, a, b in zip(phases, (t0, t1, t2, t3, t4), (t1, t2, t3, t4, t5)):
             phases[k].append((b - a) * 1e3)

@@ -10,6 +10,8 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from engine.quantization import Fp8Scheme, parse_quantization_config
+
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -44,6 +46,7 @@ class ModelConfig:
     torch_dtype: str = "bfloat16"
     eos_token_id: tuple[int, ...] = ()
     bos_token_id: int | None = None
+    quantization: Fp8Scheme | None = None  # the checkpoint's (``quantization_config``)
 
     @classmethod
     def from_dict(cls, raw: dict, source: str = "config") -> "ModelConfig":
@@ -75,6 +78,7 @@ class ModelConfig:
             torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"),
             eos_token_id=eos,
             bos_token_id=raw.get("bos_token_id"),
+            quantization=parse_quantization_config(raw.get("quantization_config"), source),
         )
 
     @classmethod
@@ -102,7 +106,15 @@ class EngineConfig(BaseModel):
     attention_backend: Literal["auto", "torch", "flashinfer"] = "auto"
     enforce_eager: bool = False  # True: no CUDA graphs
     cuda_graph_max_batch: int = Field(256, ge=1)  # largest captured decode batch
-    decode_tensor_cores: bool | None = None  # FlashInfer decode; None: by GQA ratio
+    # FlashInfer decode on tensor cores; None: where it pays (GQA ratio of 8 or more) or where
+    # the CUDA-core kernel has no build for the ratio (Qwen3-14B's 5).
+    decode_tensor_cores: bool | None = None
+    # FP8 weights: "fp8" quantizes a bf16 checkpoint at load (per-channel scales); an FP8
+    # checkpoint (Qwen's or compressed-tensors) is detected from config.json with no flag.
+    quantization: Literal["fp8"] | None = None
+    # The KV cache's element type: "auto" is the compute dtype; "fp8" (= "fp8_e4m3") stores
+    # e4m3 with a per-layer scale (the checkpoint's k_scale/v_scale, else 1.0, as vLLM).
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3"] = "auto"
     # Launch step N+1 before waiting for step N's tokens (host work overlaps the device's).
     async_scheduling: bool = True
     # One-row (batch-1 decode) projections in bf16/fp16 on CUDA: the Triton skinny matmul

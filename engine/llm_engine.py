@@ -108,7 +108,7 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or mcfg.max_position_embeddings,
                                  mcfg.max_position_embeddings)
         self.model = load_model(self.source, self.device, self.dtype, seed=config.seed,
-                                progress=config.show_progress)
+                                progress=config.show_progress, quantization=config.quantization)
         self.tokenizer = load_tokenizer(self.source)
         self.eos_token_ids = self._eos_ids()
         self.runner = ModelRunner(self.model, config, self.device, self.dtype, self.max_model_len)
@@ -125,17 +125,24 @@ class LLMEngine:
         # samples are dropped, never piled up).
         self.step_samples: deque[tuple[float, int]] = deque(maxlen=4096)
         self.startup_s = time.perf_counter() - t0
-        log.info("engine ready in %.1fs (%s, %s, attention %s, warm-up %.1fs)", self.startup_s,
-                 self.device, str(self.dtype).removeprefix("torch."), self.runner.backend.name,
+        log.info("engine ready in %.1fs (%s, %s, weights %s, KV cache %s, attention %s, "
+                 "warm-up %.1fs)", self.startup_s, self.device, str(self.dtype)[6:],
+                 self.weights_name, str(self.runner.kv_dtype)[6:], self.runner.backend.name,
                  self.runner.warm_up_s)
 
     def kv_cache_spec(self) -> KVCacheSpec:
         """The KV cache and its layout, for a transfer endpoint (``kvtransfer.endpoint_for``)."""
         cfg = self.source.config
         return KVCacheSpec(kv_cache=self.runner.kv_cache, model=self.source.model_id,
-                           dtype=str(self.dtype).removeprefix("torch."),
+                           dtype=str(self.runner.kv_dtype).removeprefix("torch."),
                            num_layers=cfg.num_hidden_layers, num_kv_heads=cfg.num_key_value_heads,
                            head_dim=cfg.head_dim, block_size=self.config.block_size)
+
+    @property
+    def weights_name(self) -> str:
+        """What the linear layers hold: ``fp8 (<source>, <format>)`` or the compute dtype."""
+        scheme = self.model.quantization
+        return scheme.name if scheme is not None else str(self.dtype).removeprefix("torch.")
 
     @property
     def vocab_size(self) -> int:

@@ -9,6 +9,7 @@ safetensors (cast to the target dtype on load), and its RoPE cache is built afte
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -19,6 +20,13 @@ from tqdm import tqdm
 
 from engine.config import ModelConfig
 from engine.models.qwen3 import PACKED_MODULES, Qwen3ForCausalLM
+from engine.quantization import (Fp8Scheme, fill_shard, init_random, mark_quantized,
+                                 resolve_scheme)
+from kernels.fp8 import fp8_supported
+
+log = logging.getLogger(__name__)
+PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+PROJECTIONS_WEIGHTS = tuple(f"{p}.weight" for p in PROJECTIONS)
 
 DUMMY_PREFIX = "dummy:"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json")
@@ -67,10 +75,23 @@ def resolve_model(spec: str) -> ModelSource:
 
 
 def load_model(source: ModelSource, device: torch.device, dtype: torch.dtype,
-               seed: int = 0, progress: bool = False) -> Qwen3ForCausalLM:
+               seed: int = 0, progress: bool = False,
+               quantization: str | None = None) -> Qwen3ForCausalLM:
+    """Build the model on ``device`` in ``dtype`` and fill it. ``quantization="fp8"`` quantizes
+    a plain checkpoint's decoder projections at load; an FP8 checkpoint needs no flag
+    (:mod:`engine.quantization`)."""
+    scheme = resolve_scheme(source.config.quantization, quantization, source.name)
     with torch.device("meta"):
         model = Qwen3ForCausalLM(source.config)
-    model = model.to(dtype).to_empty(device=device)
+    model = model.to(dtype)
+    model.quantization = scheme
+    if scheme is not None:
+        native = fp8_supported(device) and dtype == torch.bfloat16
+        _mark_fp8(model, scheme, native)
+        log.info("FP8 weights: %s, %s", scheme.name,
+                 "FP8 kernels" if native else f"dequantized to {str(dtype)[6:]} at load "
+                 "(no FP8 matmuls on this device or dtype)")
+    model = model.to_empty(device=device)
     if source.is_dummy:
         _init_random(model, seed)
     else:
@@ -79,10 +100,35 @@ def load_model(source: ModelSource, device: torch.device, dtype: torch.dtype,
     return model.eval().requires_grad_(False)
 
 
+def _mark_fp8(model: Qwen3ForCausalLM, scheme: Fp8Scheme, native: bool) -> None:
+    for name, linear in model.named_modules():
+        if not name.endswith(PROJECTIONS):
+            continue
+        shards = checkpoint_modules(name)
+        quantized = [scheme.quantizes(s) for s in shards]
+        if all(quantized):
+            mark_quantized(linear, scheme, native)
+        elif any(quantized):
+            raise ValueError(f"model: the quantization config quantizes only some of "
+                             f"{shards}, which Baton packs into one layer")
+
+
+def checkpoint_modules(name: str) -> list[str]:
+    """Our (possibly packed) module → the checkpoint modules it holds, in shard order."""
+    prefix, _, ours = name.rpartition(".")
+    parts = sorted((shard, ckpt) for ckpt, (packed, shard) in PACKED_MODULES.items()
+                   if packed == ours)
+    return [f"{prefix}.{ckpt}" for _, ckpt in parts] or [name]
+
+
 def _init_random(model: Qwen3ForCausalLM, seed: int) -> None:
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     for name, p in model.named_parameters():
-        if name.endswith("norm.weight"):
+        if name.endswith(".weight_scale"):
+            continue  # set with its weight
+        if name.endswith(PROJECTIONS_WEIGHTS):
+            init_random(model.get_submodule(name.removesuffix(".weight")), gen)
+        elif name.endswith("norm.weight"):
             p.data.fill_(1.0)
         else:
             p.data.normal_(0.0, 0.02, generator=gen)
@@ -107,16 +153,31 @@ def _target(name: str) -> tuple[str, int | None]:
     return name, None
 
 
+# Tensors that travel with a weight (its scales), read when the weight is; static activation
+# scales are refused by the quantization config before loading (none are read).
+_COMPANIONS = (".weight_scale_inv", ".weight_scale", ".input_scale", ".k_scale", ".v_scale")
+
+
 def load_weights(model: Qwen3ForCausalLM, path: Path, progress: bool = False) -> None:
     params = dict(model.named_parameters())
-    expected = {n for n in params}
+    expected = {n for n in params if not n.endswith(".weight_scale")}
     filled: dict[str, set[int | None]] = {}
     unexpected: list[str] = []
     files = _checkpoint_files(path)
+    where = {}  # tensor name -> file, for a weight's scale stored in another shard
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            where.update(dict.fromkeys(f.keys(), file))
     for file in tqdm(files, desc="loading safetensors shards", unit="shard",
                      disable=not progress, leave=False):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
+                if name.endswith((".self_attn.k_scale", ".self_attn.v_scale")):
+                    attn, _, which = name.rpartition(".")  # an FP8 KV cache's calibrated scale
+                    setattr(model.get_submodule(attn), which, float(f.get_tensor(name)))
+                    continue
+                if name.endswith(_COMPANIONS):
+                    continue
                 if name == "lm_head.weight" and model.lm_head is None:
                     continue  # tied checkpoints may still store the head
                 ours, shard = _target(name)
@@ -124,7 +185,17 @@ def load_weights(model: Qwen3ForCausalLM, path: Path, progress: bool = False) ->
                 if param is None:
                     unexpected.append(name)
                     continue
-                _copy_shard(param, f.get_tensor(name), shard, _shard_sizes(model, ours), name)
+                tensor = f.get_tensor(name)
+                module_name = ours.rsplit(".", 1)[0]
+                if module_name.endswith(PROJECTIONS):
+                    linear = model.get_submodule(module_name)
+                    sizes = _shard_sizes(model, ours)
+                    start = 0 if shard is None else sum(sizes[:shard])
+                    count = param.shape[0] if shard is None else sizes[shard]
+                    fill_shard(linear, slice(start, start + count), tensor,
+                               _scale_of(name, linear, where), name)
+                else:
+                    _copy_shard(param, tensor, name)
                 filled.setdefault(ours, set()).add(shard)
     missing = []
     for name in sorted(expected):
@@ -137,23 +208,31 @@ def load_weights(model: Qwen3ForCausalLM, path: Path, progress: bool = False) ->
                          f"(missing: {missing or 'none'}; unexpected: {unexpected or 'none'})")
 
 
+def _scale_of(name: str, linear, where: dict[str, Path]) -> torch.Tensor | None:
+    """The scale tensor stored beside an FP8 weight (None if the layer is not FP8 or the
+    checkpoint has none)."""
+    scheme = getattr(linear, "fp8_scheme", None)
+    if scheme is None or not scheme.from_checkpoint:
+        return None
+    scale_name = name.removesuffix("weight") + scheme.scale_name
+    file = where.get(scale_name)
+    if file is None:
+        return None
+    with safe_open(str(file), framework="pt") as f:
+        return f.get_tensor(scale_name)
+
+
 def _shard_sizes(model: Qwen3ForCausalLM, param_name: str) -> tuple[int, ...] | None:
     module = model.get_submodule(param_name.rsplit(".", 2)[0])
     return getattr(module, "shard_sizes", None) if param_name.endswith(
         ("qkv_proj.weight", "gate_up_proj.weight")) else None
 
 
-def _copy_shard(param: torch.Tensor, tensor: torch.Tensor, shard: int | None,
-                sizes: tuple[int, ...] | None, name: str) -> None:
-    if shard is None:
-        target = param.data
-    else:
-        offset = sum(sizes[:shard])
-        target = param.data.narrow(0, offset, sizes[shard])
-    if target.shape != tensor.shape:
+def _copy_shard(param: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
+    if param.shape != tensor.shape:
         raise ValueError(f"model: tensor {name} has shape {tuple(tensor.shape)}, "
-                         f"expected {tuple(target.shape)}")
-    target.copy_(tensor)
+                         f"expected {tuple(param.shape)}")
+    param.data.copy_(tensor)
 
 
 def load_tokenizer(source: ModelSource):

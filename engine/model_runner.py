@@ -21,11 +21,17 @@ from engine.models.qwen3 import Qwen3ForCausalLM
 from engine.scheduler import ScheduledBatch
 from engine.uploads import host_tensor, upload
 from kernels._triton import triton as _triton
+from kernels.fp8 import FP8, fp8_gemv_config
 from kernels.gemv import NORM_FUSE_MAX_K, config_for
 
 log = logging.getLogger(__name__)
 
 CPU_DEFAULT_KV_GB = 0.25
+
+
+def kv_cache_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
+    """``kv_cache_dtype`` → the cache's element type: ``auto`` is the compute dtype."""
+    return dtype if name == "auto" else FP8
 
 
 class ModelRunner:
@@ -35,8 +41,10 @@ class ModelRunner:
         cfg = model.config
         self.block_size = config.block_size
         self.max_model_len = max_model_len
+        self.kv_dtype = kv_cache_dtype(config.kv_cache_dtype, dtype)
         self.backend = get_backend(config.attention_backend, device, dtype,
                                    decode_tensor_cores=config.decode_tensor_cores,
+                                   kv_dtype=self.kv_dtype,
                                    num_heads=cfg.num_attention_heads,
                                    num_kv_heads=cfg.num_key_value_heads,
                                    head_dim=cfg.head_dim, scale=cfg.head_dim ** -0.5,
@@ -48,7 +56,7 @@ class ModelRunner:
         # layer's slice is FlashInfer's HND paged layout with a page stride of all layers.
         self.kv_storage = torch.zeros(
             self.num_blocks, cfg.num_hidden_layers, 2, cfg.num_key_value_heads, self.block_size,
-            cfg.head_dim, dtype=dtype, device=device)
+            cfg.head_dim, dtype=self.kv_dtype, device=device)
         self.kv_cache = self.kv_storage.transpose(0, 1)
         for i, attn in enumerate(model.attention_layers()):
             attn.kv_cache = self.kv_cache[i]
@@ -67,7 +75,7 @@ class ModelRunner:
     def block_bytes(self) -> int:
         cfg = self.model.config
         return (cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * self.block_size
-                * cfg.head_dim * self.dtype.itemsize)
+                * cfg.head_dim * self.kv_dtype.itemsize)
 
     def _num_blocks(self) -> int:
         c = self.config
@@ -131,13 +139,16 @@ class ModelRunner:
                 and self.device.type == "cuda" and _triton is not None):
             return
         for name, layers in self.model.projections().items():
-            self.gemv_choices[name] = config_for(*layers[0].weight.shape)
+            fp8 = layers[0].weight_scale is not None
+            self.gemv_choices[name] = (fp8_gemv_config if fp8 else config_for)(
+                *layers[0].weight.shape)
             for layer in layers:
                 layer.gemv_config = self.gemv_choices[name]
         self.model.lm_head_gemv = config_for(*self.model.lm_head_weight.shape)
         self.gemv_choices["lm_head"] = self.model.lm_head_gemv
         for name, pairs in self.model.normed_projections().items():
-            if pairs[0][1].weight.shape[1] <= NORM_FUSE_MAX_K:
+            proj = pairs[0][1]
+            if proj.weight_scale is None and proj.weight.shape[1] <= NORM_FUSE_MAX_K:
                 self.norm_fused.append(name)
                 for _, proj in pairs:
                     proj.fuse_norm = True

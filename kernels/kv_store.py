@@ -11,9 +11,20 @@ from __future__ import annotations
 import torch
 
 
+def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """Values as the cache stores them: divided by the layer's scale and rounded (saturating at
+    ±448) when the cache is FP8 e4m3; cast otherwise."""
+    if dtype == torch.float8_e4m3fn:
+        fmax = torch.finfo(dtype).max
+        return (x.float() / scale).clamp(-fmax, fmax).to(dtype)
+    return x.to(dtype)
+
+
 def store_kv_reference(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                       slot_mapping: torch.Tensor) -> None:
-    """``k``, ``v``: ``[num_tokens, num_kv_heads, head_dim]``; ``kv_cache``: one layer's cache."""
+                       slot_mapping: torch.Tensor, k_scale: float = 1.0,
+                       v_scale: float = 1.0) -> None:
+    """``k``, ``v``: ``[num_tokens, num_kv_heads, head_dim]``; ``kv_cache``: one layer's cache.
+    An FP8 cache holds ``k / k_scale`` and ``v / v_scale``."""
     block_size = kv_cache.shape[3]
     keep = slot_mapping >= 0
     if not bool(keep.all()):
@@ -21,5 +32,5 @@ def store_kv_reference(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
     blocks = torch.div(slot_mapping, block_size, rounding_mode="floor")
     offsets = slot_mapping - blocks * block_size
     # Advanced indices around a slice: the result is [num_tokens, num_kv_heads, head_dim].
-    kv_cache[blocks, 0, :, offsets, :] = k.to(kv_cache.dtype)
-    kv_cache[blocks, 1, :, offsets, :] = v.to(kv_cache.dtype)
+    kv_cache[blocks, 0, :, offsets, :] = to_cache_dtype(k, kv_cache.dtype, k_scale)
+    kv_cache[blocks, 1, :, offsets, :] = to_cache_dtype(v, kv_cache.dtype, v_scale)

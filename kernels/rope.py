@@ -33,13 +33,15 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 def qk_norm_rope_store_reference(qkv, positions, q_weight, k_weight, eps, cos_sin, kv_cache,
-                                 slot_mapping, num_heads: int, num_kv_heads: int):
+                                 slot_mapping, num_heads: int, num_kv_heads: int,
+                                 k_scale: float = 1.0, v_scale: float = 1.0):
     d = q_weight.numel()
     q, k, v = qkv.split((num_heads * d, num_kv_heads * d, num_kv_heads * d), dim=-1)
     q = rmsnorm_reference(q.reshape(-1, num_heads, d), q_weight, eps)
     k = rmsnorm_reference(k.reshape(-1, num_kv_heads, d), k_weight, eps)
     q, k = rope_reference(positions, q, k, cos_sin)
-    store_kv_reference(k, v.reshape(-1, num_kv_heads, d), kv_cache, slot_mapping)
+    store_kv_reference(k, v.reshape(-1, num_kv_heads, d), kv_cache, slot_mapping, k_scale,
+                       v_scale)
     return q
 
 
@@ -48,8 +50,8 @@ if triton is not None:
     def _qk_norm_rope_store_kernel(
             qkv_ptr, pos_ptr, qw_ptr, kw_ptr, cs_ptr, cache_ptr, slot_ptr, q_out_ptr,
             qkv_stride, eps, block_size, c_stride_b, c_stride_kv, c_stride_h, c_stride_s,
-            NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-            HALF: tl.constexpr):
+            inv_k_scale, inv_v_scale, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+            HEAD_DIM: tl.constexpr, HALF: tl.constexpr, FP8_CACHE: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         i = tl.arange(0, HALF)
@@ -82,33 +84,51 @@ if triton is not None:
                 if slot >= 0:
                     dst = cache_ptr + (slot // block_size) * c_stride_b \
                         + (h - NUM_HEADS) * c_stride_h + (slot % block_size) * c_stride_s
-                    tl.store(dst + i, o1.to(cache_ptr.dtype.element_ty))
-                    tl.store(dst + HALF + i, o2.to(cache_ptr.dtype.element_ty))
+                    if FP8_CACHE:  # the value over the layer's scale, saturated, as e4m3
+                        k1 = tl.clamp(o1.to(tl.float32) * inv_k_scale, -448.0, 448.0)
+                        k2 = tl.clamp(o2.to(tl.float32) * inv_k_scale, -448.0, 448.0)
+                        tl.store(dst + i, k1.to(cache_ptr.dtype.element_ty,
+                                                fp_downcast_rounding="rtne"))
+                        tl.store(dst + HALF + i, k2.to(cache_ptr.dtype.element_ty,
+                                                       fp_downcast_rounding="rtne"))
+                    else:
+                        tl.store(dst + i, o1.to(cache_ptr.dtype.element_ty))
+                        tl.store(dst + HALF + i, o2.to(cache_ptr.dtype.element_ty))
         else:
             slot = tl.load(slot_ptr + t).to(tl.int64)
             if slot >= 0:
                 d = tl.arange(0, HEAD_DIM)
                 dst = cache_ptr + (slot // block_size) * c_stride_b + c_stride_kv \
                     + (h - NUM_HEADS - NUM_KV_HEADS) * c_stride_h + (slot % block_size) * c_stride_s
-                tl.store(dst + d, tl.load(src + d).to(cache_ptr.dtype.element_ty))
+                v = tl.load(src + d)
+                if FP8_CACHE:
+                    v = tl.clamp(v.to(tl.float32) * inv_v_scale, -448.0, 448.0)
+                    tl.store(dst + d, v.to(cache_ptr.dtype.element_ty,
+                                           fp_downcast_rounding="rtne"))
+                else:
+                    tl.store(dst + d, v.to(cache_ptr.dtype.element_ty))
 
 
 def qk_norm_rope_store(qkv: torch.Tensor, positions: torch.Tensor, q_weight: torch.Tensor,
                        k_weight: torch.Tensor, eps: float, cos_sin: torch.Tensor,
                        kv_cache: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int,
-                       num_kv_heads: int) -> torch.Tensor:
-    """Returns the rotated query ``[T, Hq, D]`` and stores K/V; see the module docstring."""
+                       num_kv_heads: int, k_scale: float = 1.0,
+                       v_scale: float = 1.0) -> torch.Tensor:
+    """Returns the rotated query ``[T, Hq, D]`` and stores K/V (an FP8 cache: divided by the
+    layer's ``k_scale``/``v_scale``); see the module docstring."""
     d = q_weight.numel()
     if (not use_triton(qkv) or d & (d - 1) or d < 2 or qkv.stride(1) != 1
             or kv_cache.stride(4) != 1 or q_weight.dtype != qkv.dtype):
         return qk_norm_rope_store_reference(qkv, positions, q_weight, k_weight, eps, cos_sin,
-                                            kv_cache, slot_mapping, num_heads, num_kv_heads)
+                                            kv_cache, slot_mapping, num_heads, num_kv_heads,
+                                            k_scale, v_scale)
     t = qkv.shape[0]
     q = torch.empty((t, num_heads, d), dtype=qkv.dtype, device=qkv.device)
     if t:
         _qk_norm_rope_store_kernel[(t, num_heads + 2 * num_kv_heads)](
             qkv, positions, q_weight, k_weight, cos_sin, kv_cache, slot_mapping, q,
             qkv.stride(0), eps, kv_cache.shape[3], kv_cache.stride(0), kv_cache.stride(1),
-            kv_cache.stride(2), kv_cache.stride(3), NUM_HEADS=num_heads,
-            NUM_KV_HEADS=num_kv_heads, HEAD_DIM=d, HALF=d // 2, num_warps=1)
+            kv_cache.stride(2), kv_cache.stride(3), 1.0 / k_scale, 1.0 / v_scale,
+            NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=d, HALF=d // 2,
+            FP8_CACHE=kv_cache.dtype == torch.float8_e4m3fn, num_warps=1)
     return q

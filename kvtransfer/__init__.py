@@ -12,6 +12,8 @@ import socket
 import sys
 from typing import TYPE_CHECKING
 
+import torch
+
 from kvtransfer.backends import BACKENDS, choose_backend, default_backend
 from kvtransfer.endpoint import KVEndpoint, Transfer
 from kvtransfer.types import (PROTOCOL_VERSION, EndpointInfo, KVDestination, KVLayout,
@@ -45,7 +47,10 @@ def endpoint_for(spec: KVCacheSpec, backend: str = "local", polled: bool = False
     if polled and backend in ("nixl", "auto") and not spec.kv_cache.is_cuda:
         kwargs.setdefault("progress_thread", False)
     kwargs.setdefault("node_id", current_node_id())
-    return KVEndpoint(spec.kv_cache, layout_of(spec), backend, **kwargs)
+    cache = spec.kv_cache
+    if cache.element_size() == 1:  # FP8 blocks move as bytes (every transport knows uint8)
+        cache = cache.view(torch.uint8)
+    return KVEndpoint(cache, layout_of(spec), backend, **kwargs)
 
 
 def current_node_id() -> str:

@@ -76,7 +76,7 @@ class KVLayout:
 
     @property
     def itemsize(self) -> int:
-        return {"float32": 4, "bfloat16": 2, "float16": 2}[self.dtype]
+        return {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}[self.dtype]
 
     @property
     def block_bytes_per_layer(self) -> int:

@@ -77,9 +77,9 @@ class TwoBackends:
         self.torch.plan(meta)
         self.flashinfer.plan(meta)
 
-    def forward(self, q, kv_cache, meta):
-        out = self.flashinfer.forward(q, kv_cache, meta)
-        ref = self.torch.forward(q, kv_cache, meta)
+    def forward(self, q, kv_cache, meta, k_scale=1.0, v_scale=1.0):
+        out = self.flashinfer.forward(q, kv_cache, meta, k_scale, v_scale)
+        ref = self.torch.forward(q, kv_cache, meta, k_scale, v_scale)
         self.layers.append(("decode" if meta.is_decode_only else "prefill", meta.num_seqs,
                             ((out.float() - ref.float()).norm() / ref.float().norm()).item()))
         return out

@@ -68,3 +68,20 @@ def test_kv_budget_is_this_engines_share_of_a_shared_gpu(monkeypatch):
     # Never more than is free: a third engine on a full GPU gets nothing to spare.
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (2 * gib, 80 * gib))
     assert ModelRunner._cuda_kv_budget(runner) == 2 * gib - act
+
+
+def test_every_qwen3_size_gets_a_decode_kernel_flashinfer_builds():
+    """Qwen3-14B's 40:8 heads (group 5) have no CUDA-core decode build: tensor cores; the
+    others keep what was measured faster (CUDA cores below a group of 8)."""
+    from engine.attention.base import CUDA_CORE_DECODE_GROUPS, default_decode_tensor_cores
+    from engine.loader import dummy_names, resolve_model
+
+    chosen = {}
+    for name in dummy_names():
+        cfg = resolve_model(f"dummy:{name}").config
+        tc = default_decode_tensor_cores(cfg.num_attention_heads, cfg.num_key_value_heads)
+        group = cfg.num_attention_heads // cfg.num_key_value_heads
+        assert tc or group in CUDA_CORE_DECODE_GROUPS
+        chosen[name] = tc
+    assert chosen == {"Qwen3-0.6B": False, "Qwen3-1.7B": False, "Qwen3-4B": False,
+                      "Qwen3-8B": False, "Qwen3-14B": True, "Qwen3-32B": True}

@@ -32,6 +32,20 @@ class AttentionBackend(ABC):
         """Prepare per-step state shared by all layers (no-op by default)."""
 
     @abstractmethod
-    def forward(self, q: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        """``q``: ``[num_tokens, num_heads, head_dim]`` → ``[num_tokens, num_heads, head_dim]``."""
+    def forward(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+        """``q``: ``[num_tokens, num_heads, head_dim]`` → ``[num_tokens, num_heads, head_dim]``.
+        An FP8 ``kv_cache`` holds K / ``k_scale`` and V / ``v_scale``."""
+
+
+# GQA group sizes FlashInfer's CUDA-core decode kernel is built for (``DISPATCH_GQA_GROUP_SIZE``
+# in its utils.cuh); any other ratio (Qwen3-14B: 40 query heads over 8 KV heads = 5) has to run
+# on tensor cores.
+CUDA_CORE_DECODE_GROUPS = (1, 2, 3, 4, 6, 8, 16)
+
+
+def default_decode_tensor_cores(num_heads: int, num_kv_heads: int) -> bool:
+    """Tensor-core decode where it pays, once several query heads share a KV head (a ratio of 8
+    or more, measured: docs/benchmarks.md), and wherever the CUDA-core kernel has no build."""
+    group = num_heads // num_kv_heads
+    return group >= 8 or group not in CUDA_CORE_DECODE_GROUPS

@@ -1,4 +1,5 @@
-"""FlashInfer attention over the engine's paged cache (CUDA, bf16/fp16).
+"""FlashInfer attention over the engine's paged cache (CUDA, bf16/fp16 queries; the cache in the
+same dtype or in FP8 e4m3, read with the layer's scales).
 
 One step is planned once and shared by all layers: decode-only steps use the batch decode
 wrapper, every other step (prefill, chunked prefill, prompts whose first blocks are prefix-cache
@@ -24,7 +25,7 @@ from contextlib import contextmanager
 import flashinfer
 import torch
 
-from engine.attention.base import AttentionBackend
+from engine.attention.base import AttentionBackend, default_decode_tensor_cores
 from engine.forward_context import AttentionMetadata
 
 WORKSPACE_BYTES = 256 * 2**20
@@ -37,13 +38,12 @@ class FlashInferBackend(AttentionBackend):
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  block_size: int, device: torch.device, dtype: torch.dtype,
-                 decode_tensor_cores: bool | None = None):
+                 decode_tensor_cores: bool | None = None, kv_dtype: torch.dtype | None = None):
         super().__init__(num_heads, num_kv_heads, head_dim, scale, block_size)
         self.device, self.dtype = device, dtype
-        # Tensor-core decode pays once several query heads share a KV head (measured:
-        # benchmarks/attention_bench.py, docs/benchmarks.md).
-        self.decode_tensor_cores = (num_heads // num_kv_heads >= 8 if decode_tensor_cores is None
-                                    else decode_tensor_cores)
+        self.kv_dtype = kv_dtype or dtype
+        self.decode_tensor_cores = (default_decode_tensor_cores(num_heads, num_kv_heads)
+                                    if decode_tensor_cores is None else decode_tensor_cores)
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
             self.workspace, "HND")
@@ -61,7 +61,7 @@ class FlashInferBackend(AttentionBackend):
                 torch.tensor(meta.query_start_loc, dtype=torch.int32), meta.kv_indptr,
                 meta.kv_indices, meta.kv_last_page_len, self.num_heads, self.num_kv_heads,
                 self.head_dim, self.block_size, causal=True, sm_scale=self.scale,
-                q_data_type=self.dtype, kv_data_type=self.dtype)
+                q_data_type=self.dtype, kv_data_type=self.kv_dtype)
         meta.extras["wrapper"] = self.prefill_wrapper
 
     def plan_decode(self, wrapper, meta: AttentionMetadata) -> None:
@@ -78,7 +78,7 @@ class FlashInferBackend(AttentionBackend):
         with _plan_fence(wrapper):
             wrapper.plan(meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len, self.num_heads,
                          self.num_kv_heads, self.head_dim, self.block_size, sm_scale=self.scale,
-                         q_data_type=self.dtype, kv_data_type=self.dtype)
+                         q_data_type=self.dtype, kv_data_type=self.kv_dtype)
         wrapper._baton_indptr = meta.kv_indptr
 
     def graph_decode_wrapper(self, batch_size: int, max_pages: int):
@@ -90,9 +90,11 @@ class FlashInferBackend(AttentionBackend):
             paged_kv_indptr_buffer=buf(batch_size + 1), paged_kv_indices_buffer=buf(max_pages),
             paged_kv_last_page_len_buffer=buf(batch_size))
 
-    def forward(self, q: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        return meta.extras["wrapper"].run(q, kv_cache)
+    def forward(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+        if kv_cache.dtype == self.dtype:
+            return meta.extras["wrapper"].run(q, kv_cache)
+        return meta.extras["wrapper"].run(q, kv_cache, k_scale=k_scale, v_scale=v_scale)
 
 
 @contextmanager

@@ -10,7 +10,8 @@ from engine.attention.base import AttentionBackend
 
 
 def get_backend(name: str, device: torch.device, dtype: torch.dtype,
-                decode_tensor_cores: bool | None = None, **dims) -> AttentionBackend:
+                decode_tensor_cores: bool | None = None, kv_dtype: torch.dtype | None = None,
+                **dims) -> AttentionBackend:
     """``auto``: FlashInfer on CUDA in 16-bit dtypes for the head sizes it builds kernels for
     (64, 128, 256) when it is installed, else torch."""
     if name == "auto":
@@ -30,7 +31,7 @@ def get_backend(name: str, device: torch.device, dtype: torch.dtype,
         except ImportError as exc:
             raise ValueError(f"attention_backend: 'flashinfer' is not available ({exc})") from exc
         return FlashInferBackend(**dims, device=device, dtype=dtype,
-                                 decode_tensor_cores=decode_tensor_cores)
+                                 decode_tensor_cores=decode_tensor_cores, kv_dtype=kv_dtype)
     raise ValueError(f"attention_backend: unknown backend {name!r}")
 
 

@@ -7,18 +7,29 @@ import torch
 from torch import nn
 
 from kernels import rmsnorm
+from kernels.fp8 import fp8_linear
 from kernels.gemv import GemvConfig, gemv, norm_gemv
 
 
 class Linear(nn.Linear):
     """``nn.Linear`` (no bias here) whose one-row calls run the Triton skinny matmul when
     ``gemv_config`` is set (by the model runner on CUDA, :mod:`kernels.gemv`), with the norm in
-    front folded in when ``fuse_norm`` (:func:`norm_then`)."""
+    front folded in when ``fuse_norm`` (:func:`norm_then`).
+
+    FP8 (:mod:`engine.quantization`): the weight is e4m3 and ``weight_scale`` holds its scales
+    (per output channel, or per ``fp8_block`` tile); :func:`kernels.fp8.fp8_linear` runs it."""
 
     gemv_config: GemvConfig | None = None
     fuse_norm: bool = False
+    fp8_block: tuple[int, int] | None = None
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.register_parameter("weight_scale", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight_scale is not None:
+            return fp8_linear(x, self.weight, self.weight_scale, self.fp8_block, self.gemv_config)
         if self.gemv_config is not None and x.shape[0] == 1:
             return gemv(x, self.weight, self.gemv_config)
         return nn.functional.linear(x, self.weight, self.bias)

@@ -38,6 +38,8 @@ class Qwen3Attention(nn.Module):
         # Set by the model runner once the cache and backend exist.
         self.kv_cache: torch.Tensor | None = None
         self.backend: AttentionBackend | None = None
+        # An FP8 cache holds K / k_scale and V / v_scale (the checkpoint's, else 1.0).
+        self.k_scale = self.v_scale = 1.0
 
     def forward(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
         """From the packed projection (the layer runs ``qkv_proj``, its norm maybe fused in)."""
@@ -46,8 +48,8 @@ class Qwen3Attention(nn.Module):
         q = qk_norm_rope_store(qkv, positions, self.q_norm.weight,
                                self.k_norm.weight, self.q_norm.eps, self.rope.cos_sin,
                                self.kv_cache, meta.slot_mapping, self.num_heads,
-                               self.num_kv_heads)
-        o = self.backend.forward(q, self.kv_cache, meta)
+                               self.num_kv_heads, self.k_scale, self.v_scale)
+        o = self.backend.forward(q, self.kv_cache, meta, self.k_scale, self.v_scale)
         return self.o_proj(o.reshape(-1, self.q_size))
 
 

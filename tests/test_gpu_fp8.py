@@ -1,0 +1,182 @@
+"""On a GPU: every Qwen3 size starts with default settings and decodes (bf16, and FP8 weights
+with an FP8 KV cache); the FP8 kernels against their float32 references at every row count the
+engine uses; FP8 engines under CUDA graphs against eager, FlashInfer over an FP8 cache against
+the torch backend, prefix hits; FP8 checkpoints in both formats against their dequantized bf16
+reference; FP8 blocks through CUDA IPC and NIXL hand-overs."""
+
+import gc
+
+import pytest
+import torch
+
+from engine import LLM, EngineConfig, SamplingParams
+from kernels import qk_norm_rope_store, qk_norm_rope_store_reference
+from kernels.fp8 import (_TORCH_BLOCK_REFUSED, FP8, SKINNY_MAX_ROWS, fp8_gemv_config,
+                         fp8_gemv_reference, fp8_linear, quantize_per_block,
+                         quantize_per_channel, quantize_rows, quantize_rows_reference,
+                         w8a8_reference)
+from tests.models import random_prompts
+from tests.test_gpu_engine import VOCAB, TwoBackends, _engine, _run
+from tests.test_gpu_transfer import _exact_hand_overs
+
+pytestmark = pytest.mark.gpu
+SIZES = ["Qwen3-0.6B", "Qwen3-1.7B", "Qwen3-4B", "Qwen3-8B", "Qwen3-14B", "Qwen3-32B"]
+
+
+def _free():
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("size", SIZES)
+def test_every_size_starts_and_decodes_with_default_settings(size, fp8):
+    extra = dict(quantization="fp8", kv_cache_dtype="fp8") if fp8 else {}
+    llm = LLM(f"dummy:{size}", max_model_len=512, show_progress=False, **extra)
+    runner = llm.engine.runner
+    assert runner.graphs is not None and runner.backend.name == "flashinfer"
+    prompts = random_prompts([100, 7, 33], vocab=VOCAB, seed=1)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    assert all(len(o.token_ids) == 12 for o in outs)
+    if fp8:
+        assert llm.engine.weights_name == "fp8 (on-the-fly, channel)"
+        assert runner.kv_cache.dtype == FP8
+    del llm, runner
+    _free()
+
+
+# -- kernels ----------------------------------------------------------------------------------
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 8, 13, 16, 17, 24, 33, 64, 65, 100, 256])
+@pytest.mark.parametrize("fmt", ["channel", "block"])
+def test_fp8_linear_matches_its_reference_at_every_row_count(rows, fmt):
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    n, k = 1024 + 256, 2048 + 128
+    w = torch.randn(n, k, device="cuda", generator=g) * 0.02
+    x = torch.randn(rows, k, device="cuda", generator=g, dtype=torch.bfloat16)
+    block = (128, 128) if fmt == "block" else None
+    q, s = quantize_per_block(w, block) if block else quantize_per_channel(w)
+    out = torch.full((rows, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    out[:] = fp8_linear(x, q, s, block, fp8_gemv_config(n, k))
+    # bf16 activations (one row; a few rows of the channel format; block rows cuBLASLt refused)
+    # or W8A8 with dynamic activation scales (the rest)
+    bf16_activations = rows == 1 or (rows <= SKINNY_MAX_ROWS and (
+        block is None or rows in _TORCH_BLOCK_REFUSED))
+    ref = (fp8_gemv_reference(x, q, s, block) if bf16_activations
+           else w8a8_reference(x, q, s, block))
+    assert not out.isnan().any()
+    assert _rel(out, ref) < 1e-2
+
+
+@pytest.mark.parametrize("group", [None, 128])
+def test_activation_quantization_matches_reference(group):
+    x = torch.randn(37, 4096 + 128, device="cuda", dtype=torch.bfloat16) * 3
+    q, s = quantize_rows(x, group)
+    qr, sr = quantize_rows_reference(x, group)
+    torch.testing.assert_close(s, sr, rtol=1e-6, atol=0)
+    # the same e4m3 values but for ties rounded the other way
+    assert (q.float() != qr.float()).float().mean() < 1e-3
+
+
+def test_rope_store_into_an_fp8_cache_matches_reference():
+    t, hq, hk, d = 9, 4, 2, 128
+    qkv = torch.randn(t, (hq + 2 * hk) * d, device="cuda", dtype=torch.bfloat16)
+    pos = torch.arange(t, device="cuda") + 5
+    qw, kw = (torch.rand(d, device="cuda", dtype=torch.bfloat16) + 0.5 for _ in range(2))
+    from engine.models.layers import RotaryEmbedding
+    rope = RotaryEmbedding(d, 64, 1e6)
+    rope.build(torch.device("cuda"))
+    caches = [torch.zeros(4, 2, hk, 16, d, device="cuda", dtype=FP8) for _ in range(2)]
+    slots = torch.tensor([17, 18, -1, 20, 21, 22, 23, 24, 40], device="cuda")
+    q = qk_norm_rope_store(qkv, pos, qw, kw, 1e-6, rope.cos_sin, caches[0], slots, hq, hk,
+                           0.5, 2.0)
+    qr = qk_norm_rope_store_reference(qkv, pos, qw, kw, 1e-6, rope.cos_sin, caches[1], slots,
+                                      hq, hk, 0.5, 2.0)
+    torch.testing.assert_close(q, qr)
+    diff = (caches[0].float() - caches[1].float()).abs()
+    assert (diff > 0).float().mean() < 0.02  # one e4m3 step where rounding ties differ
+
+
+# -- engines ----------------------------------------------------------------------------------
+FP8_ENGINE = dict(quantization="fp8", kv_cache_dtype="fp8")
+
+
+@pytest.fixture(scope="module")
+def fp8_engine():
+    _free()
+    return _engine(attention_backend="flashinfer", **FP8_ENGINE)
+
+
+def test_fp8_cuda_graphs_match_eager_tokens(fp8_engine):
+    eager = _engine(attention_backend="flashinfer", enforce_eager=True, **FP8_ENGINE)
+    for n in (1, 3, 8, 20):
+        prompts = random_prompts([20 + 11 * i for i in range(n)], vocab=VOCAB, seed=n)
+        assert _run(fp8_engine, prompts, 24, prefix=f"g{n}-") == _run(eager, prompts, 24,
+                                                                      prefix=f"g{n}-")
+
+
+@pytest.mark.parametrize("per_layer", [True, False], ids=["per-layer", "logits"])
+def test_flashinfer_over_an_fp8_cache_matches_torch(fp8_engine, per_layer):
+    both = TwoBackends(fp8_engine, per_layer)
+    base = random_prompts([80, 150], vocab=VOCAB, seed=7)
+    try:
+        _run(fp8_engine, base, 6, prefix=f"kv{per_layer}")
+        _run(fp8_engine, [p + [5, 6, 7] for p in base], 4, prefix=f"kvhit{per_layer}")
+    finally:
+        both.restore()
+    both.check()
+
+
+def _prefill_logits(engine, prompts):
+    for p in prompts:
+        engine.add_request(p, SamplingParams(temperature=0, max_tokens=1))
+    logits = engine.runner.execute(engine.scheduler.schedule()).float().clone()
+    while engine.has_unfinished_requests():
+        engine.step()
+    return logits
+
+
+def test_fp8_prefix_hit_reads_back_what_the_miss_wrote(fp8_engine):
+    """The second run of a prompt reads its first 288 tokens' KV from the FP8 cache; its
+    next-token logits agree with the first run's (which attended to the same FP8 values)."""
+    prompt = random_prompts([300], vocab=VOCAB, seed=11)
+    miss = _prefill_logits(fp8_engine, prompt)
+    hits = fp8_engine.pool.hit_tokens
+    hit = _prefill_logits(fp8_engine, prompt)
+    assert fp8_engine.pool.hit_tokens >= hits + 288
+    assert _rel(hit, miss) < 3e-2
+
+
+# -- checkpoint formats on the FP8 kernels ----------------------------------------------------
+@pytest.mark.parametrize("fmt", ["qwen", "compressed"])
+def test_fp8_checkpoints_run_natively_close_to_their_dequantized_reference(fmt, tmp_path):
+    from tests.test_fp8 import (COMPRESSED, QWEN_FP8, _blocks, fp8_checkpoint, representable)
+    from engine.tiny import write_random_qwen3
+    dims = dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
+                num_attention_heads=4, num_key_value_heads=1, head_dim=128)
+    plain = write_random_qwen3(tmp_path / "plain", dims, vocab_size=1024,
+                               tie_word_embeddings=False, initializer_range=0.05, seed=3)
+    quantize, config = ((_blocks, QWEN_FP8) if fmt == "qwen"
+                        else (quantize_per_channel, COMPRESSED))
+    keep = ("model.layers.1.mlp.down_proj",) if fmt == "compressed" else ()
+    reference = representable(tmp_path / "ref", plain, quantize, keep)
+    ckpt = fp8_checkpoint(tmp_path / "fp8", reference, config)
+    prompts = random_prompts([5, 40, 130], vocab=1024, seed=2)
+    got = LLM(str(ckpt), dtype="bfloat16", show_progress=False).engine
+    layers = got.model.model.layers
+    assert layers[0].mlp.down_proj.weight.dtype == FP8
+    assert layers[1].mlp.down_proj.weight.dtype == (torch.bfloat16 if keep else FP8)
+    want = LLM(str(reference), dtype="bfloat16", show_progress=False).engine
+    # W8A8 with dynamic activation scales against bf16 on the same (representable) weights
+    assert _rel(_prefill_logits(got, prompts), _prefill_logits(want, prompts)) < 3e-2
+
+
+# -- the hand-over ----------------------------------------------------------------------------
+@pytest.mark.parametrize("backend", ["cuda_ipc", "nixl"])
+def test_fp8_blocks_hand_over_exactly(backend):
+    config = EngineConfig(model="dummy:Qwen3-0.6B", device="cuda", num_blocks=128,
+                          max_num_seqs=8, show_progress=False, **FP8_ENGINE)
+    _exact_hand_overs(config, backend, random_prompts([7, 16, 45, 300], vocab=512, seed=41))

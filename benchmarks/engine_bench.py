@@ -162,7 +162,7 @@ def _prompt(engine: LLMEngine, n: int, seed: int) -> list[int]:
 
 
 def decode(model: str, ceil: dict, prompt_len: int = 128, new: int = 1024) -> dict:
-    engine = _engine(model, max_num_seqs=8)
+    engine = _engine(model, max_num_seqs=8, max_num_batched_tokens=max(8192, prompt_len))
     engine.add_request(_prompt(engine, prompt_len, 0),
                        SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
     Recorder(engine).run()  # warm
@@ -176,7 +176,9 @@ def decode(model: str, ceil: dict, prompt_len: int = 128, new: int = 1024) -> di
     floor_ms = statistics.median((weights + kv_tok * s[2]) / (ceil["copy_GBps"] * 1e9) * 1e3
                                  for s in steps)
     total = sum(s[4] for s in steps)
-    return {"task": "decode", "model": model, "ms_per_token_p50": round(ms, 3),
+    return {"task": "decode", "model": model, "weights": engine.weights_name,
+            "kv_cache": str(engine.runner.kv_dtype)[6:], "prompt_len": prompt_len,
+            "ms_per_token_p50": round(ms, 3),
             "tok_s": round(len(steps) / total, 1), "floor_ms": round(floor_ms, 3),
             "pct_of_floor": round(100 * floor_ms / ms, 1), "startup_s": round(engine.startup_s, 1),
             "warm_up_s": round(engine.runner.warm_up_s, 1),
@@ -254,7 +256,10 @@ def throughput(model: str, ceil: dict, n: int = 256, lo: int = 100, hi: int = 10
     dec = [s for s in rec.steps if s[0]]
     dec_s = sum(s[4] for s in dec)
     floor_s = sum((weights + kv_tok * s[2]) / (ceil["copy_GBps"] * 1e9) for s in dec)
-    return {"task": "throughput", "model": model, "seqs": n, "seconds": round(seconds, 1),
+    return {"task": "throughput", "model": model, "weights": engine.weights_name,
+            "kv_cache": str(engine.runner.kv_dtype)[6:], "seqs": n,
+            "kv_cache_tokens": engine.pool.num_usable_blocks * engine.config.block_size,
+            "seconds": round(seconds, 1),
             "output_tok_s": round(sum(outs) / seconds, 1),
             "decode_steps": len(dec), "decode_s": round(dec_s, 2),
             "decode_pct_of_floor": round(100 * floor_s / dec_s, 1),
@@ -278,7 +283,8 @@ def prefill(model: str, ceil: dict, lengths=(1024, 2048, 8192)) -> list[dict]:
             * cfg.num_hidden_layers
         flops = 2 * params * n + attn + 2 * cfg.hidden_size * cfg.vocab_size
         floor_ms = flops / (ceil["gemm_TFLOPs"] * 1e12) * 1e3
-        rows.append({"task": "prefill", "model": model, "tokens": n, "ms": round(ms, 2),
+        rows.append({"task": "prefill", "model": model, "weights": engine.weights_name,
+                     "tokens": n, "ms": round(ms, 2),
                      "floor_ms": round(floor_ms, 2), "pct_of_floor": round(100 * floor_ms / ms, 1),
                      "x_floor": round(ms / floor_ms, 2)})
     return rows
@@ -313,6 +319,8 @@ def main() -> None:
                                                    "prefill", "hf"])
     ap.add_argument("--decode-models", nargs="+", default=["dummy:Qwen3-0.6B", "dummy:Qwen3-8B"])
     ap.add_argument("--prefill-model", default="dummy:Qwen3-8B")
+    ap.add_argument("--decode-prompt-len", type=int, default=128,
+                    help="prompt tokens of the batch-1 decode task (8192: decode at 8k context)")
     ap.add_argument("--quantization", choices=["fp8"], default=None)
     ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
     ap.add_argument("--json", default=None)
@@ -335,7 +343,7 @@ def main() -> None:
         if "onerow" in args.tasks:
             emit(onerow(model))
         if "decode" in args.tasks:
-            emit(decode(model, ceil))
+            emit(decode(model, ceil, prompt_len=args.decode_prompt_len))
         if "throughput" in args.tasks:
             emit(throughput(model, ceil))
         if "hf" in args.tasks:

@@ -349,8 +349,11 @@ def fp8_block_scaled_mm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
     scales); the Triton block GEMM where that is missing."""
     if not use_triton(x):
         return w8a8_reference(x, w, scale, block)
-    m = x.shape[0]
-    if block != (128, 128) or m in _TORCH_BLOCK_REFUSED:
+    m, k = x.shape
+    # cuBLASLt reads the weight's scales as a column-major [K/128, N/128] matrix whose leading
+    # dimension must be a multiple of 4 (16 bytes): K/128 = 17 gave wrong columns, not an error.
+    # Every Qwen3 projection has K a multiple of 512.
+    if block != (128, 128) or k % 512 or m in _TORCH_BLOCK_REFUSED:
         return _block_fallback(x, w, scale, block)
     xq, xs = quantize_rows(x, 128)
     try:  # activation scales in column-major order, as cuBLASLt reads them

@@ -257,6 +257,7 @@ def throughput(model: str, ceil: dict, n: int = 256, lo: int = 100, hi: int = 10
     dec_s = sum(s[4] for s in dec)
     floor_s = sum((weights + kv_tok * s[2]) / (ceil["copy_GBps"] * 1e9) for s in dec)
     return {"task": "throughput", "model": model, "weights": engine.weights_name,
+            "decode_tensor_cores": engine.runner.backend.decode_tensor_cores,
             "kv_cache": str(engine.runner.kv_dtype)[6:], "seqs": n,
             "kv_cache_tokens": engine.pool.num_usable_blocks * engine.config.block_size,
             "seconds": round(seconds, 1),
@@ -323,9 +324,12 @@ def main() -> None:
                     help="prompt tokens of the batch-1 decode task (8192: decode at 8k context)")
     ap.add_argument("--quantization", choices=["fp8"], default=None)
     ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
+    ap.add_argument("--decode-tensor-cores", choices=["auto", "on", "off"], default="auto")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    ENGINE_OPTIONS.update(quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
+    ENGINE_OPTIONS.update(quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+                          decode_tensor_cores={"auto": None, "on": True,
+                                               "off": False}[args.decode_tensor_cores])
     ceil = ceilings()
     rows = [{"task": "ceilings", **ceil}]
     print(json.dumps(rows[0]), flush=True)

@@ -511,6 +511,8 @@ def main(argv=None) -> None:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--num-blocks", type=int, default=None)
+    p.add_argument("--quantization", choices=["fp8"], default=None)
+    p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     p.add_argument("--colo-gpus", type=float, default=None, help="GPUs of the colocated replica "
                    "(default: 1 with a GPU, 0 without)")
@@ -551,7 +553,8 @@ def main(argv=None) -> None:
     args.routers = args.routers or max(1, min(4, cpus // 4))
     args.clients = args.clients or max(1, min(8, cpus // 2))
     engine = {"model": args.model, "max_num_seqs": args.max_num_seqs,
-              "max_num_batched_tokens": args.max_num_batched_tokens, "show_progress": False}
+              "max_num_batched_tokens": args.max_num_batched_tokens, "show_progress": False,
+              "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype}
     if args.num_blocks:
         engine["num_blocks"] = args.num_blocks
     if gpu:

@@ -64,12 +64,14 @@ def layout_for(order: str, dtype: str, num_blocks: int) -> KVLayout:
 
 def make_cache(device: str, num_blocks: int, layout: KVLayout) -> torch.Tensor:
     """A random cache in ``layout``'s memory order, indexed [layer, block, ...] either way."""
-    dtype = torch.bfloat16 if layout.dtype == "bfloat16" else torch.float32
+    dtype = getattr(torch, layout.dtype)
     inner = (2, layout.num_kv_heads, layout.block_size, layout.head_dim)
-    if isinstance(layout, LayerMajorLayout):
-        return torch.randn((layout.num_layers, num_blocks, *inner), dtype=dtype, device=device)
-    storage = torch.randn((num_blocks, layout.num_layers, *inner), dtype=dtype, device=device)
-    return storage.transpose(0, 1)
+    shape = ((layout.num_layers, num_blocks, *inner) if isinstance(layout, LayerMajorLayout)
+             else (num_blocks, layout.num_layers, *inner))
+    cache = torch.randn(shape, device=device).to(dtype)
+    if dtype.itemsize == 1:  # FP8 blocks move as bytes, as kvtransfer.endpoint_for hands them
+        cache = cache.view(torch.uint8)
+    return cache if isinstance(layout, LayerMajorLayout) else cache.transpose(0, 1)
 
 
 def receiver(conn, device: str, backend: str, num_blocks: int, layout: KVLayout) -> None:

@@ -53,5 +53,7 @@ def build_app(args: dict[str, Any] | BatonConfig | None = None) -> Application:
                             max_queued_requests=cfg.router.max_queued_requests,
                             backpressure_config=_backpressure(cfg),
                             ray_actor_options={"num_cpus": cfg.router.num_cpus})
+    engine = cfg.engine_for("decode")
     return router.bind(decode, cfg.engine.model, cfg.served_model_name, cfg.engine.max_model_len,
-                       cfg.router.model_dump())
+                       cfg.router.model_dump(), {"quantization": engine.quantization,
+                                                 "kv_cache_dtype": engine.kv_cache_dtype})

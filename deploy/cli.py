@@ -29,8 +29,10 @@ def cmd_generate(args) -> None:
 
     prompts = [[int(t) for t in p.split(",")] if args.token_ids else p for p in args.prompt]
     t0 = time.perf_counter()
-    llm = LLM(args.model, device=args.device, dtype=args.dtype)
-    print(f"loaded {args.model} on {llm.engine.device} ({llm.engine.dtype}) in "
+    llm = LLM(args.model, device=args.device, dtype=args.dtype, quantization=args.quantization,
+              kv_cache_dtype=args.kv_cache_dtype)
+    print(f"loaded {args.model} on {llm.engine.device} ({llm.engine.dtype}, weights "
+          f"{llm.engine.weights_name}, KV cache {str(llm.engine.runner.kv_dtype)[6:]}) in "
           f"{time.perf_counter() - t0:.1f}s")
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
     t0 = time.perf_counter()
@@ -77,6 +79,7 @@ def cmd_demo(args) -> None:
 
     gpu = torch.cuda.is_available() and not args.cpu
     config = _demo_config(gpu)
+    config["engine"].update(quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
     prompts = DEMO_PROMPTS if not gpu else [[1, 2, 3, 4] * 8, [5, 6, 7] * 20]
     print(f"starting local Ray and Serve: 1 prefill + 1 decode, {config['engine']['model']} on "
           f"{'GPU' if gpu else 'CPU'} ...", flush=True)
@@ -237,6 +240,13 @@ def cmd_serve(args) -> None:
         serve.shutdown()
 
 
+def _engine_flags(parser) -> None:
+    parser.add_argument("--quantization", choices=["fp8"], default=None,
+                        help="quantize the weights at load (an FP8 checkpoint needs no flag)")
+    parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
+                        help="the KV cache's element type (auto: the model's dtype)")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="baton", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -245,6 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--max-tokens", type=int, default=24)
     demo.add_argument("--timeout", type=float, default=300)
     demo.add_argument("--cpu", action="store_true", help="stay on CPU even with a GPU")
+    _engine_flags(demo)
     serve_cmd = sub.add_parser("serve", help="run a Serve config file on local Ray")
     serve_cmd.add_argument("config")
     serve_cmd.add_argument("--timeout", type=float, default=1800,
@@ -257,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--max-tokens", type=int, default=32)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--token-ids", action="store_true", help="prompts are comma-separated ids")
+    _engine_flags(gen)
     args = parser.parse_args(argv)
     {"demo": cmd_demo, "serve": cmd_serve, "generate": cmd_generate}[args.command](args)
     return 0

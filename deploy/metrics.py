@@ -47,6 +47,13 @@ def _serve_metrics():
     return metrics
 
 
+def engine_info(engine) -> dict[str, str]:
+    """The model, compute dtype, weights (``fp8 (...)`` or the dtype) and KV cache dtype."""
+    return {"model": engine.source.model_id, "dtype": str(engine.dtype).removeprefix("torch."),
+            "weights": engine.weights_name,
+            "kv_cache_dtype": str(engine.runner.kv_dtype).removeprefix("torch.")}
+
+
 class EngineMetrics:
     """An engine's state, reported every ``interval_s`` (vLLM's engine metrics, ``baton_``
     names; ``docs/serving.md`` lists the mapping). ``extra`` adds role gauges (blocks held by
@@ -81,6 +88,10 @@ class EngineMetrics:
                                       boundaries=LATENCY_BUCKETS)
         self.batch_size = m.Histogram("baton_engine_batch_size", "Sequences in one step",
                                       boundaries=BATCH_BUCKETS)
+        # What the replica runs, as vLLM's cache_config_info: a constant 1 with the facts as tags.
+        self.info = m.Gauge("baton_engine_info", "What this engine runs (value 1; see the tags)",
+                            tag_keys=("model", "dtype", "weights", "kv_cache_dtype"))
+        self.info_tags = engine_info(engine)
         self._last: dict = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="engine-metrics", daemon=True)
@@ -109,6 +120,7 @@ class EngineMetrics:
                   "kv_cache_usage": used / (used + free) if used + free else 0.0,
                   "kv_blocks_used": used, "kv_blocks_free": free}
         values.update(self.extra() if self.extra is not None else {})
+        self.info.set(1, tags=self.info_tags)  # re-set: Ray exports a gauge set since its last report
         for name, value in values.items():
             if name in self.gauges:
                 self.gauges[name].set(value)

@@ -106,8 +106,8 @@ class EngineConfig(BaseModel):
     attention_backend: Literal["auto", "torch", "flashinfer"] = "auto"
     enforce_eager: bool = False  # True: no CUDA graphs
     cuda_graph_max_batch: int = Field(256, ge=1)  # largest captured decode batch
-    # FlashInfer decode on tensor cores; None: where it pays (GQA ratio of 8 or more) or where
-    # the CUDA-core kernel has no build for the ratio (Qwen3-14B's 5).
+    # FlashInfer decode on tensor cores; None: where it pays (GQA ratio of 8 or more, an FP8 KV
+    # cache) or where the CUDA-core kernel has no build for the ratio (Qwen3-14B's 5).
     decode_tensor_cores: bool | None = None
     # FP8 weights: "fp8" quantizes a bf16 checkpoint at load (per-channel scales); an FP8
     # checkpoint (Qwen's or compressed-tensors) is detected from config.json with no flag.

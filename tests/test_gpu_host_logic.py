@@ -85,3 +85,4 @@ def test_every_qwen3_size_gets_a_decode_kernel_flashinfer_builds():
         chosen[name] = tc
     assert chosen == {"Qwen3-0.6B": False, "Qwen3-1.7B": False, "Qwen3-4B": False,
                       "Qwen3-8B": False, "Qwen3-14B": True, "Qwen3-32B": True}
+    assert default_decode_tensor_cores(32, 8, fp8_kv=True)  # FP8 cache: measured faster

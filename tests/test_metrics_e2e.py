@@ -87,7 +87,9 @@ def test_every_replica_reports_its_own_series(app):
     deadline, series = time.time() + 45, {}
     while time.time() < deadline:
         series = _scrape(port)
+        # every replica reports once a second, each on its own clock: wait for all of them
         if total("ray_baton_request_success_total", deployment="DecodeServer") == sent and \
+                total("ray_baton_request_success_total", deployment="PrefillServer") == sent and \
                 total("ray_baton_requests_total") == sent and \
                 total("ray_baton_responses_total") == sent + 2:
             break
@@ -113,6 +115,11 @@ def test_every_replica_reports_its_own_series(app):
     per_ingress = _by_replica(series, "ray_baton_requests_total", seen["ingress"])
     assert set(per_ingress) == seen["ingress"] and sum(per_ingress.values()) == sent
     assert total("ray_baton_engine_step_seconds_count", deployment="PrefillServer") > 0
+    # What each engine runs, as tags of a constant gauge.
+    info = [labels for labels, v in series["ray_baton_engine_info"] if v == 1
+            and labels.get("replica") in seen["decode"]]
+    assert info and all(i["weights"] == "float32" and i["kv_cache_dtype"] == "float32"
+                        for i in info)
     # Answers by status code; every request's queue time, once on each engine.
     assert [total("ray_baton_responses_total", protocol="http", code=c)
             for c in ("200", "400", "404")] == [sent, 1, 1]

@@ -641,7 +641,9 @@ def test_the_prefill_replica_warmed_its_link_to_the_decode_replica(server):
 def test_models_health_metrics(server):
     _, url, _ = server
     assert requests.get(f"{url}/health", timeout=10).json() == {"status": "ok"}
-    assert requests.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"] == "tiny"
+    card = requests.get(f"{url}/v1/models", timeout=10).json()["data"][0]
+    assert card["id"] == "tiny"
+    assert (card["quantization"], card["kv_cache_dtype"]) == (None, "auto")
     metrics = requests.get(f"{url}/metrics", timeout=10).text
     for name in ("baton_time_to_first_token_seconds", "baton_inter_token_latency_seconds",
                  "baton_e2e_latency_seconds", "baton_requests_in_flight", "baton_kv_blocks_used",

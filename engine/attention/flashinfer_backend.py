@@ -42,8 +42,9 @@ class FlashInferBackend(AttentionBackend):
         super().__init__(num_heads, num_kv_heads, head_dim, scale, block_size)
         self.device, self.dtype = device, dtype
         self.kv_dtype = kv_dtype or dtype
-        self.decode_tensor_cores = (default_decode_tensor_cores(num_heads, num_kv_heads)
-                                    if decode_tensor_cores is None else decode_tensor_cores)
+        self.decode_tensor_cores = (
+            default_decode_tensor_cores(num_heads, num_kv_heads, self.kv_dtype.itemsize == 1)
+            if decode_tensor_cores is None else decode_tensor_cores)
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
             self.workspace, "HND")

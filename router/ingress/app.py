@@ -31,6 +31,7 @@ from engine import SamplingParams
 from engine.sampling_params import best_indices, fan_out
 from engine.structured import Grammars, StructuredOutput
 from engine.loader import load_tokenizer, resolve_model
+from engine.quantization import resolve_scheme
 from proto import baton_pb2
 from router.ingress.door import (APIKeyMiddleware, BodyLimitMiddleware,
                                  StatusCountMiddleware, authorized)
@@ -300,7 +301,7 @@ class _Merged:
 @serve.ingress(app)
 class Router:
     def __init__(self, decode, model: str, served_name: str, max_model_len: int | None,
-                 config: dict | None = None):
+                 config: dict | None = None, engine: dict | None = None):
         import ray
 
         from deploy.config import RouterConfig
@@ -321,6 +322,10 @@ class Router:
         self.prompts = (PromptEncoder(self.tokenizer, self.max_model_len)
                         if self.tokenizer is not None else None)
         self.served_name = served_name
+        engine = engine or {}  # what the replicas run, said in /v1/models
+        scheme = resolve_scheme(source.config.quantization, engine.get("quantization"), model)
+        self.card_extras = {"quantization": scheme.name if scheme else None,
+                            "kv_cache_dtype": engine.get("kv_cache_dtype", "auto")}
         self.timeout_s = cfg.request_timeout_s
         self.default_max_tokens = cfg.max_tokens_default
         self.reasoning_parser = cfg.reasoning_parser
@@ -440,7 +445,7 @@ class Router:
 
     def _model_card(self) -> dict:
         return {"id": self.served_name, "object": "model", "owned_by": "baton", "created": 0,
-                "max_model_len": self.max_model_len}
+                "max_model_len": self.max_model_len, **self.card_extras}
 
     def _unknown_model(self, name: str | None) -> JSONResponse | None:
         """A 404 for a model this app does not serve (as OpenAI and vLLM answer)."""

@@ -54,3 +54,13 @@ def test_the_demo_starts_its_own_ray_beside_a_stale_cluster_address():
     shutil.rmtree(tmp, ignore_errors=True)
     assert run.returncode == 0, run.stderr[-2000:]
     assert "cpus 2.0" in run.stdout
+
+
+def test_generate_runs_fp8_weights_and_cache_from_the_command_line(capsys):
+    from deploy.cli import main
+
+    assert main(["generate", "The quick brown fox", "--max-tokens", "4", "--quantization",
+                 "fp8", "--kv-cache-dtype", "fp8"]) == 0
+    out = capsys.readouterr().out
+    assert "weights fp8 (on-the-fly, channel), KV cache float8_e4m3fn" in out
+    assert "4 tokens" in out

@@ -3,16 +3,18 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 EXTRAS ?= test,serve,transfer,load
+TORCH  ?= 2.13.0
 
 .PHONY: install test test-unit test-gpu demo clean
 
 install: $(VENV)/.installed
 
-# torch first, pinned, so a CPU machine never pulls the CUDA stack.
-$(VENV)/.installed: pyproject.toml Makefile
+# torch first, pinned, and the build that fits the machine (deploy/torch_install.py): the CPU
+# wheels where there is no NVIDIA GPU, so a laptop never pulls the CUDA stack.
+$(VENV)/.installed: pyproject.toml Makefile deploy/torch_install.py
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q $$($(PYTHON) deploy/torch_install.py $(TORCH))
 	$(BIN)/pip install -q -e '.[$(EXTRAS)]'
 	touch $@
 

@@ -43,7 +43,8 @@ def run_layout(config: dict, prompts, max_tokens: int, timeout: float) -> list[d
         t0 = time.perf_counter()
         resp = requests.post(f"{url}/v1/completions", stream=True, timeout=timeout,
                              json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                                   "ignore_eos": True, "stream": True})
+                                   "ignore_eos": True, "stream": True,
+                                   "stream_options": {"include_usage": True}})
         times, tokens, usage = [], [], None
         for line in resp.iter_lines():
             if not line.startswith(b"data: {"):
@@ -114,7 +115,8 @@ def main(argv=None) -> None:
     from deploy import ray_env
 
     ray_env.apply()
-    ray.init(include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    ray.init(address="local", include_dashboard=False, log_to_driver=False,  # its own Ray
+             logging_level="ERROR")
     gen = torch.Generator().manual_seed(0)
     from engine.loader import resolve_model
     vocab = resolve_model(args.model).config.vocab_size

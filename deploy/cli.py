@@ -1,8 +1,10 @@
-"""The ``baton`` command line.
+"""Baton's command line: serve Qwen3 with prefill and decode disaggregated on Ray Serve.
 
-``baton demo``             1 prefill + 1 decode on local Ray; a few requests over HTTP and gRPC
-``baton serve CONFIG``     run a Serve config file (as ``serve deploy`` would) on local Ray
-``baton generate PROMPT``  offline generation with the engine
+  baton demo              1 prefill + 1 decode on a local Ray of its own; a few requests
+  baton serve MODEL       serve a model (a folder, a Hugging Face repo id in the local cache,
+                          dummy:Qwen3-<size> or tiny) on a local Ray until Ctrl-C
+  baton serve CONFIG      the same for a Serve config file (as `serve deploy` would)
+  baton generate PROMPT   offline generation with the engine
 """
 
 from __future__ import annotations
@@ -46,15 +48,16 @@ def cmd_generate(args) -> None:
 
 
 # -- serving --------------------------------------------------------------------------------
-def _start_ray(num_cpus: int | None = None) -> None:
+def _start_ray(num_cpus: int | None = None, address: str | None = None) -> None:
+    """A local Ray of this command's own (even where `ray start` runs one on this machine,
+    whose applications it must not touch), or the cluster at ``address``."""
     import ray
 
     from deploy import ray_env
 
-    ray_env.apply()  # HAProxy ingress and Serve's throughput profile for this local cluster
-    # With num_cpus: a new local instance of that size (the demo), even where another Ray runs
-    # here; without: join the Ray that `ray start` brought up on this machine, if there is one.
-    ray.init(address="local" if num_cpus else None, num_cpus=num_cpus,
+    if address is None:  # HAProxy ingress, Serve's throughput profile, free ports
+        ray_env.apply()
+    ray.init(address=address or "local", num_cpus=None if address else num_cpus,
              include_dashboard=False, log_to_driver=False, logging_level="ERROR")
 
 
@@ -86,17 +89,23 @@ def cmd_demo(args) -> None:
     _start_ray(num_cpus=max(4, os.cpu_count() or 1))
     http, grpc_port = free_port(), free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": http},
-                grpc_options={"port": grpc_port, "grpc_servicer_functions": [GRPC_SERVICER]})
+                grpc_options={"port": grpc_port, "grpc_servicer_functions": [GRPC_SERVICER],
+                              "enable_reflection": False})
     t0 = time.perf_counter()
     serve.run(build_app(config), name="baton", route_prefix="/", blocking=False)
     watch_startup(["baton"], timeout=args.timeout)
     wait_ready(f"http://127.0.0.1:{http}", timeout=args.timeout)
     print(f"ready in {time.perf_counter() - t0:.1f}s: http://127.0.0.1:{http}, "
           f"gRPC 127.0.0.1:{grpc_port}\n")
+    if not gpu:
+        print("tiny has random weights: its text is noise (shown with its token ids); the "
+              "JSON example shows a grammar at work\n")
     try:
         for prompt in prompts:
             _demo_http(f"http://127.0.0.1:{http}", prompt, args.max_tokens, args.timeout,
                        requests)
+        if not gpu:  # dummy models on a GPU have no tokenizer, hence no grammar
+            _demo_json(f"http://127.0.0.1:{http}", args.timeout, requests)
         _demo_grpc(f"127.0.0.1:{grpc_port}", prompts[0], args.max_tokens, args.timeout)
     finally:
         serve.shutdown()
@@ -165,14 +174,21 @@ def wait_ready(url: str, timeout: float) -> None:
     raise TimeoutError(f"the app did not answer /health within {timeout}s")
 
 
+def _readable(text: str) -> str:
+    """Text as it can be read: control characters and undecodable bytes shown escaped."""
+    return "".join(c if c.isprintable() or c == " " else c.encode("unicode_escape").decode()
+                   for c in text)
+
+
 def _demo_http(url: str, prompt, max_tokens: int, timeout: float, requests) -> None:
     t0 = time.perf_counter()
     resp = requests.post(f"{url}/v1/completions", stream=True, timeout=timeout,
                          json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                               "stream": True, "ignore_eos": True})
+                               "stream": True, "ignore_eos": True,
+                               "stream_options": {"include_usage": True}})
     resp.raise_for_status()
     print(f"HTTP > {prompt!r}\n  ", end="", flush=True)
-    ttft, usage = None, None
+    ttft, usage, ids = None, None, []
     for line in resp.iter_lines():
         if not line.startswith(b"data: ") or line == b"data: [DONE]":
             continue
@@ -184,14 +200,39 @@ def _demo_http(url: str, prompt, max_tokens: int, timeout: float, requests) -> N
         for choice in event["choices"]:
             if choice["token_ids"] and ttft is None:
                 ttft = time.perf_counter() - t0
-            shown = choice["text"] if isinstance(prompt, str) else \
+            ids += choice["token_ids"]
+            shown = _readable(choice["text"]) if isinstance(prompt, str) else \
                 "".join(f"[{t}]" for t in choice["token_ids"])
             print(shown, end="", flush=True)
+    if isinstance(prompt, str):
+        print(f"\n  token ids: {ids}", end="")
     moved = usage["kv_transfer"] or {}
     print(f"\n  TTFT {ttft * 1e3:.1f} ms, {usage['completion_tokens']} tokens in "
           f"{time.perf_counter() - t0:.2f}s; KV moved: {moved.get('bytes', 0) / 1e6:.2f} MB in "
           f"{moved.get('blocks_sent', 0)} blocks ({moved.get('blocks_skipped', 0)} skipped), "
           f"{moved.get('seconds', 0) * 1e3:.2f} ms over {moved.get('backend', '-')}\n")
+
+
+DEMO_SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                                "age": {"type": "integer", "minimum": 0,
+                                                        "maximum": 120}},
+               "required": ["name", "age"], "additionalProperties": False}
+
+
+def _demo_json(url: str, timeout: float, requests) -> None:
+    """A structured output: JSON of a schema, compact (no whitespace to pad with), parsed."""
+    resp = requests.post(f"{url}/v1/chat/completions", timeout=timeout, json={
+        "messages": [{"role": "user", "content": "Describe a person as JSON."}],
+        "max_tokens": 64, "temperature": 0,
+        "response_format": {"type": "json_schema",
+                            "json_schema": {"name": "person", "schema": DEMO_SCHEMA}},
+        "structured_outputs": {"disable_any_whitespace": True}})
+    resp.raise_for_status()
+    choice = resp.json()["choices"][0]
+    content = choice["message"]["content"]
+    print(f"HTTP chat, JSON of a schema > {content}  ({choice['finish_reason']}; parses to "
+          f"{json.loads(content)})\n" if choice["finish_reason"] == "stop" else
+          f"HTTP chat, JSON of a schema > {_readable(content)} (cut at max_tokens)\n")
 
 
 def _demo_grpc(address: str, prompt, max_tokens: int, timeout: float) -> None:
@@ -207,37 +248,117 @@ def _demo_grpc(address: str, prompt, max_tokens: int, timeout: float) -> None:
         print(f"gRPC GenerateStream > {prompt!r}\n  ", end="", flush=True)
         last = None
         for msg in stub.GenerateStream(req, timeout=timeout):
-            shown = msg.text if isinstance(prompt, str) else "".join(f"[{t}]" for t in msg.token_ids)
+            shown = _readable(msg.text) if isinstance(prompt, str) else \
+                "".join(f"[{t}]" for t in msg.token_ids)
             print(shown, end="", flush=True)
             last = msg
         print(f"\n  TTFT {last.ttft_s * 1e3:.1f} ms, {last.usage.completion_tokens} tokens, "
               f"finish: {last.finish_reason}")
 
 
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def serve_config_from_flags(args) -> dict:
+    """The Serve config (as a YAML file would hold it) that ``baton serve MODEL`` runs."""
+    import torch
+
+    gpus = torch.cuda.device_count()
+    replicas = args.decode + args.prefill
+    per_replica = args.gpus_per_replica
+    if per_replica is None:  # share what there is: a GPU each, or shares of one
+        per_replica = min(1.0, gpus / replicas) if gpus else 0.0
+    engine = {"model": args.model, "quantization": args.quantization,
+              "kv_cache_dtype": args.kv_cache_dtype}
+    for key in ("max_model_len", "max_num_seqs"):
+        if getattr(args, key) is not None:
+            engine[key] = getattr(args, key)
+    if 0 < per_replica < 1:  # replicas sharing a GPU: each sizes its KV cache to its share
+        engine["gpu_memory_utilization"] = round(0.9 * per_replica, 3)
+    role = {"num_gpus": per_replica, "num_cpus": 0.5}
+    app = {"mode": "disaggregated" if args.prefill else "colocated", "engine": engine,
+           "decode": {**role, "num_replicas": args.decode},
+           "router": {"model_name": args.served_model_name} if args.served_model_name else {}}
+    if args.prefill:
+        app["prefill"] = {**role, "num_replicas": args.prefill}
+    return {"proxy_location": "EveryNode",
+            "http_options": {"host": args.host, "port": args.port},
+            "grpc_options": {"port": args.grpc_port, "enable_reflection": args.grpc_reflection,
+                             "grpc_servicer_functions": [GRPC_SERVICER]},
+            "applications": [{"name": "baton", "route_prefix": "/",
+                              "import_path": "deploy.app:build_app", "args": app}]}
+
+
+def open_without_key_warning(config: dict) -> str | None:
+    """A warning when the app listens beyond this machine and no API key guards it."""
+    host = (config.get("http_options") or {}).get("host", "127.0.0.1")
+    keys = [((a.get("args") or {}).get("router") or {}).get("api_key")
+            for a in config["applications"]]
+    if host in LOOPBACK or os.environ.get("BATON_API_KEY") or all(keys):
+        return None
+    return (f"WARNING: listening on {host} (beyond this machine) with no API key: anyone who "
+            "reaches the port can use the model. Set BATON_API_KEY (or router.api_key), or "
+            "listen on 127.0.0.1.")
+
+
 def cmd_serve(args) -> None:
     import yaml
+
+    is_file = args.target.endswith((".yaml", ".yml")) or os.path.isfile(args.target)
+    if is_file:
+        config = yaml.safe_load(open(args.target))
+    else:
+        args.model = args.target
+        from engine.loader import resolve_model
+        resolve_model(args.model)  # a clear error now, not in a replica's log later
+        config = serve_config_from_flags(args)
+    if args.print_config:
+        print(yaml.safe_dump(config, sort_keys=False), end="")
+        return
+    if warning := open_without_key_warning(config):
+        print(warning, file=sys.stderr, flush=True)
+    run_config(config, args.address, args.timeout, label=args.target)
+
+
+def run_config(config: dict, address: str | None, timeout: float, label: str) -> None:
+    """Serve ``config``'s applications until Ctrl-C, then stop what this command started: on a
+    Ray of its own, Serve and Ray; on a cluster it joined (``address``), only its applications."""
+    import ray
     from ray import serve
 
     from deploy.app import build_app
 
-    config = yaml.safe_load(open(args.config))
-    _start_ray()
-    serve.start(http_options=config.get("http_options"), grpc_options=config.get("grpc_options"))
-    names = []
     for app in config["applications"]:
         if app["import_path"] != "deploy.app:build_app":
-            raise SystemExit(f"{args.config}: import_path must be deploy.app:build_app")
-        names.append(app.get("name", "baton"))
-        serve.run(build_app(app.get("args")), name=names[-1],
-                  route_prefix=app.get("route_prefix", "/"), blocking=False)
-    watch_startup(names, timeout=args.timeout)
-    port = (config.get("http_options") or {}).get("port", 8000)
-    print(f"serving {args.config} on port {port}; Ctrl-C stops", flush=True)
+            raise SystemExit(f"{label}: import_path must be deploy.app:build_app")
+    _start_ray(address=address)
+    http = dict(config.get("http_options") or {})
+    grpc_options = dict(config.get("grpc_options") or {})
+    http["port"] = http.get("port") or free_port()
+    grpc_options["port"] = grpc_options.get("port") or free_port()
+    grpc_options.setdefault("enable_reflection", False)
+    serve.start(http_options=http, grpc_options=grpc_options)
+    names = [app.get("name", "baton") for app in config["applications"]]
     try:
+        for name, app in zip(names, config["applications"]):
+            serve.run(build_app(app.get("args")), name=name,
+                      route_prefix=app.get("route_prefix", "/"), blocking=False)
+        watch_startup(names, timeout=timeout)
+        host = http.get("host") or "127.0.0.1"
+        shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+        print(f"serving {label}: http://{shown}:{http['port']}/v1 (OpenAI), gRPC "
+              f"{shown}:{grpc_options['port']}; Ctrl-C stops", flush=True)
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
-        serve.shutdown()
+        print("stopping", flush=True)
+    finally:
+        if address is None:
+            serve.shutdown()
+            ray.shutdown()
+        else:
+            for name in names:
+                serve.delete(name)
 
 
 def _engine_flags(parser) -> None:
@@ -252,21 +373,58 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="disaggregated serving on local Ray, a few requests")
-    demo.add_argument("--max-tokens", type=int, default=24)
-    demo.add_argument("--timeout", type=float, default=300)
+    demo.add_argument("--max-tokens", type=int, default=24, help="tokens per answer")
+    demo.add_argument("--timeout", type=float, default=300,
+                      help="seconds the app may take to start, and each request")
     demo.add_argument("--cpu", action="store_true", help="stay on CPU even with a GPU")
     _engine_flags(demo)
-    serve_cmd = sub.add_parser("serve", help="run a Serve config file on local Ray")
-    serve_cmd.add_argument("config")
+    serve_cmd = sub.add_parser(
+        "serve", help="serve a model or a Serve config file until Ctrl-C",
+        description="Serve a model (a folder, a Hugging Face repo id in the local cache, "
+                    "dummy:Qwen3-<size> or tiny) or a Serve config file on a local Ray of its "
+                    "own, until Ctrl-C; then stop what it started.")
+    serve_cmd.add_argument("target", metavar="MODEL|CONFIG",
+                           help="a model, or a Serve config file (.yaml)")
+    serve_cmd.add_argument("--prefill", type=int, default=1,
+                           help="prefill replicas (0: colocated, decode replicas prefill)")
+    serve_cmd.add_argument("--decode", type=int, default=1, help="decode replicas")
+    serve_cmd.add_argument("--gpus-per-replica", type=float, default=None,
+                           help="GPUs of each replica (default: a GPU each, or equal shares "
+                                "of the GPUs there are; 0 on a machine without one)")
+    serve_cmd.add_argument("--host", default="127.0.0.1",
+                           help="HTTP address to listen on (0.0.0.0: every interface; set "
+                                "BATON_API_KEY first)")
+    serve_cmd.add_argument("--port", type=int, default=8000, help="HTTP port (0: a free one)")
+    serve_cmd.add_argument("--grpc-port", type=int, default=9000,
+                           help="gRPC port (0: a free one)")
+    serve_cmd.add_argument("--grpc-reflection", action="store_true",
+                           help="serve gRPC server reflection (off unless asked)")
+    serve_cmd.add_argument("--served-model-name", default=None,
+                           help="the name in /v1/models (default: MODEL)")
+    serve_cmd.add_argument("--max-model-len", type=int, default=None,
+                           help="context length (default: the model's)")
+    serve_cmd.add_argument("--max-num-seqs", type=int, default=None,
+                           help="sequences in one replica's running batch (default 256)")
+    _engine_flags(serve_cmd)
+    serve_cmd.add_argument("--address", default=None,
+                           help="join this Ray cluster (auto: the one `ray start` runs here) "
+                                "instead of starting a local one; Ctrl-C then removes only "
+                                "this command's applications")
+    serve_cmd.add_argument("--print-config", action="store_true",
+                           help="print the equivalent Serve config (YAML) and exit")
     serve_cmd.add_argument("--timeout", type=float, default=1800,
                            help="seconds the applications may take to start")
     gen = sub.add_parser("generate", help="offline generation")
-    gen.add_argument("prompt", nargs="+")
-    gen.add_argument("--model", default="tiny")
-    gen.add_argument("--device", default="auto")
-    gen.add_argument("--dtype", default=None)
-    gen.add_argument("--max-tokens", type=int, default=32)
-    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("prompt", nargs="+", help="one or more prompts")
+    gen.add_argument("--model", default="tiny",
+                     help="a folder, a Hugging Face repo id in the local cache, "
+                          "dummy:Qwen3-<size> or tiny")
+    gen.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    gen.add_argument("--dtype", default=None,
+                     help="float32, bfloat16 or float16 (default: float32 on CPU, the "
+                          "checkpoint's on a GPU)")
+    gen.add_argument("--max-tokens", type=int, default=32, help="tokens per answer")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     gen.add_argument("--token-ids", action="store_true", help="prompts are comma-separated ids")
     _engine_flags(gen)
     args = parser.parse_args(argv)

@@ -13,11 +13,15 @@ Both are read when Ray's processes start, so they belong in the environment of `
 ``cluster.yaml``) or of the driver that calls ``ray.init`` for a local cluster. The app runs
 without them too, only slower (``docs/serving.md`` has the measurements).
 
-A local cluster (``apply``: the demo, tests, benchmarks) also shortens the direct-ingress drain
-(a stopping ingress replica otherwise stays up 30 s so that load balancers in front of a real
-cluster can take it out first, and ``serve.shutdown`` gives up after 30 s) and gives HAProxy's
-stats and metrics listeners free ports instead of the fixed 8404 and 9101, so two local clusters
-(or one left behind by a killed run) do not collide.
+A local cluster (``apply``: the demo, ``baton serve``, tests, benchmarks, the sweep) also
+shortens the direct-ingress drain (a stopping ingress replica otherwise stays up 30 s so that load
+balancers in front of a real cluster can take it out first, and ``serve.shutdown`` gives up after
+30 s) and gives free ports, instead of fixed ones, to every listener Serve opens besides the app's
+own HTTP and gRPC ports: HAProxy's stats and metrics listeners (8404, 9101) and Serve's fallback
+proxy (8500 HTTP, 9500 gRPC), which HAProxy forwards to when no ingress replica is up. With the
+fixed ones, two clusters on one machine shared a fallback proxy: with apps X and Y running, after
+Y's ingress replica died 55 of 190 requests sent to Y's port were answered by X. (HAProxy's stats
+and metrics listeners bind every interface: Ray's HAProxy template has no host for them.)
 """
 
 from __future__ import annotations
@@ -56,21 +60,55 @@ def free_port() -> int:
 
 def local_env() -> dict[str, str]:
     """:func:`serve_env` plus the settings of a local cluster (a short drain, free ports for
-    HAProxy's stats and metrics listeners)."""
+    HAProxy's stats and metrics listeners and for Serve's fallback proxy)."""
     env = {**serve_env(), **LOCAL}
     if "RAY_SERVE_ENABLE_HA_PROXY" in env:
         env |= {"RAY_SERVE_HAPROXY_STATS_PORT": str(free_port()),
-                "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port())}
+                "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port()),
+                "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": str(free_port()),
+                "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT": str(free_port())}
     return env
 
 
+PORTS = ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT",
+         "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT", "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT")
+
+
 def apply() -> dict[str, str]:
-    """Put :func:`local_env` into this process's environment (values already set win), before
-    ``ray.init`` starts a local cluster; returns what is in effect."""
+    """Put :func:`local_env` into this process's environment before ``ray.init`` starts a local
+    cluster; returns what is in effect. Settings already set win; the ports are always fresh
+    (a child process inherits its parent's environment, and its cluster must not share them)."""
     wanted = local_env()
     for key, value in wanted.items():
-        os.environ.setdefault(key, value)
+        if key in PORTS:
+            os.environ[key] = value
+        else:
+            os.environ.setdefault(key, value)
+    quiet_serve_shutdown()
     return {key: os.environ[key] for key in wanted}
+
+
+# Printed by the driver after every `serve.shutdown()`: Serve kills its controller while the
+# controller's own graceful_shutdown task (retried forever) is pending, and the raylet reports
+# that task's failure, which reads as an error after a clean exit.
+SHUTDOWN_NOISE = "ServeController.graceful_shutdown failed"
+
+
+def quiet_serve_shutdown() -> None:
+    """Drop that one line from what the driver prints of the raylet's error messages."""
+    from ray._private import worker
+
+    printer = worker.print_to_stdstream
+    if getattr(printer, "baton_quiet", False):
+        return
+
+    def quiet(data, ignore_prefix):
+        if any(SHUTDOWN_NOISE in line for line in data.get("lines", ())):
+            return
+        printer(data, ignore_prefix)
+
+    quiet.baton_quiet = True
+    worker.print_to_stdstream = quiet
 
 
 def driver_handle(deployment: str, app: str = "baton"):

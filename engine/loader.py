@@ -1,7 +1,9 @@
 """Model specs → a Qwen3 model on its device, plus the tokenizer when the model has one.
 
-Specs: a path to an HF folder; ``dummy:Qwen3-<size>`` (random weights, real config); ``tiny``
-(a small random checkpoint with a trained tokenizer, generated once, see ``engine.tiny``).
+Specs: a path to an HF folder; a Hugging Face repo id (``Qwen/Qwen3-8B``) already in the local
+Hugging Face cache (read only: nothing is ever downloaded); ``dummy:Qwen3-<size>`` (random
+weights, real config); ``tiny`` (a small random checkpoint with a trained tokenizer, generated
+once, see ``engine.tiny``).
 The model is built on the meta device, materialised on the target device, filled from
 safetensors (cast to the target dtype on load), and its RoPE cache is built afterwards.
 """
@@ -10,6 +12,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import re
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -37,10 +41,13 @@ class ModelSource:
     name: str  # what the user asked for
     config: ModelConfig
     path: Path | None  # None for dummy models
+    repo_id: str | None = None  # found in the Hugging Face cache under this id
 
     @property
     def model_id(self) -> str:
         """A name that is the same wherever the model's folder sits."""
+        if self.repo_id is not None:
+            return self.repo_id
         return self.name if self.path is None else self.path.name
 
     @property
@@ -68,10 +75,44 @@ def resolve_model(spec: str) -> ModelSource:
         raw = json.loads((resources.files("engine") / "model_configs" / f"{name}.json").read_text())
         return ModelSource(spec, ModelConfig.from_dict(raw, source=spec), None)
     path = Path(spec).expanduser()
-    if not (path / "config.json").is_file():
-        raise ValueError(f"model: {spec!r} is not 'tiny', 'dummy:Qwen3-<size>' or a folder "
-                         "holding config.json")
-    return ModelSource(spec, ModelConfig.from_file(path / "config.json"), path)
+    if (path / "config.json").is_file():
+        return ModelSource(spec, ModelConfig.from_file(path / "config.json"), path)
+    if REPO_ID.fullmatch(spec) and not path.exists():
+        snapshot, looked = find_in_hf_cache(spec)
+        if snapshot is None:
+            raise ValueError(f"model: {spec!r} is not a folder and not in the Hugging Face cache "
+                             f"(looked in {looked}); Baton never downloads: fetch it first "
+                             f"(`huggingface-cli download {spec}`) or pass a folder")
+        return ModelSource(spec, ModelConfig.from_file(snapshot / "config.json"), snapshot,
+                           repo_id=spec)
+    raise ValueError(f"model: {spec!r} is not 'tiny', 'dummy:Qwen3-<size>', a folder holding "
+                     "config.json or a Hugging Face repo id in the local cache")
+
+
+REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+def hf_cache_dir() -> Path:
+    """Where the Hugging Face hub keeps downloads: ``$HF_HUB_CACHE``, else ``$HF_HOME/hub``
+    (``~/.cache/huggingface/hub``)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    home = os.environ.get("HF_HOME") or Path.home() / ".cache" / "huggingface"
+    return Path(home).expanduser() / "hub"
+
+
+def find_in_hf_cache(repo_id: str) -> tuple[Path | None, Path]:
+    """The snapshot folder of ``repo_id`` in the local cache (the revision ``refs/main`` names,
+    else the newest snapshot holding config.json) and where it looked."""
+    folder = hf_cache_dir() / f"models--{repo_id.replace('/', '--')}"
+    ref = folder / "refs" / "main"
+    if ref.is_file():
+        snapshot = folder / "snapshots" / ref.read_text().strip()
+        if (snapshot / "config.json").is_file():
+            return snapshot, folder
+    snapshots = sorted((p for p in (folder / "snapshots").glob("*") if (p / "config.json")
+                        .is_file()), key=lambda p: p.stat().st_mtime)
+    return (snapshots[-1] if snapshots else None), folder
 
 
 def load_model(source: ModelSource, device: torch.device, dtype: torch.dtype,

@@ -33,12 +33,15 @@ Kind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
 
 class StructuredOutput(BaseModel):
     """``kind`` and its ``spec``: a JSON schema (as JSON text), nothing (any JSON object), a
-    regex, a JSON list of strings, or an EBNF grammar (xgrammar's, llama.cpp's form)."""
+    regex, a JSON list of strings, or an EBNF grammar (xgrammar's, llama.cpp's form).
+    ``compact``: JSON without whitespace between tokens (vLLM's ``disable_any_whitespace``),
+    so a model that favours whitespace cannot pad its output until ``max_tokens``."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     kind: Kind
     spec: str = ""
+    compact: bool = False
 
     @classmethod
     def choice(cls, options: Iterable[str]) -> "StructuredOutput":
@@ -80,9 +83,11 @@ class Grammars:
         try:
             if so.kind == "json_schema":
                 json.loads(so.spec)
-                return c.compile_json_schema(so.spec, strict_mode=True)
+                return c.compile_json_schema(so.spec, strict_mode=True,
+                                             any_whitespace=not so.compact)
             if so.kind == "json_object":  # an object (OpenAI's JSON mode), any members
-                return c.compile_json_schema('{"type": "object"}', strict_mode=False)
+                return c.compile_json_schema('{"type": "object"}', strict_mode=False,
+                                             any_whitespace=not so.compact)
             if so.kind == "regex":
                 return c.compile_regex(so.spec)
             if so.kind == "choice":

@@ -66,6 +66,8 @@ def _arguments(parser):
     add("--request-timeout", type=float, default=300.0, help="seconds per request")
     add("--temperature", type=float, default=0.0)
     add("--records-file", default="", help="append one JSON line per request here")
+    add("--application", default="",
+        help="gRPC: the Serve application to call (needed where a cluster runs several)")
 
 
 class RunPlan:
@@ -314,7 +316,9 @@ class GrpcStreamUser(StreamingUser):
         else:
             msg.prompt_token_ids.extend(prompt)
         try:
-            for resp in self.stub.GenerateStream(msg, timeout=opts.request_timeout):
+            metadata = (("application", opts.application),) if opts.application else None
+            for resp in self.stub.GenerateStream(msg, timeout=opts.request_timeout,
+                                                 metadata=metadata):
                 usage = None
                 if resp.HasField("usage"):
                     usage = {"prompt_tokens": resp.usage.prompt_tokens,

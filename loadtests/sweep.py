@@ -9,10 +9,14 @@ load, tear down; then write the report.
 
 Writes ``OUT/<layout>/<load>/`` (locust's CSVs, ``requests.jsonl``, ``locust.log``),
 ``OUT/workloads/``, ``OUT/config.json`` and the report (``summary.md``, ``summary.csv``,
-``summary.json``, PNG plots). Ray: an initialised Ray is used as it is; else ``--address``, else
-a local Ray is started and stopped. Serve is started per layout and shut down after it, so the
-sweep must own Serve on that cluster. A layout that fails (cannot be placed, does not come up,
-breaks mid-run) is reported and the sweep goes on; the exit status is 1 if anything failed.
+``summary.json``, PNG plots). Ray: an initialised Ray is used as it is; by default the sweep
+starts a local Ray of its own (never the one ``ray start`` runs on this machine) and stops it at
+the end; ``--address`` joins a cluster (``auto``: the one running here). Each layout is deployed
+as the app ``baton-sweep`` and taken down after it: on a Ray the sweep started, by shutting Serve
+down; on one it joined, by deleting only its own app (Serve and every other app keep running,
+and the sweep uses Serve's ports as they are). A layout that fails (cannot be placed, does not
+come up, breaks mid-run) is reported and the sweep goes on; the exit status is 1 if anything
+failed.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ from loadtests.report import write_report
 ROOT = Path(__file__).resolve().parents[1]
 LOCUSTFILE = Path(__file__).with_name("locustfile.py")
 GRPC_SERVICER = "proto.baton_pb2_grpc.add_BatonServicer_to_server"
-APP_NAME = "baton"
+APP_NAME = "baton-sweep"
 
 
 @dataclass
@@ -60,7 +64,8 @@ def _pythonpath() -> str:
 
 
 def ensure_ray(address: str | None, num_cpus: int | None) -> bool:
-    """Connect to Ray unless this process already is; True when this call started it."""
+    """Connect to Ray unless this process already is: a local Ray of its own (``address`` None)
+    or the cluster at ``address``. True when this call started a Ray (which the sweep owns)."""
     import ray
 
     if ray.is_initialized():
@@ -74,9 +79,10 @@ def ensure_ray(address: str | None, num_cpus: int | None) -> bool:
     env = {"PYTHONPATH": _pythonpath(), "RAY_USAGE_STATS_ENABLED": "0"}
     if "BATON_CACHE" in os.environ:
         env["BATON_CACHE"] = os.environ["BATON_CACHE"]
-    ray.init(address=address, num_cpus=None if address else num_cpus, include_dashboard=False,
-             log_to_driver=False, logging_level="ERROR", runtime_env={"env_vars": env})
-    return True
+    ray.init(address=address or "local", num_cpus=None if address else num_cpus,
+             include_dashboard=False, log_to_driver=False, logging_level="ERROR",
+             runtime_env={"env_vars": env})
+    return address is None
 
 
 def wait_for_resources(layout: Layout, res: Resources, cluster: dict,
@@ -97,26 +103,45 @@ def wait_for_resources(layout: Layout, res: Resources, cluster: dict,
 @dataclass(frozen=True)
 class Endpoints:
     http: str
-    grpc: str
+    grpc: str | None
 
 
 @contextmanager
-def deployed(app_config: dict, timeout_s: float):
-    """Serve ``app_config`` on fresh ports until the block ends, then shut Serve down."""
+def deployed(app_config: dict, timeout_s: float, owned: bool = True):
+    """Serve ``app_config`` until the block ends. On a Ray this sweep started (``owned``): Serve
+    on fresh ports, shut down after. On a joined cluster: Serve as it runs there (started with
+    fresh ports if it was not running), and only this app deleted after."""
     from ray import serve
 
     from deploy.app import build_app
 
-    http_port, grpc_port = free_port(), free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": http_port},
-                grpc_options={"port": grpc_port, "grpc_servicer_functions": [GRPC_SERVICER]})
+    serve.start(http_options={"host": "127.0.0.1", "port": free_port()},
+                grpc_options={"port": free_port(), "grpc_servicer_functions": [GRPC_SERVICER],
+                              "enable_reflection": False})
+    http_port, grpc_port = serve_ports()
     try:
         # _run without blocking: serve.run would wait forever on replicas that never fit.
         serve._run(build_app(app_config), _blocking=False, name=APP_NAME, route_prefix="/")
         _wait_running(time.monotonic() + timeout_s)
-        yield Endpoints(f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}")
+        yield Endpoints(f"http://127.0.0.1:{http_port}",
+                        f"127.0.0.1:{grpc_port}" if grpc_port else None)
     finally:
-        serve.shutdown()
+        if owned:
+            serve.shutdown()
+        else:
+            serve.delete(APP_NAME)
+
+
+def serve_ports() -> tuple[int, int]:
+    """The HTTP and gRPC ports Serve listens on (a running Serve keeps its own options; gRPC
+    None where it was started without a servicer, hence without gRPC)."""
+    import ray
+    from ray.serve.context import _get_global_client
+
+    controller = _get_global_client()._controller
+    http, grpc = ray.get([controller.get_http_config.remote(),
+                          controller.get_grpc_config.remote()], timeout=30)
+    return http.port, (grpc.port if grpc.grpc_servicer_functions else None)
 
 
 def _wait_running(deadline: float) -> None:
@@ -160,9 +185,15 @@ def warm_up(ends: Endpoints, cfg: SweepConfig, maker) -> None:
     if cfg.protocol == "grpc":
         import grpc
 
+        if ends.grpc is None:
+            raise LayoutError("Serve on this cluster was started without gRPC (no servicer "
+                              "functions): run the sweep with --protocol http, or start Serve "
+                              f"with {GRPC_SERVICER}")
+
         from proto import baton_pb2, baton_pb2_grpc
         with grpc.insecure_channel(ends.grpc) as channel:
-            baton_pb2_grpc.BatonStub(channel).Health(baton_pb2.HealthRequest(), timeout=30)
+            baton_pb2_grpc.BatonStub(channel).Health(baton_pb2.HealthRequest(), timeout=30,
+                                                     metadata=(("application", APP_NAME),))
 
 
 # -- one load point -------------------------------------------------------------------------
@@ -180,7 +211,7 @@ def locust_command(cfg: SweepConfig, load: float, host: str, workload_file: Path
             "--rate", f"{load if cfg.open_loop else 0:g}", "--duration", f"{cfg.duration_s:g}",
             "--drain-timeout", f"{cfg.drain_s:g}", "--arrival", cfg.arrival,
             "--seed", str(cfg.seed_for(load)), "--request-timeout", f"{cfg.request_timeout_s:g}",
-            "--temperature", f"{cfg.temperature:g}"]
+            "--temperature", f"{cfg.temperature:g}", "--application", APP_NAME]
 
 
 def run_locust(cmd: list[str], run_dir: Path, limit_s: float, progress=None) -> None:
@@ -224,7 +255,7 @@ def prepare_workloads(cfg: SweepConfig, maker) -> dict[float, Path]:
 
 
 def run_layout(layout: Layout, cfg: SweepConfig, files: dict, maker, result: SweepResult,
-               bar) -> None:
+               bar, owned: bool = True) -> None:
     from deploy.config import BatonConfig
 
     app_config = layout.app_config(cfg.engine_config(), cfg.resources,
@@ -234,7 +265,7 @@ def run_layout(layout: Layout, cfg: SweepConfig, files: dict, maker, result: Swe
     (cfg.out / layout.name).mkdir(parents=True, exist_ok=True)
     (cfg.out / layout.name / "app_config.json").write_text(json.dumps(app_config, indent=1))
     bar.set_postfix_str(f"{layout.name}: deploying")
-    with deployed(app_config, cfg.deploy_timeout_s) as ends:
+    with deployed(app_config, cfg.deploy_timeout_s, owned) as ends:
         warm_up(ends, cfg, maker)
         for load in cfg.loads():
             label = cfg.label(load)
@@ -294,7 +325,7 @@ def run_sweep(cfg: SweepConfig) -> SweepResult:
                 before = bar.n
                 try:
                     wait_for_resources(layout, cfg.resources, cluster)
-                    run_layout(layout, cfg, files, maker, result, bar)
+                    run_layout(layout, cfg, files, maker, result, bar, owned)
                 except Exception as exc:  # noqa: BLE001 - report the layout, go on
                     msg = f"{type(exc).__name__}: {exc}"[:1000]
                     result.failures.append({"layout": layout.name, "load": None, "error": msg})
@@ -366,7 +397,9 @@ def parse_args(argv=None) -> SweepConfig:
     d.add_argument("--engine", type=json.loads, default={},
                    help=f"EngineConfig overrides as JSON (CPU default {json.dumps(CPU_ENGINE)})")
     d.add_argument("--transfer-backend", default="auto")
-    d.add_argument("--address", default=None, help="an existing Ray cluster (run on its head)")
+    d.add_argument("--address", default=None,
+                   help="join this Ray cluster (auto: the one running here) instead of starting "
+                        "a local one; only the sweep's own app is removed from it")
     d.add_argument("--num-cpus", type=int, default=None, help="CPUs of the local Ray it starts")
     d.add_argument("--request-timeout", type=float, default=300.0)
     d.add_argument("--deploy-timeout", type=float, default=900.0)

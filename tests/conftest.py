@@ -87,3 +87,19 @@ def shutdown_serve(timeout_s: float = 90.0) -> None:
     if free < total or leftovers():
         print(f"after serve.shutdown: {free:g} of {total:g} CPUs free; alive: {leftovers()}",
               flush=True)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    session.config.baton_exit_status = int(exitstatus)
+
+
+def pytest_unconfigure(config):
+    """End without the interpreter's teardown once the report is out: transformers imports
+    TorchDynamo, which imports Triton, whose bindings print ~25 lines of 'nanobind: leaked ...'
+    at interpreter exit (noise that reads as a failure)."""
+    import sys
+
+    if "triton" in sys.modules and hasattr(config, "baton_exit_status"):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(config.baton_exit_status)

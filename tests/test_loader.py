@@ -85,3 +85,21 @@ def test_tiny_has_a_tokenizer_and_chat_template():
                                              tokenize=False, add_generation_prompt=True)
     assert text.endswith("<|im_start|>assistant\n")
     assert llm.generate("Hello world", GREEDY)[0].text is not None
+
+
+def test_a_repo_id_resolves_from_the_local_hugging_face_cache(checkpoint, tmp_path, monkeypatch):
+    from engine.loader import resolve_model
+
+    hub = tmp_path / "hub"
+    repo = hub / "models--acme--qwen3-small"
+    shutil.copytree(checkpoint, repo / "snapshots" / "abc123")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc123")
+    monkeypatch.setenv("HF_HUB_CACHE", str(hub))
+    source = resolve_model("acme/qwen3-small")
+    assert source.path == repo / "snapshots" / "abc123" and source.model_id == "acme/qwen3-small"
+    prompts = random_prompts([9])
+    assert (LLM("acme/qwen3-small").generate(prompts, GREEDY)[0].token_ids
+            == LLM(str(checkpoint)).generate(prompts, GREEDY)[0].token_ids)
+    with pytest.raises(ValueError, match="not in the Hugging Face cache .*models--acme--other"):
+        resolve_model("acme/other")

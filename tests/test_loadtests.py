@@ -284,17 +284,57 @@ def _sweep(tmp_path, *args):
     return code, out
 
 
-def _serve_is_down():
+@pytest.fixture()
+def bystander(ray_cluster):
+    """Someone else's app on the cluster the sweep runs on; the sweep must leave it running."""
+    from ray import serve
+
+    from deploy.ray_env import driver_handle, free_port
+    from tests.conftest import shutdown_serve
+
+    @serve.deployment(ray_actor_options={"num_cpus": 0.05})
+    class Bystander:
+        def __call__(self, *args):
+            return "still here"
+
+    from tests.test_serving_e2e import GRPC_SERVICER
+    serve.start(http_options={"host": "127.0.0.1", "port": free_port()},
+                grpc_options={"port": free_port(), "grpc_servicer_functions": [GRPC_SERVICER]})
+    serve.run(Bystander.bind(), name="bystander", route_prefix="/bystander")
+
+    def answers() -> bool:
+        return driver_handle("Bystander", "bystander").remote().result(
+            timeout_s=30) == "still here"
+
+    assert answers()
+    yield answers
+    shutdown_serve()
+
+
+def _only_the_sweeps_app_is_gone(bystander) -> bool:
+    from ray import serve
+    apps = serve.status().applications
+    return "baton-sweep" not in apps and bystander()
+
+
+def test_the_sweep_starts_its_own_ray_unless_told_to_join(monkeypatch):
+    """Without --address the sweep never joins the Ray that `ray start` runs on this machine
+    (whose apps its Serve calls would touch): ray.init(address="local") starts one of its own."""
     import ray
-    try:
-        ray.get_actor("SERVE_CONTROLLER_ACTOR", namespace="serve")
-    except ValueError:
-        return True
-    return False
+
+    from loadtests.sweep import ensure_ray
+
+    calls = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kw: calls.append(kw))
+    assert ensure_ray(None, 4) is True  # started here: the sweep owns it
+    assert ensure_ray("auto", None) is False  # joined: it owns only its app
+    assert [c["address"] for c in calls] == ["local", "auto"]
+    assert calls[0]["num_cpus"] == 4 and calls[1]["num_cpus"] is None
 
 
 @pytest.mark.e2e
-def test_short_cpu_sweep(ray_cluster, tmp_path):
+def test_short_cpu_sweep(bystander, tmp_path):
     code, out = _sweep(tmp_path, "--layouts", "colo1,1p1d", "--rates", "1,2")
     assert code == 0
     for layout in ("colo1", "1p1d"):
@@ -323,7 +363,7 @@ def test_short_cpu_sweep(ray_cluster, tmp_path):
     for plot in ("ttft.png", "itl_p99.png", "throughput.png"):
         assert (out / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert len(list(csv.DictReader(open(out / "summary.csv")))) == 4
-    assert _serve_is_down()
+    assert _only_the_sweeps_app_is_gone(bystander)
     report.main([str(out), "--slo-ttft-ms", "0.001"])  # the same records under a harder SLO
     rebuilt = json.loads((out / "summary.json").read_text())
     assert [(p["layout"], p["load"]) for p in rebuilt["points"]] == \
@@ -334,7 +374,7 @@ def test_short_cpu_sweep(ray_cluster, tmp_path):
 
 
 @pytest.mark.e2e
-def test_grpc_sweep_goes_on_after_a_layout_that_does_not_fit(ray_cluster, tmp_path):
+def test_grpc_sweep_goes_on_after_a_layout_that_does_not_fit(bystander, tmp_path):
     code, out = _sweep(tmp_path, "--layouts", "4p4d,colo1", "--rates", "2", "--protocol",
                        "grpc", "--workload", "multi-turn", "--turns", "2", "--prompt-format",
                        "ids", "--duration", "3")
@@ -348,4 +388,4 @@ def test_grpc_sweep_goes_on_after_a_layout_that_does_not_fit(ray_cluster, tmp_pa
     assert {r.protocol for r in records} == {"gRPC"}
     assert all(r.output_tokens == 8 and r.ttft_s > 0 for r in records)
     assert "4p4d (whole layout)" in (out / "summary.md").read_text()
-    assert _serve_is_down()
+    assert _only_the_sweeps_app_is_gone(bystander)

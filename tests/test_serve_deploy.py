@@ -30,6 +30,7 @@ def test_shipped_configs_validate(path):
     # (cluster.yaml starts the nodes with an API key).
     cluster = path.name in ("serve_config.gpu.yaml", "serve_config.pools.yaml")
     assert config["http_options"]["host"] == ("0.0.0.0" if cluster else "127.0.0.1")
+    assert config["grpc_options"]["enable_reflection"] is False  # opt in, not on by default
 
 
 def test_bad_config_is_refused_at_build_time():
@@ -102,7 +103,7 @@ def test_readme_serving_commands_run_as_written(tmp_path):
         pytest.skip("another Ray runs on this machine and the README's `ray stop` would end it")
     home = tmp_path / "home"
     home.mkdir()
-    script = "set -euo pipefail\n" + _readme_block("## Serving")
+    script = "set -euo pipefail\n" + _readme_block("With Ray's own")
     env = {"HOME": str(home), "PATH": os.environ["PATH"], "LANG": "C.UTF-8",
            "RAY_USAGE_STATS_ENABLED": "0",
            "BATON_CACHE": os.environ.get("BATON_CACHE", str(ROOT / ".cache" / "baton"))}
@@ -113,7 +114,7 @@ def test_readme_serving_commands_run_as_written(tmp_path):
         subprocess.run(["bash", "-c", f"{BIN}/ray stop --force"], env=env,
                        capture_output=True, timeout=120)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert (home / ".ray" / "auth_token").exists()
+    assert (home / ".ray" / "auth_token").stat().st_mode & 0o777 == 0o600  # private
     assert "RUNNING" in run.stdout and "data: [DONE]" in run.stdout
     assert '"text"' in run.stdout.split("data: [DONE]")[0]
 

@@ -68,11 +68,19 @@ def test_completions_match_offline_engine(server, offline):
     assert body["choices"][0]["token_ids"] == offline.generate([ids], SamplingParams(**GREEDY))[0].token_ids
 
 
+def _usage(stream: bool) -> dict:
+    """A usage chunk at the end of a stream, which OpenAI (and vLLM) send only when asked."""
+    return {"stream_options": {"include_usage": True}} if stream else {}
+
+
 def test_streaming_matches_and_ends_with_usage(server, offline):
     _, url, _ = server
     want = offline.generate(PROMPTS[1], SamplingParams(**GREEDY))[0]
-    resp = _post(f"{url}/v1/completions", {"prompt": PROMPTS[1], "stream": True, **GREEDY},
-                 stream=True)
+    plain = list(_events(_post(f"{url}/v1/completions", {"prompt": PROMPTS[1], "stream": True,
+                                                         **GREEDY}, stream=True)))
+    assert all(e is None or e["choices"] for e in plain)  # no usage chunk unless asked
+    resp = _post(f"{url}/v1/completions", {"prompt": PROMPTS[1], "stream": True, **GREEDY,
+                                           **_usage(True)}, stream=True)
     events = list(_events(resp))
     assert events[-1] is None  # [DONE]
     usage = events[-2]
@@ -228,7 +236,7 @@ def test_n_choices_equal_n_single_requests(server, offline, stream):
     sampled = dict(temperature=1.0, seed=7, max_tokens=8, ignore_eos=True)
     want = offline.generate(prompts, SamplingParams(n=3, **sampled))
     resp = _post(f"{url}/v1/completions", {"prompt": prompts, "n": 3, "stream": stream,
-                                           **sampled}, stream=stream)
+                                           **sampled, **_usage(stream)}, stream=stream)
     assert resp.status_code == 200, resp.text
     if stream:
         events = [e for e in _events(resp) if e is not None]
@@ -505,8 +513,8 @@ def test_a_batch_of_prompts_gets_one_choice_each_in_order(server, offline, strea
     _, url, _ = server
     batch = PROMPTS  # texts; a batch of token-id lists is the same path
     want = offline.generate(batch, SamplingParams(**GREEDY))
-    resp = _post(f"{url}/v1/completions", {"prompt": batch, "stream": stream, **GREEDY},
-                 stream=stream)
+    resp = _post(f"{url}/v1/completions", {"prompt": batch, "stream": stream, **GREEDY,
+                                           **_usage(stream)}, stream=stream)
     assert resp.status_code == 200, resp.text
     if stream:
         events = [e for e in _events(resp) if e is not None]
@@ -711,7 +719,7 @@ def test_timing_fields_when_asked(server):
     plain = [e for e in _events(_post(f"{url}/v1/completions", {"prompt": PROMPTS[0],
                                                                  "stream": True, **GREEDY},
                                       stream=True)) if e]
-    assert "produced_at" not in plain[0] and "timing" not in plain[-1]["usage"]
+    assert "produced_at" not in plain[0] and "usage" not in plain[-1]
 
 
 def test_one_timeline_across_the_roles(server):

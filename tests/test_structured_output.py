@@ -114,3 +114,18 @@ def test_chunked_prefill_and_n_sequences_under_a_grammar():
     chunked = LLM("tiny", max_num_batched_tokens=16).generate(prompt, params)[0]
     assert [c.token_ids for c in chunked] == [c.token_ids for c in whole]
     assert len({tuple(c.token_ids) for c in whole}) > 1
+
+
+def test_compact_json_finishes_where_any_whitespace_does_not(llm):
+    """Greedy on the random tiny model, any whitespace allowed: it pads with whitespace until
+    max_tokens. Compact JSON (vLLM's disable_any_whitespace) leaves it no padding: it closes."""
+    loose = StructuredOutput.schema(SCHEMA)
+    compact = loose.model_copy(update={"compact": True})
+    outs = llm.generate(PROMPTS, [SamplingParams(temperature=0, max_tokens=60,
+                                                 structured_output=so)
+                                  for so in (loose, compact, loose, compact)])
+    assert [o.finish_reason for o in outs[::2]] == ["length", "length"], [o.text for o in outs]
+    assert [o.finish_reason for o in outs[1::2]] == ["stop", "stop"]
+    for out in outs[1::2]:
+        value = json.loads(out.text)
+        assert set(value) == {"ok", "n"} and out.text == json.dumps(value)  # no padding

@@ -27,6 +27,11 @@ class Linear(nn.Linear):
         super().__init__(*args, **kwargs)
         self.register_parameter("weight_scale", None)
 
+    def reset_parameters(self) -> None:
+        """No initialisation: the loader fills every weight. (On the meta device torch's
+        initialisers run Python decompositions that import TorchDynamo, and with it Triton,
+        whose bindings report leaks at interpreter exit.)"""
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight_scale is not None:
             return fp8_linear(x, self.weight, self.weight_scale, self.fp8_block, self.gemv_config)
@@ -44,6 +49,11 @@ def norm_then(proj: Linear, norm: RMSNorm, x: torch.Tensor, residual: torch.Tens
         return proj(norm(x)), x
     x, residual = norm(x, residual)
     return proj(x), residual
+
+
+def embedding(num: int, dim: int) -> nn.Embedding:
+    """``nn.Embedding`` without initialisation (see :meth:`Linear.reset_parameters`)."""
+    return nn.Embedding(num, dim, _weight=torch.empty(num, dim))
 
 
 class RMSNorm(nn.Module):

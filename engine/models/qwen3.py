@@ -8,7 +8,7 @@ from torch import nn
 from engine.attention.base import AttentionBackend
 from engine.config import ModelConfig
 from engine.forward_context import get_forward_context
-from engine.models.layers import Linear, RMSNorm, RotaryEmbedding, norm_then
+from engine.models.layers import Linear, RMSNorm, RotaryEmbedding, embedding, norm_then
 from kernels import qk_norm_rope_store, silu_and_mul
 from kernels.gemv import GemvConfig, gemv
 
@@ -85,7 +85,7 @@ class Qwen3Model(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
             [Qwen3DecoderLayer(cfg, self.rope) for _ in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -106,7 +106,7 @@ class Qwen3ForCausalLM(nn.Module):
         self.config = cfg
         self.model = Qwen3Model(cfg)
         self.lm_head = (None if cfg.tie_word_embeddings
-                        else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False))
+                        else Linear(cfg.hidden_size, cfg.vocab_size, bias=False))
         self.lm_head_gemv: GemvConfig | None = None  # one-row logits through the skinny matmul
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

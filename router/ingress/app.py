@@ -10,6 +10,7 @@ with an error, never a silent hang.
 
 import asyncio
 import json
+import logging
 import os
 import time
 import uuid
@@ -224,11 +225,16 @@ _GRPC_OPTIONAL = ("max_tokens", "temperature", "top_p", "top_k", "seed", "presen
 def _grpc_structure(req) -> StructuredOutput | None:
     which = req.WhichOneof("structured_output")
     if which == "json_object":
-        return StructuredOutput(kind="json_object") if req.json_object else None
-    if which == "choice":
-        return structure("choice", req.choice.options)
-    return structure("json" if which == "json_schema" else which,
-                     getattr(req, which) if which else None)
+        so = StructuredOutput(kind="json_object") if req.json_object else None
+    elif which == "choice":
+        so = structure("choice", req.choice.options)
+    else:
+        so = structure("json" if which == "json_schema" else which,
+                       getattr(req, which) if which else None)
+    if so is not None and req.disable_any_whitespace and so.kind in ("json_schema",
+                                                                      "json_object"):
+        return so.model_copy(update={"compact": True})
+    return so
 
 
 def _grpc_top(chunk: Chunk) -> list:
@@ -297,6 +303,21 @@ class _Merged:
         await self._chunks.aclose()  # leaves the ``request`` contexts now, not at collection
 
 
+def warn_if_open_without_key(api_key: str | None) -> None:
+    """Say so loudly, at start, when the app listens beyond this machine with no API key."""
+    if api_key:
+        return
+    try:
+        from ray.serve.context import _get_global_client
+        host = _get_global_client().http_config.host
+    except Exception:  # noqa: BLE001 - not under a Serve controller (tests driving the class)
+        return
+    if host not in ("127.0.0.1", "localhost", "::1"):
+        logging.getLogger("ray.serve").warning(
+            "WARNING: the HTTP port listens on %s (beyond this machine) with no API key: anyone "
+            "who reaches it can use the model. Set BATON_API_KEY or router.api_key.", host)
+
+
 @serve.deployment(name="Router", ray_actor_options={"num_cpus": 0.25}, max_ongoing_requests=1024)
 @serve.ingress(app)
 class Router:
@@ -333,6 +354,7 @@ class Router:
         self.metrics = RouterMetrics()
         StatusCountMiddleware.count = self.metrics.count_http
         self.decode = decode
+        warn_if_open_without_key(self.api_key)
 
     # -- shared path ------------------------------------------------------------------------
     async def prompt_ids(self, prompt) -> list[int]:
@@ -671,7 +693,7 @@ class Router:
             return
         finally:
             await feed.aclose()
-        if options is None or options.include_usage:
+        if options is not None and (options.include_usage or options.include_timing):
             yield _event({**head, "choices": [], "usage": self._usage(feed, params, timed)})
         yield "data: [DONE]\n\n"
 

@@ -18,7 +18,9 @@ MAX_PROMPTS_PER_REQUEST = 128  # a batch in /v1/completions: one decode request 
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    include_usage: bool = True
+    # A last chunk with usage and no choices, only when asked (OpenAI's and vLLM's behaviour:
+    # clients read ``chunk.choices[0]`` of every chunk).
+    include_usage: bool = False
     # Baton extension: each chunk carries ``produced_at`` (when the engine produced its oldest
     # token, Unix seconds) and the usage chunk a ``timing`` of the request's milestones.
     include_timing: bool = False
@@ -47,12 +49,14 @@ class ResponseFormat(BaseModel):
 
 class StructuredOutputs(BaseModel):
     """vLLM's ``structured_outputs``: one of ``json`` (a schema), ``regex``, ``choice``,
-    ``grammar`` (EBNF)."""
+    ``grammar`` (EBNF); ``disable_any_whitespace``: JSON output (from here or from
+    ``response_format``) without whitespace between tokens."""
     model_config = ConfigDict(extra="forbid")
     json_: dict | str | None = Field(default=None, alias="json")
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    disable_any_whitespace: bool = False
 
 
 def structure(kind: str, value) -> StructuredOutput | None:
@@ -142,7 +146,11 @@ class _Common(BaseModel):
             named[f"guided_{kind}"] = structure(kind, getattr(self, f"guided_{kind}"))
             named[f"structured_outputs.{kind}"] = structure(
                 kind, getattr(so, "json_" if kind == "json" else kind))
-        return _one_structure(named)
+        chosen = _one_structure(named)
+        if chosen is not None and so.disable_any_whitespace \
+                and chosen.kind in ("json_schema", "json_object"):
+            return chosen.model_copy(update={"compact": True})
+        return chosen
 
 
 class CompletionRequest(_Common):

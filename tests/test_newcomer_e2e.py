@@ -1,0 +1,113 @@
+"""A newcomer's path: `baton serve tiny` in one line on a local Ray of its own, beside the
+test cluster (which it must not join or touch); a streamed answer through the official `openai`
+client; Ctrl-C stops everything it started. Every local cluster gets its own free ports for the
+listeners Serve opens besides the app's (HAProxy's stats and metrics, Serve's fallback proxy), so
+two apps on one machine never answer each other's requests."""
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from deploy import ray_env
+from deploy.cli import open_without_key_warning, serve_config_from_flags
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+
+def test_every_local_cluster_gets_its_own_serve_ports(monkeypatch):
+    """Serve's fallback proxy defaults to 8500/9500 on every cluster, so HAProxy of one app fell
+    back to another app's proxy. A local cluster now takes free ports, fresh ones even where the
+    parent process already set some (a child's cluster is another cluster)."""
+    if not ray_env.haproxy_available():
+        pytest.skip("HAProxy not installed: no HAProxy listeners, no fallback proxy ports")
+    first, second = ray_env.local_env(), ray_env.local_env()
+    for key in ray_env.PORTS:
+        assert first[key] != second[key] and int(first[key]) not in (8404, 9101, 8500, 9500)
+    monkeypatch.setenv("RAY_SERVE_FALLBACK_PROXY_HTTP_PORT", "8500")  # the parent's choice
+    monkeypatch.setenv("RAY_SERVE_THROUGHPUT_OPTIMIZED", "0")  # a user's setting
+    applied = ray_env.apply()
+    assert applied["RAY_SERVE_FALLBACK_PROXY_HTTP_PORT"] != "8500"
+    assert os.environ["RAY_SERVE_THROUGHPUT_OPTIMIZED"] == "0"
+
+
+def test_one_line_configs_and_the_open_port_warning():
+    args = type("A", (), dict(model="tiny", prefill=0, decode=2, gpus_per_replica=None,
+                              host="0.0.0.0", port=8000, grpc_port=9000, grpc_reflection=False,
+                              served_model_name=None, max_model_len=None, max_num_seqs=8,
+                              quantization=None, kv_cache_dtype="fp8"))()
+    config = serve_config_from_flags(args)
+    app = config["applications"][0]["args"]
+    assert app["mode"] == "colocated" and app["decode"]["num_replicas"] == 2
+    assert app["engine"]["kv_cache_dtype"] == "fp8" and "prefill" not in app
+    assert config["grpc_options"]["enable_reflection"] is False
+    assert "no API key" in open_without_key_warning(config)
+    app["router"]["api_key"] = "k"
+    assert open_without_key_warning(config) is None
+    config["http_options"]["host"] = "127.0.0.1"
+    del app["router"]["api_key"]
+    assert open_without_key_warning(config) is None
+
+
+def readme_python_blocks() -> list[str]:
+    """The README's Python client examples (the ```python blocks of its "Serving" section)."""
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("## Serving"):text.index("With Ray's own")]
+    return [part.split("```", 1)[0] for part in section.split("```python\n")[1:]]
+
+
+def _lines(proc, seen: list[str]) -> None:
+    for line in proc.stdout:
+        seen.append(line)
+
+
+@pytest.mark.e2e
+def test_baton_serve_tiny_streams_to_the_openai_client_and_ctrl_c_stops_it(ray_cluster):
+    from openai import OpenAI
+
+    http, grpc_port = ray_env.free_port(), ray_env.free_port()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+    env.pop("RAY_ADDRESS", None)
+    proc = subprocess.Popen(
+        [str(BIN / "baton"), "serve", "tiny", "--port", str(http), "--grpc-port",
+         str(grpc_port), "--max-num-seqs", "8", "--timeout", "240"],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True)
+    seen: list[str] = []
+    threading.Thread(target=_lines, args=(proc, seen), daemon=True).start()
+    try:
+        deadline = time.time() + 300
+        while not any(line.startswith("serving tiny") for line in seen):
+            assert proc.poll() is None, "".join(seen)
+            assert time.time() < deadline, "".join(seen)
+            time.sleep(0.5)
+        assert f"http://127.0.0.1:{http}/v1" in "".join(seen)
+        client = OpenAI(base_url=f"http://127.0.0.1:{http}/v1", api_key="none", timeout=60)
+        assert [m.id for m in client.models.list()] == ["tiny"]
+        chunks = list(client.completions.create(model="tiny", prompt="The quick brown fox",
+                                                max_tokens=8, temperature=0, stream=True))
+        assert "".join(c.choices[0].text for c in chunks if c.choices)
+        # the README's client examples (OpenAI, gRPC), as written but for the ports
+        for code in readme_python_blocks():
+            code = code.replace("8000", str(http)).replace("9000", str(grpc_port))
+            run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, timeout=120,
+                                 capture_output=True, text=True)
+            assert run.returncode == 0 and run.stdout.strip(), run.stdout + run.stderr
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            code = proc.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise
+    assert code == 0, "".join(seen)
+    assert "stopping" in "".join(seen)
+    with pytest.raises(OSError):  # its HTTP port is closed
+        import socket
+        socket.create_connection(("127.0.0.1", http), timeout=2).close()

@@ -231,6 +231,14 @@ def test_killing_an_ingress_replica_cuts_only_its_own_streams(ray_cluster, expec
     serve.run(build_app(config), name="baton", route_prefix="/")
     url = f"http://127.0.0.1:{port}"
     try:
+        # HAProxy learns of each ingress replica on its own schedule: until both answer, every
+        # stream could land on one of them, and killing it would cut them all.
+        seen, deadline = set(), time.time() + 60
+        while len(seen) < 2 and time.time() < deadline:
+            body = requests.post(f"{url}/v1/completions", timeout=30, json={
+                "prompt": PROMPTS[0], **PARAMS[0], "max_tokens": 1, "include_timing": True})
+            seen.add(body.json()["usage"]["timing"]["replicas"]["ingress"])
+        assert len(seen) == 2
         threads, got, errors = _start_streams(url)
         routers = _pids("Router")
         assert len(routers) == 2

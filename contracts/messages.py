@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from engine import SamplingParams
-from kvtransfer import EndpointInfo, KVDestination, TransferStats
+from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # annotations only: the ingress imports these messages, never kvtransfer
+    from kvtransfer import EndpointInfo, KVDestination, TransferStats
 
 
 @dataclass(frozen=True)
@@ -113,7 +116,7 @@ class PrefillResult:
     first_logprob: float | None
     num_prompt_tokens: int
     num_cached_tokens: int
-    stats: TransferStats = field(default_factory=TransferStats)
+    stats: TransferStats | None = None  # set by the prefill replica (the push's own stats)
     prefill_seconds: float = 0.0
     first_top_logprobs: list[tuple[int, float]] | None = None
     timing: PrefillTiming = field(default_factory=PrefillTiming)

@@ -10,7 +10,6 @@ from contracts.messages import GenerateRequest, GenerateResult, serve_logger
 from decode_worker.server import DecodeServer
 from engine import EngineConfig
 from kvtransfer.directory import PeerDirectory
-from kvtransfer.types import TransferError
 
 log = serve_logger(__name__)
 
@@ -30,9 +29,7 @@ class DecodeDeployment:
         input the engine alone can check comes back as ``GenerateResult.error``."""
         try:
             return await self.server.generate(req)
-        except ValueError as exc:
-            if isinstance(exc, TransferError):
-                raise
+        except ValueError as exc:  # bad input (a transfer's failure is no ValueError)
             log.info("request %s refused: %s", req.request_id, exc)
             return GenerateResult(req.request_id, len(req.prompt_token_ids), 0, 0, None,
                                   error=str(exc))

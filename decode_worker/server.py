@@ -27,7 +27,7 @@ import time
 from contracts.messages import (TIMELINE, DecodeTiming, GenerateRequest, GenerateResult,
                                 PrefillRequest, PrefillResult, serve_logger, timeline)
 from contracts.token_channel import TokenPublisher
-from deploy.metrics import EngineMetrics, TransferMetrics, replica_id
+from contracts.metrics import EngineMetrics, TransferMetrics, replica_id
 from engine.async_engine import AsyncEngine
 from engine.sampling_params import SamplingParams
 from kvtransfer import (KVDestination, PushNotStarted, Transfer, TransferError, TransferState,

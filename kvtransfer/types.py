@@ -49,7 +49,7 @@ class PushNotStarted(TransferError):
     got to it, or the transport would not start it): the receiver's blocks are untouched."""
 
 
-class LayoutMismatchError(TransferError, ValueError):
+class LayoutMismatchError(TransferError):
     """The two endpoints' KV layouts (or protocol versions) differ; no bytes were moved."""
 
 

@@ -14,7 +14,7 @@ import time
 
 from contracts.messages import (TIMELINE, PrefillRequest, PrefillResult, PrefillTiming,
                                timeline)
-from deploy.metrics import EngineMetrics, TransferMetrics, replica_id
+from contracts.metrics import EngineMetrics, TransferMetrics, replica_id
 from engine.async_engine import AsyncEngine
 from kvtransfer import (EndpointInfo, PushNotStarted, TransferError, TransferState,
                         endpoint_for)

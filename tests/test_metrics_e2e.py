@@ -158,7 +158,7 @@ def test_the_dashboard_queries_only_exported_metrics(app):
         time.sleep(1)
     assert not missing
     code = "".join((ROOT / f).read_text()
-                   for f in ("deploy/metrics.py", "router/ingress/metrics.py"))
+                   for f in ("contracts/metrics.py", "router/ingress/metrics.py"))
     for name, declared in EVENT_COUNTERS.items():
         assert name in queried and declared in code, name
 

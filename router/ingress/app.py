@@ -36,7 +36,8 @@ from engine.quantization import resolve_scheme
 from proto import baton_pb2
 from router.ingress.door import (APIKeyMiddleware, BodyLimitMiddleware,
                                  StatusCountMiddleware, authorized)
-from deploy.metrics import replica_id
+from contracts.metrics import replica_id
+from router.config import RouterConfig
 from router.ingress.errors import RequestTimeout, describe, log_failure
 from router.ingress.chat import StreamSplitter, split_message
 from router.ingress.logprobs import TokenTexts
@@ -324,8 +325,6 @@ class Router:
     def __init__(self, decode, model: str, served_name: str, max_model_len: int | None,
                  config: dict | None = None, engine: dict | None = None):
         import ray
-
-        from deploy.config import RouterConfig
 
         cfg = RouterConfig(**(config or {}))
         self.api_key = cfg.api_key or os.environ.get(API_KEY_ENV) or None

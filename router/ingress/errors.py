@@ -61,7 +61,6 @@ def describe(exc: BaseException, request_id: str) -> Failure:
     """The answer to a request that failed with ``exc``."""
     from ray.serve.exceptions import BackPressureError
 
-    from kvtransfer.types import TransferError
     from router.ingress.streams import replica_lost
 
     cause = root_cause(exc)
@@ -71,7 +70,7 @@ def describe(exc: BaseException, request_id: str) -> Failure:
                        f"the server is at capacity; retry after {retry} s", retry_after=retry)
     if isinstance(cause, RequestTimeout):
         return Failure(504, grpc.StatusCode.DEADLINE_EXCEEDED, "timeout", _short(str(cause)))
-    if isinstance(cause, ValueError) and not isinstance(cause, TransferError):
+    if isinstance(cause, ValueError):
         return Failure(400, grpc.StatusCode.INVALID_ARGUMENT, "invalid_request_error",
                        _short(str(cause)))
     if replica_lost(cause):

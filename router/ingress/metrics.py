@@ -1,6 +1,6 @@
 """Metrics of the ingress: a Prometheus registry of its own (served on the replica's ``/metrics``,
 for one process) and, inside a Serve replica, the same series through Ray's metrics system
-(tagged with the replica: the cluster's answer, :mod:`deploy.metrics`)."""
+(tagged with the replica: the cluster's answer, :mod:`contracts.metrics`)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,7 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from deploy.metrics import LATENCY_BUCKETS, in_replica, never_raises
-from kvtransfer import TransferStats
+from contracts.metrics import LATENCY_BUCKETS, in_replica, never_raises
 
 # The series the ingress records on requests, each in its Prometheus registry and (in a
 # replica) in Ray's: attribute, kind, name, description, label names.
@@ -127,7 +126,7 @@ class RouterMetrics:
         """``code``: a ``grpc.StatusCode`` (None: OK)."""
         self.responses.labels("grpc", code.name if code is not None else "OK").inc()
 
-    def record_transfer(self, t: TransferStats | None) -> None:
+    def record_transfer(self, t) -> None:
         if t is not None:
             self.transfer_bytes.labels(t.backend).inc(t.bytes)
             self.transfer_blocks.labels("sent").inc(t.blocks_sent)

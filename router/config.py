@@ -1,0 +1,37 @@
+"""The ingress's settings (``router:`` in a serving config), validated where the app is built and
+where the ingress starts. Below ``deploy/`` so that the ingress imports no deploy code."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from router.ingress.door import DEFAULT_MAX_REQUEST_BYTES
+
+
+class RouterConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    num_replicas: int = Field(1, ge=1)
+    num_cpus: float = Field(0.25, ge=0)
+    max_ongoing_requests: int = Field(1024, ge=1)  # client connections one ingress replica serves
+    # Serve's direct ingress counts every request of a burst as queued until its handler runs,
+    # even with free slots: a bound below the largest burst one ingress replica takes refuses
+    # part of it (measured: 64 refused ~30 of 512 streams sent at once to 4 replicas).
+    max_queued_requests: int = Field(1024, ge=-1)
+    model_name: str | None = None  # the name served in /v1/models (default: the model spec)
+    request_timeout_s: float = Field(300.0, gt=0)
+    max_tokens_default: int = Field(16, ge=1)
+    # Clients must send `Authorization: Bearer <key>` (gRPC: the same metadata) on every path but
+    # /health and /metrics when a key is set. Prefer the BATON_API_KEY environment variable of
+    # the ingress replicas (for example the app's runtime_env) to a key in the config file.
+    api_key: str | None = Field(None, min_length=1)
+    # A request body larger than this is refused with a 413 before it is parsed (gRPC messages
+    # are bounded by gRPC itself: 4 MiB). A text prompt that cannot fit the context is refused
+    # with a 400 after at most a context's worth of tokenizing (router/ingress/prompts.py).
+    max_request_bytes: int = Field(DEFAULT_MAX_REQUEST_BYTES, ge=1024)
+    # Chat answers: a leading <think>...</think> becomes `reasoning_content` (vLLM's qwen3
+    # reasoning parser); "none" leaves it in `content`. Tool calls are parsed whenever a
+    # request offers tools (Qwen3's <tool_call> form, vLLM's hermes parser).
+    reasoning_parser: Literal["qwen3", "none"] = "qwen3"

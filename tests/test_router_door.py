@@ -169,7 +169,7 @@ def test_the_api_key_is_checked_everywhere_but_the_probes(monkeypatch):
     assert _call(APIKeyMiddleware, headers=[("Authorization", "Bearer sekret")])[0] == 200
     assert _call(APIKeyMiddleware, path="/tokenize")[0] == 401
     assert _call(APIKeyMiddleware, method="GET", path="/openapi.json")[0] == 401
-    for probe in ("/health", "/metrics"):
+    for probe in ("/health", "/livez", "/metrics"):
         assert _call(APIKeyMiddleware, method="GET", path=probe)[0] == 200
 
 

@@ -584,6 +584,17 @@ def test_malformed_values_are_a_400_in_openai_format(server, raw, fragment):
     assert fragment in error["message"] and error["type"] == "invalid_request_error"
 
 
+def test_unknown_fields_are_ignored_as_vllm_does(server):
+    """Fields of other servers are accepted and ignored (a warning in the ingress's log); the
+    answer is the one without them."""
+    _, url, _ = server
+    plain = _post(f"{url}/v1/completions", {"prompt": PROMPTS[0], **GREEDY}).json()
+    extra = _post(f"{url}/v1/completions", {"prompt": PROMPTS[0], **GREEDY, "frobnicate": 1,
+                                             "priority_class": "gold"})
+    assert extra.status_code == 200, extra.text
+    assert extra.json()["choices"][0]["token_ids"] == plain["choices"][0]["token_ids"]
+
+
 def test_chat_refuses_what_it_cannot_read(server):
     _, url, _ = server
     image = [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]
@@ -625,7 +636,8 @@ def test_shared_prefix_moves_fewer_blocks(server):
     ({"prompt": "hi", "logit_bias": {"5": 200}}, "must be in [-100, 100]"),
     ({"prompt": "hi", "logprobs": 21}, "logprobs: must be in [0, 20]"),
     ({"prompt": "hi", "stop_token_ids": [10**6]}, "outside the vocabulary"),
-    ({"prompt": "hi", "frobnicate": 1}, "frobnicate"),
+    ({"prompt": "hi", "stream_options": {"frobnicate": 1}}, "frobnicate"),
+    ({"prompt": "hi", "max_tokens": "many"}, "max_tokens"),
     ({"prompt": [1] * 5000}, "leave no room"),
     ({"prompt": "hi", "max_tokens": 10**9}, "exceed the model's context"),
     ({}, "prompt"),
@@ -898,3 +910,21 @@ def test_grpc_bad_input_is_invalid_argument(stub, fields, fragment, streaming):
             stub.Generate(req, timeout=30)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert fragment in err.value.details()
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_grpc_names_an_unknown_model_as_http_does(server, stub, streaming):
+    """A model this app does not serve: HTTP 404, gRPC NOT_FOUND, the same message."""
+    import grpc
+
+    from proto import baton_pb2
+    _, url, _ = server
+    http = _post(f"{url}/v1/completions", {"prompt": "hi", "model": "nope"})
+    req = baton_pb2.GenerateRequest(prompt="hi", model="nope")
+    with pytest.raises(grpc.RpcError) as err:
+        if streaming:
+            list(stub.GenerateStream(req, timeout=30))
+        else:
+            stub.Generate(req, timeout=30)
+    assert http.status_code == 404 and err.value.code() == grpc.StatusCode.NOT_FOUND
+    assert err.value.details() == http.json()["error"]["message"]

@@ -38,7 +38,7 @@ from router.ingress.door import (APIKeyMiddleware, BodyLimitMiddleware,
                                  StatusCountMiddleware, authorized)
 from contracts.metrics import replica_id
 from router.config import RouterConfig
-from router.ingress.errors import RequestTimeout, describe, log_failure
+from router.ingress.errors import RequestTimeout, UnknownModel, describe, log_failure
 from router.ingress.chat import StreamSplitter, split_message
 from router.ingress.logprobs import TokenTexts
 from router.ingress.metrics import RouterMetrics
@@ -462,7 +462,25 @@ class Router:
     # -- HTTP -------------------------------------------------------------------------------
     @app.get("/health")
     async def health(self):
+        """Ready: 200 once a decode replica answers (so the app can serve a request), else 503
+        (Serve still starting or replacing them). ``/livez`` is this replica alone."""
+        if await self.ready():
+            return {"status": "ok"}
+        return JSONResponse(status_code=503, content={"status": "unavailable", "message":
+                            "no decode replica answers yet (starting, or being replaced)"})
+
+    @app.get("/livez")
+    async def livez(self):
+        """Alive: this ingress replica answers, whatever the rest of the app does."""
         return {"status": "ok"}
+
+    async def ready(self, timeout_s: float = 2.0) -> bool:
+        """A decode replica answers a trivial call within ``timeout_s``."""
+        try:
+            await asyncio.wait_for(self.decode.kv_load.remote(), timeout_s)
+        except Exception:  # noqa: BLE001 - none placed, none running, or one failing
+            return False
+        return True
 
     def _model_card(self) -> dict:
         return {"id": self.served_name, "object": "model", "owned_by": "baton", "created": 0,
@@ -737,6 +755,9 @@ class Router:
                 return
             rid = f"grpc-{uuid.uuid4().hex}"  # the client's request_id is echoed, never a key
             try:
+                if req.model and req.model != self.served_name:  # as HTTP's 404
+                    raise UnknownModel(f"model {req.model!r} does not exist; this server "
+                                       f"serves {self.served_name!r}")
                 ids, params = await self._grpc_inputs(req)
                 async with self.request(ids, params, rid) as stream:
                     async for chunk in stream.chunks(stream.deadline):
@@ -792,4 +813,12 @@ class Router:
             raise RuntimeError(grpc_context.details())
 
     async def Health(self, request, grpc_context: RayServegRPCContext = None):
-        return baton_pb2.HealthResponse(status="ok", model=self.served_name)
+        """As ``/health``: ``ok`` when a decode replica answers, ``unavailable`` (and the status
+        UNAVAILABLE) when none does."""
+        if await self.ready():
+            return baton_pb2.HealthResponse(status="ok", model=self.served_name)
+        if grpc_context is not None:
+            grpc_context.set_code(grpc.StatusCode.UNAVAILABLE)
+            grpc_context.set_details("no decode replica answers yet (starting, or being "
+                                     "replaced)")
+        return baton_pb2.HealthResponse(status="unavailable", model=self.served_name)

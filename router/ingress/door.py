@@ -5,7 +5,7 @@ Router replica fills in at start (``router.api_key`` / ``BATON_API_KEY``,
 ``router.max_request_bytes``).
 
 - With an API key, every request must carry ``Authorization: Bearer <key>``; others get a
-  401. ``/health`` and ``/metrics`` stay open for probes.
+  401. ``/health``, ``/livez`` and ``/metrics`` stay open for probes.
 - A body larger than ``max_request_bytes`` gets a 413 before anything parses it: at once when
   its ``Content-Length`` says so, or as soon as a chunked body passes the bound (what was read
   is dropped). The app so never holds more than one bound's worth of a request's body.
@@ -17,7 +17,7 @@ import hmac
 import json
 
 DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
-OPEN_PATHS = frozenset({"/health", "/metrics"})  # probes and scrapers: no API key asked
+OPEN_PATHS = frozenset({"/health", "/livez", "/metrics"})  # probes and scrapers: no API key asked
 
 
 async def send_error(send, status: int, message: str, kind: str,

@@ -25,6 +25,10 @@ class RequestTimeout(Exception):
     """The request was not served before its deadline (``router.request_timeout_s``)."""
 
 
+class UnknownModel(Exception):
+    """The request names a model this app does not serve (OpenAI and vLLM answer 404)."""
+
+
 @dataclass
 class Failure:
     status: int  # HTTP
@@ -68,6 +72,8 @@ def describe(exc: BaseException, request_id: str) -> Failure:
         retry = math.ceil(cause.retry_after_s or 1)
         return Failure(429, grpc.StatusCode.RESOURCE_EXHAUSTED, "overloaded_error",
                        f"the server is at capacity; retry after {retry} s", retry_after=retry)
+    if isinstance(cause, UnknownModel):
+        return Failure(404, grpc.StatusCode.NOT_FOUND, "not_found_error", _short(str(cause)))
     if isinstance(cause, RequestTimeout):
         return Failure(504, grpc.StatusCode.DEADLINE_EXCEEDED, "timeout", _short(str(cause)))
     if isinstance(cause, ValueError):

@@ -4,6 +4,7 @@ refused with a message that names them."""
 from __future__ import annotations
 
 import json
+import logging
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -11,6 +12,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from engine import SamplingParams
 from engine.sampling_params import MAX_LOGPROBS
 from engine.structured import StructuredOutput
+
+log = logging.getLogger("ray.serve.baton.protocol")
 
 
 MAX_PROMPTS_PER_REQUEST = 128  # a batch in /v1/completions: one decode request per prompt
@@ -81,8 +84,17 @@ def _one_structure(named: dict) -> StructuredOutput | None:
 
 
 class _Common(BaseModel):
-    # Unknown fields are refused (they may change the output); NaN and infinities too.
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    # Unknown top-level fields are accepted and ignored, with a warning in the log (vLLM's
+    # behaviour: clients add fields of other servers); wrong types and values of known fields,
+    # unknown fields inside known objects, NaN and infinities are refused.
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _ignore_unknown_fields(self):
+        if self.model_extra:
+            log.warning("request fields ignored (not supported): %s", sorted(self.model_extra))
+            self.model_extra.clear()
+        return self
 
     model: str | None = None
     max_tokens: int | None = None

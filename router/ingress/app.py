@@ -453,11 +453,8 @@ class Router:
             _log_timeline(stream, outcome, self.replica)
 
     async def finish(self, stream: RequestStream) -> GenerateResult | None:
-        """The decode replica's result (usage, transfer stats), recorded in the metrics."""
-        result = await self.client.result(stream)
-        if result is not None:
-            self.metrics.record_transfer(result.transfer)
-        return result
+        """The decode replica's result (usage, transfer stats for the answer's usage)."""
+        return await self.client.result(stream)
 
     # -- HTTP -------------------------------------------------------------------------------
     @app.get("/health")
@@ -505,10 +502,6 @@ class Router:
 
     @app.get("/metrics")
     async def metrics_endpoint(self):
-        try:
-            self.metrics.set_kv(await asyncio.wait_for(self.decode.kv_load.remote(), 5))
-        except Exception:  # noqa: BLE001 - serve the router's own metrics anyway
-            pass
         return Response(self.metrics.render(), media_type="text/plain; version=0.0.4")
 
     @app.post("/tokenize")
@@ -762,7 +755,7 @@ class Router:
                 async with self.request(ids, params, rid) as stream:
                     async for chunk in stream.chunks(stream.deadline):
                         if chunk.finished:
-                            await self.finish(stream)  # transfer metrics
+                            await self.finish(stream)  # the replica's result: timing
                         yield chunk, stream
                 code = grpc.StatusCode.OK
             except Exception as exc:  # noqa: BLE001 - every failure becomes a status

@@ -1,6 +1,8 @@
 """Metrics of the ingress: a Prometheus registry of its own (served on the replica's ``/metrics``,
 for one process) and, inside a Serve replica, the same series through Ray's metrics system
-(tagged with the replica: the cluster's answer, :mod:`contracts.metrics`)."""
+(tagged with the replica: the cluster's answer, :mod:`contracts.metrics`). The ingress reports
+only what it sees (its requests, answers and latencies); KV use and transfers are reported by
+the replicas where they happen."""
 
 from __future__ import annotations
 
@@ -102,22 +104,6 @@ class RouterMetrics:
                                      _ray(kind, name, doc, labels) if twinned else None, labels))
         if twinned:
             _GaugeRefresher([self.in_flight])
-        # Served on this ingress's /metrics only: one decode replica's KV, asked at scrape time,
-        # and the transfers of this ingress's requests (the replicas report their own to Ray).
-        self.kv_used = Gauge("baton_kv_blocks_used", "KV blocks in use (decode replica)",
-                             registry=r)
-        self.kv_free = Gauge("baton_kv_blocks_free", "KV blocks free (decode replica)",
-                             registry=r)
-        self.kv_held = Gauge("baton_kv_blocks_held_by_transfers",
-                             "KV blocks leased to in-flight transfers (decode replica)", registry=r)
-        self.hit_rate = Gauge("baton_prefix_cache_hit_rate", "Prefix-cache hit rate (decode)",
-                              registry=r)
-        self.transfer_bytes = Counter("baton_kv_transfer_bytes", "KV bytes pushed to decode",
-                                      ["backend"], registry=r)
-        self.transfer_blocks = Counter("baton_kv_transfer_blocks", "KV blocks by fate", ["kind"],
-                                       registry=r)
-        self.transfer_time = Histogram("baton_kv_transfer_seconds", "KV hand-over time",
-                                       ["backend"], registry=r, buckets=LATENCY_BUCKETS)
 
     def count_http(self, status: int) -> None:
         self.responses.labels("http", str(status)).inc()
@@ -125,19 +111,6 @@ class RouterMetrics:
     def count_grpc(self, code) -> None:
         """``code``: a ``grpc.StatusCode`` (None: OK)."""
         self.responses.labels("grpc", code.name if code is not None else "OK").inc()
-
-    def record_transfer(self, t) -> None:
-        if t is not None:
-            self.transfer_bytes.labels(t.backend).inc(t.bytes)
-            self.transfer_blocks.labels("sent").inc(t.blocks_sent)
-            self.transfer_blocks.labels("skipped").inc(t.blocks_skipped)
-            self.transfer_time.labels(t.backend).observe(t.seconds)
-
-    def set_kv(self, load: dict) -> None:
-        self.kv_used.set(load["used_blocks"])
-        self.kv_free.set(load["free_blocks"])
-        self.kv_held.set(load.get("held_blocks", 0))
-        self.hit_rate.set(load.get("hit_rate", 0.0))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

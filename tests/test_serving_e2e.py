@@ -896,7 +896,7 @@ def test_grpc_cancel_and_deadline_stop_the_request(server, stub, how):
     (dict(prompt="hi", logit_bias={99999: 1.0}), "outside the vocabulary"),
     (dict(prompt="hi", logit_bias={3: -500.0}), "must be in [-100, 100]"),
     (dict(prompt="hi", top_logprobs=2), "top_logprobs: needs logprobs=true"),
-    (dict(prompt="hi", logprobs=True, top_logprobs=40), "logprobs must be in [0, 20]"),
+    (dict(prompt="hi", logprobs=True, top_logprobs=40), "logprobs: must be in [0, 20]"),
     (dict(prompt="hi", max_tokens=4, min_tokens=9), "min_tokens"),
 ])
 @pytest.mark.parametrize("streaming", [False, True])
@@ -930,3 +930,29 @@ def test_grpc_names_an_unknown_model_as_http_does(server, stub, streaming):
             stub.Generate(req, timeout=30)
     assert http.status_code == 404 and err.value.code() == grpc.StatusCode.NOT_FOUND
     assert err.value.details() == http.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("http, grpc_fields", [
+    ({"prompt": ""}, dict(prompt="")),
+    ({"prompt": "hi", "temperature": -1}, dict(prompt="hi", temperature=-1.0)),
+    ({"prompt": "hi", "top_p": 0}, dict(prompt="hi", top_p=0.0)),
+    ({"prompt": [1, 99999]}, dict(prompt_token_ids=[1, 99999])),
+    ({"prompt": "hi", "max_tokens": 4, "min_tokens": 9}, dict(prompt="hi", max_tokens=4,
+                                                               min_tokens=9)),
+    ({"prompt": "hi", "logit_bias": {"3": -500}}, dict(prompt="hi", logit_bias={3: -500.0})),
+    ({"prompt": "hi", "logprobs": 40}, dict(prompt="hi", logprobs=True, top_logprobs=40)),
+    ({"prompt": "hi", "structured_outputs": {"regex": "("}}, dict(prompt="hi", regex="(")),
+    ({"prompt": "hi", "max_tokens": 10**9}, dict(prompt="hi", max_tokens=10**9)),
+])
+def test_grpc_and_http_refuse_the_same_request_with_the_same_message(server, stub, http,
+                                                                      grpc_fields):
+    """gRPC reads a request into HTTP's request model: one set of checks, one message."""
+    import grpc
+
+    from proto import baton_pb2
+    _, url, _ = server
+    resp = _post(f"{url}/v1/completions", http)
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Generate(baton_pb2.GenerateRequest(**grpc_fields), timeout=30)
+    assert resp.status_code == 400 and err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details() == resp.json()["error"]["message"]

@@ -16,6 +16,7 @@ import math
 from dataclasses import dataclass
 
 import grpc
+from pydantic import ValidationError
 
 log = logging.getLogger("ray.serve.baton.errors")
 MAX_MESSAGE_CHARS = 400
@@ -56,6 +57,16 @@ def root_cause(exc: BaseException) -> BaseException:
     return exc
 
 
+def validation_message(errors: list[dict]) -> str:
+    """pydantic's errors of a request as one line: ``field: what is wrong; ...``."""
+    parts = []
+    for err in errors:
+        loc = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
+        msg = str(err.get("msg", "")).removeprefix("Value error, ")
+        parts.append(f"{loc}: {msg}" if loc and loc not in msg else msg)
+    return "; ".join(parts)
+
+
 def _short(text: str) -> str:
     line = text.strip().splitlines()[0] if text.strip() else ""
     return line if len(line) <= MAX_MESSAGE_CHARS else line[:MAX_MESSAGE_CHARS - 3] + "..."
@@ -76,6 +87,9 @@ def describe(exc: BaseException, request_id: str) -> Failure:
         return Failure(404, grpc.StatusCode.NOT_FOUND, "not_found_error", _short(str(cause)))
     if isinstance(cause, RequestTimeout):
         return Failure(504, grpc.StatusCode.DEADLINE_EXCEEDED, "timeout", _short(str(cause)))
+    if isinstance(cause, ValidationError):  # a request model refused its input
+        return Failure(400, grpc.StatusCode.INVALID_ARGUMENT, "invalid_request_error",
+                       _short(validation_message(cause.errors())))
     if isinstance(cause, ValueError):
         return Failure(400, grpc.StatusCode.INVALID_ARGUMENT, "invalid_request_error",
                        _short(str(cause)))

@@ -1,0 +1,351 @@
+"""The ingress's request service, the same for both protocols: a request from its token ids and
+sampling parameters to its end. It checks what the engine cannot (the prompt against the
+vocabulary and the context, stop strings, a structured output that must compile, the model's
+name), starts the request on a decode replica (:class:`~router.ingress.streams.DecodeClient`),
+fans a request out into its ``n``/``best_of`` sequences and a batch into its prompts
+(:class:`Merged`), keeps the request's metrics and logs its timeline. The HTTP (OpenAI) and gRPC
+adapters (:mod:`router.ingress.http`, :mod:`router.ingress.grpc_api`) only translate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import asdict
+
+from ray.serve.exceptions import BackPressureError
+
+from contracts.messages import TIMELINE, GenerateResult, timeline
+from contracts.metrics import replica_id
+from engine import SamplingParams
+from engine.loader import load_tokenizer, resolve_model
+from engine.quantization import resolve_scheme
+from engine.structured import Grammars
+from router.config import RouterConfig
+from router.ingress.errors import RequestTimeout, UnknownModel
+from router.ingress.logprobs import TokenTexts
+from router.ingress.metrics import RouterMetrics
+from router.ingress.prompts import PromptEncoder
+from router.ingress.protocol import ChatCompletionRequest, CompletionRequest
+from router.ingress.streams import DecodeClient, RequestStream
+
+API_KEY_ENV = "BATON_API_KEY"
+
+
+def transfer_of(result: GenerateResult | None) -> dict | None:
+    if result is None or result.transfer is None:
+        return None
+    t = result.transfer
+    return {"bytes": t.bytes, "blocks_sent": t.blocks_sent, "blocks_skipped": t.blocks_skipped,
+            "seconds": t.seconds, "backend": t.backend, "src_node": t.src_node,
+            "dst_node": t.dst_node, "prefill_seconds": result.prefill_seconds}
+
+
+def usage_of(streams: list[RequestStream], results: list[GenerateResult | None],
+           per_prompt: int = 1) -> dict:
+    """Usage of one request, summed over its sequences (``per_prompt`` of each prompt: its
+    prompt counts once, as OpenAI counts it); ``kv_transfer`` one per sequence when several."""
+    firsts = streams[::per_prompt]
+    n_in = sum(s.num_prompt_tokens for s in firsts)
+    n_out = sum(len(s.token_ids) for s in streams)
+    transfers = [transfer_of(r) for r in results]
+    return {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out,
+            "prompt_tokens_details": {"cached_tokens": sum(s.num_cached_tokens
+                                                           for s in firsts)},
+            "kv_transfer": transfers[0] if len(transfers) == 1 else transfers}
+
+
+def log_timeline(stream: RequestStream, outcome: str, ingress: str) -> None:
+    """One line per request at the ingress; the decode replica logs its own under the same id
+    (``<id>~<n>`` after the n-th migration)."""
+    names = replicas_of(stream.result, ingress)
+    TIMELINE.info("request %s ingress: %s, %d prompt + %d output tokens, %d migrations; "
+                  "decode %s, prefill %s; %s", stream.request_id, outcome,
+                  stream.num_prompt_tokens, len(stream.token_ids), stream.migrations,
+                  names["decode"] or "-", names["prefill"] or "-",
+                  timeline(**dict(phases(stream, stream.result))))
+
+
+def phases(stream: RequestStream, result: GenerateResult | None) -> list[tuple[str, float]]:
+    """The request's milestones across the roles, in causal order (``time.time()`` of each
+    replica's host: on several nodes, as far apart as their clocks)."""
+    t, d = stream.timing, result.timing if result is not None else None
+    p = d.prefill if d is not None else None
+    marks = [("received", t.received), ("submitted", t.submitted)]
+    if d is not None:
+        marks += [("decode_received", d.received), ("prefill_called", d.prefill_called)]
+    if p is not None:
+        marks += [("prefill_received", p.received), ("prefilled", p.prefilled),
+                  ("pushed", p.pushed)]
+    if d is not None:
+        marks += [("prefill_returned", d.prefill_returned),
+                  ("admitted" if p is not None else "queued", d.queued),
+                  ("decode_first_token", d.first_token)]
+    marks += [("first_token", t.first_token)]
+    marks += [(f"moved{i + 1}", at) for i, at in enumerate(stream.moved_at)]
+    marks += [("finished", t.finished or time.time())]
+    return [(name, at) for name, at in marks if at]
+
+
+def replicas_of(result: GenerateResult | None, ingress: str) -> dict:
+    d = result.timing if result is not None else None
+    return {"ingress": ingress, "decode": d.replica if d is not None else None,
+            "prefill": d.prefill.replica if d is not None and d.prefill is not None else None}
+
+
+def timing_of(stream: RequestStream, result: GenerateResult | None, ingress: str) -> dict:
+    return {"phases": [[name, at] for name, at in phases(stream, result)],
+            "replicas": replicas_of(result, ingress), "router": asdict(stream.timing),
+            "decode": asdict(result.timing) if result is not None else None}
+
+
+class Merged:
+    """The chunks of one sequence, or of several as they come: ``(index, chunk)``; ``items``
+    are ``(prompt ids, one-sequence params)``, a batch's prompts each fanned out into its ``n``
+    (or ``best_of``) sequences. One sequence is followed directly (the hot path); several are
+    all started here and each is read by a task of its own, the chunks meeting in a queue.
+    ``streams`` and ``results`` are filled once all have ended; ``aclose`` stops what still
+    runs (a client that left, a failed batch)."""
+
+    def __init__(self, router: "RequestService", items: list[tuple[list[int], SamplingParams]],
+                 rids: list[str]):
+        self.router, self.items, self.rids = router, items, rids
+        self.streams: list[RequestStream] = []
+        self.results: list[GenerateResult | None] = []
+        self._tasks: list[asyncio.Future] = []
+        self._chunks = self._follow()
+
+    def __aiter__(self):
+        return self._chunks
+
+    async def _follow(self):
+        if len(self.items) == 1:
+            (ids, params), = self.items
+            async with self.router.request(ids, params, self.rids[0]) as stream:
+                async for chunk in stream.chunks(stream.deadline):
+                    yield 0, chunk
+                self.streams, self.results = [stream], [await self.router.finish(stream)]
+            return
+        async with AsyncExitStack() as stack:
+            # Each under a Serve request id of its own (``in_batch``; see DecodeClient._submit).
+            streams = [await stack.enter_async_context(
+                self.router.request(ids, params, rid, in_batch=True))
+                for (ids, params), rid in zip(self.items, self.rids)]
+            queue: asyncio.Queue = asyncio.Queue()
+
+            async def pump(i: int, stream: RequestStream) -> None:
+                try:
+                    async for chunk in stream.chunks(stream.deadline):
+                        queue.put_nowait((i, chunk, None))
+                    queue.put_nowait((i, None, None))
+                except Exception as exc:  # noqa: BLE001 - the reader raises it
+                    queue.put_nowait((i, None, exc))
+
+            self._tasks = [asyncio.ensure_future(pump(i, st)) for i, st in enumerate(streams)]
+            live = len(streams)
+            while live:
+                i, chunk, exc = await queue.get()
+                if exc is not None:
+                    raise exc
+                if chunk is None:
+                    live -= 1
+                    continue
+                yield i, chunk
+            self.streams = streams
+            self.results = [await self.router.finish(st) for st in streams]
+
+    async def aclose(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await self._chunks.aclose()  # leaves the ``request`` contexts now, not at collection
+
+
+def warn_if_open_without_key(api_key: str | None) -> None:
+    """Say so loudly, at start, when the app listens beyond this machine with no API key."""
+    if api_key:
+        return
+    try:
+        from ray.serve.context import _get_global_client
+        host = _get_global_client().http_config.host
+    except Exception:  # noqa: BLE001 - not under a Serve controller (tests driving the class)
+        return
+    if host not in ("127.0.0.1", "localhost", "::1"):
+        logging.getLogger("ray.serve").warning(
+            "WARNING: the HTTP port listens on %s (beyond this machine) with no API key: anyone "
+            "who reaches it can use the model. Set BATON_API_KEY or router.api_key.", host)
+
+
+class RequestService:
+    """One ingress replica's requests, whichever protocol they came in by."""
+
+    def __init__(self, decode, model: str, served_name: str, max_model_len: int | None,
+                 config: dict | None = None, engine: dict | None = None):
+        import ray
+
+        cfg = RouterConfig(**(config or {}))
+        self.api_key = cfg.api_key or os.environ.get(API_KEY_ENV) or None
+        self.max_request_bytes = cfg.max_request_bytes
+
+        source = resolve_model(model)
+        self.tokenizer = load_tokenizer(source)
+        self.texts = TokenTexts(self.tokenizer)
+        self.grammars: Grammars | None = None  # structured outputs, checked at the door
+        self.client = DecodeClient(decode, self.tokenizer, ray.util.get_node_ip_address())
+        self.vocab_size = source.config.vocab_size
+        self.max_model_len = min(max_model_len or source.config.max_position_embeddings,
+                                 source.config.max_position_embeddings)
+        self.prompts = (PromptEncoder(self.tokenizer, self.max_model_len)
+                        if self.tokenizer is not None else None)
+        self.served_name = served_name
+        engine = engine or {}  # what the replicas run, said in /v1/models
+        scheme = resolve_scheme(source.config.quantization, engine.get("quantization"), model)
+        self.card_extras = {"quantization": scheme.name if scheme else None,
+                            "kv_cache_dtype": engine.get("kv_cache_dtype", "auto")}
+        self.timeout_s = cfg.request_timeout_s
+        self.default_max_tokens = cfg.max_tokens_default
+        self.reasoning_parser = cfg.reasoning_parser
+        self.replica = replica_id()
+        self.metrics = RouterMetrics()
+        self.decode = decode
+
+    async def prompt_ids(self, prompt) -> list[int]:
+        """Token ids of a text (tokenized off the event loop when long) or of an id list."""
+        if isinstance(prompt, str):
+            if self.prompts is None:
+                raise ValueError(f"prompt: model {self.served_name!r} has no tokenizer; send "
+                                 "token ids")
+            return self.checked(await self.prompts.encode(prompt))
+        return self.checked(list(prompt))
+
+    def checked(self, ids: list[int]) -> list[int]:
+        if not ids:
+            raise ValueError("prompt: must not be empty")
+        self.in_vocabulary(ids, "prompt")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt: {len(ids)} tokens leave no room to generate within the "
+                             f"model's context of {self.max_model_len} tokens")
+        return ids
+
+    def in_vocabulary(self, ids: list[int], field: str) -> list[int]:
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"{field}: token ids {bad[:5]} are outside the vocabulary "
+                             f"[0, {self.vocab_size})")
+        return ids
+
+    async def check_structure(self, params: SamplingParams) -> None:
+        """A structured output that does not compile is the client's error: refused here, off
+        the event loop (a big schema takes a while), before any replica sees it."""
+        so = params.structured_output
+        if so is None:
+            return
+        if self.tokenizer is None:
+            raise ValueError(f"structured output: model {self.served_name!r} has no tokenizer")
+        if self.grammars is None:
+            self.grammars = Grammars(self.tokenizer, self.vocab_size,
+                                     [self.tokenizer.eos_token_id or 0])
+        await asyncio.to_thread(self.grammars.compile, so)
+
+    async def chat_ids(self, body: ChatCompletionRequest) -> list[int]:
+        if self.prompts is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError(f"messages: model {self.served_name!r} has no chat template")
+        tools = [t.model_dump(exclude_none=True) for t in body.tools] \
+            if body.tool_mode != "none" else None
+        return self.checked(await self.prompts.render_chat(
+            [m.for_template() for m in body.messages], tools=tools,
+            **(body.chat_template_kwargs or {})))
+
+    def check_params(self, ids: list[int], params: SamplingParams) -> None:
+        """What the engine cannot check: stop strings need text; the whole request must fit
+        the context (so a huge ``max_tokens`` is refused, not run for minutes)."""
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop: stop strings need a tokenizer; use stop_token_ids")
+        self.in_vocabulary(params.token_ids_used(), "logit_bias/stop_token_ids")
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(f"max_tokens: {params.max_tokens} new tokens after a {len(ids)}-token "
+                             f"prompt exceed the model's context of {self.max_model_len} tokens")
+
+    @asynccontextmanager
+    async def request(self, ids: list[int], params: SamplingParams, request_id: str,
+                      in_batch: bool = False):
+        """A started request, with its metrics; a writer that leaves cancels it."""
+        received, start = time.time(), time.monotonic()
+        metrics = self.metrics
+
+        def on_token(gap: float | None, _produced_at: float) -> None:
+            if gap is None:
+                metrics.ttft.observe(time.monotonic() - start)
+            else:
+                metrics.itl.observe(gap)
+
+        stream = await self.client.start(ids, params, request_id, on_token, received,
+                                         own_serve_id=in_batch)
+        stream.deadline = start + self.timeout_s
+        metrics.in_flight.inc()
+        outcome = "error"
+        try:
+            yield stream
+            outcome = stream.finish_reason or "error"
+        except RequestTimeout:
+            outcome = "timeout"
+            raise
+        except BackPressureError:
+            outcome = "refused"
+            raise
+        except (asyncio.CancelledError, GeneratorExit):
+            outcome = "cancelled"  # the client went away
+            raise
+        finally:
+            self.client.close(stream)
+            metrics.in_flight.dec()
+            metrics.requests.labels(outcome).inc()
+            metrics.tokens.inc(len(stream.token_ids))
+            metrics.migrations.inc(stream.migrations)
+            metrics.e2e.observe(time.monotonic() - start)
+            log_timeline(stream, outcome, self.replica)
+
+    async def finish(self, stream: RequestStream) -> GenerateResult | None:
+        """The decode replica's result (usage, transfer stats for the answer's usage)."""
+        return await self.client.result(stream)
+
+    async def ready(self, timeout_s: float = 2.0) -> bool:
+        """A decode replica answers a trivial call within ``timeout_s``."""
+        try:
+            await asyncio.wait_for(self.decode.kv_load.remote(), timeout_s)
+        except Exception:  # noqa: BLE001 - none placed, none running, or one failing
+            return False
+        return True
+
+    def model_card(self) -> dict:
+        return {"id": self.served_name, "object": "model", "owned_by": "baton", "created": 0,
+                "max_model_len": self.max_model_len, **self.card_extras}
+
+    def check_model(self, name: str | None) -> None:
+        """:class:`UnknownModel` when a request names a model this app does not serve."""
+        if name and name != self.served_name:
+            raise UnknownModel(f"model {name!r} does not exist; this server serves "
+                               f"{self.served_name!r}")
+
+    async def _completion_inputs(self, body: CompletionRequest):
+        """One prompt or a batch (text or ids), ``best_of``; with ``echo``, each prompt's text."""
+        prompts = body.prompts()
+        batch = [await self.prompt_ids(p) for p in prompts]
+        params = body.sampling_params(self.default_max_tokens, body.logprobs, body.best_of)
+        echo = [p if isinstance(p, str) else self._text(ids)
+                for p, ids in zip(prompts, batch)] if body.echo else None
+        return batch, params, echo
+
+    def _text(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
+
+    async def checked_inputs(self, inputs, body):
+        """``inputs(body)`` (``batch, params, echo``) with every check the engine cannot make
+        done here, before any replica sees the request (``ValueError`` naming the field)."""
+        batch, params, echo = await inputs(body)
+        for ids in batch:
+            self.check_params(ids, params)
+        await self.check_structure(params)
+        return batch, params, echo

@@ -23,6 +23,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from engine.config import EngineConfig
+from engine.errors import EngineDeadError
 from engine.llm_engine import LLMEngine, Prompt
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -32,10 +33,6 @@ BUSY_POLL_S = 0.0005  # idle engine, a ticker's work in flight (a KV transfer)
 IDLE_WAIT_S = 0.05  # idle engine, nothing in flight: commands wake it at once anyway
 
 OutputsHook = Callable[[list[RequestOutput]], None]
-
-
-class EngineDeadError(RuntimeError):
-    pass
 
 
 class AsyncEngine:

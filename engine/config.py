@@ -5,25 +5,29 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from engine.quantization import Fp8Scheme, parse_quantization_config
 
-_DTYPES = {
-    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+if TYPE_CHECKING:
+    import torch
+
+_DTYPES = {  # name -> torch's attribute (torch is imported only where a dtype is made)
+    "float32": "float32", "fp32": "float32", "float": "float32",
+    "bfloat16": "bfloat16", "bf16": "bfloat16",
+    "float16": "float16", "fp16": "float16", "half": "float16",
 }
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    import torch
+
     if isinstance(name, torch.dtype):
         return name
     try:
-        return _DTYPES[name.removeprefix("torch.")]
+        return getattr(torch, _DTYPES[name.removeprefix("torch.")])
     except KeyError:
         raise ValueError(f"dtype: unknown dtype {name!r}; use one of {sorted(_DTYPES)}") from None
 
@@ -126,7 +130,7 @@ class EngineConfig(BaseModel):
     @classmethod
     def _dtype_name(cls, v):
         """A torch dtype is taken too (``dtype=torch.float32``), kept by its name."""
-        return str(v).removeprefix("torch.") if isinstance(v, torch.dtype) else v
+        return str(v).removeprefix("torch.") if type(v).__name__ == "dtype" else v
 
     @model_validator(mode="after")
     def _check(self) -> "EngineConfig":
@@ -138,6 +142,8 @@ class EngineConfig(BaseModel):
         return self
 
     def resolved_device(self) -> torch.device:
+        import torch
+
         if self.device == "auto":
             return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
                 else torch.device("cpu")

@@ -1,9 +1,6 @@
-"""Model specs → a Qwen3 model on its device, plus the tokenizer when the model has one.
+"""A model source (:mod:`engine.model_source`: a folder, a repo id in the Hugging Face cache,
+``dummy:Qwen3-<size>``, ``tiny``) → a Qwen3 model on its device.
 
-Specs: a path to an HF folder; a Hugging Face repo id (``Qwen/Qwen3-8B``) already in the local
-Hugging Face cache (read only: nothing is ever downloaded); ``dummy:Qwen3-<size>`` (random
-weights, real config); ``tiny`` (a small random checkpoint with a trained tokenizer, generated
-once, see ``engine.tiny``).
 The model is built on the meta device, materialised on the target device, filled from
 safetensors (cast to the target dtype on load), and its RoPE cache is built afterwards.
 """
@@ -12,17 +9,15 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import re
-from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from engine.config import ModelConfig
+# re-exported: what callers of the loader have always imported from it
+from engine.model_source import (DUMMY_PREFIX, ModelSource, dummy_names,  # noqa: F401
+                                 find_in_hf_cache, hf_cache_dir, load_tokenizer, resolve_model)
 from engine.models.qwen3 import PACKED_MODULES, Qwen3ForCausalLM
 from engine.quantization import (Fp8Scheme, fill_shard, init_random, mark_quantized,
                                  resolve_scheme)
@@ -32,87 +27,6 @@ log = logging.getLogger(__name__)
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 PROJECTIONS_WEIGHTS = tuple(f"{p}.weight" for p in PROJECTIONS)
 
-DUMMY_PREFIX = "dummy:"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json")
-
-
-@dataclass(frozen=True)
-class ModelSource:
-    name: str  # what the user asked for
-    config: ModelConfig
-    path: Path | None  # None for dummy models
-    repo_id: str | None = None  # found in the Hugging Face cache under this id
-
-    @property
-    def model_id(self) -> str:
-        """A name that is the same wherever the model's folder sits."""
-        if self.repo_id is not None:
-            return self.repo_id
-        return self.name if self.path is None else self.path.name
-
-    @property
-    def is_dummy(self) -> bool:
-        return self.path is None
-
-    @property
-    def has_tokenizer(self) -> bool:
-        return self.path is not None and any((self.path / f).exists() for f in TOKENIZER_FILES)
-
-
-def dummy_names() -> list[str]:
-    folder = resources.files("engine") / "model_configs"
-    return sorted(p.name.removesuffix(".json") for p in folder.iterdir() if p.name.endswith(".json"))
-
-
-def resolve_model(spec: str) -> ModelSource:
-    if spec == "tiny":
-        from engine.tiny import ensure_tiny_model
-        spec = str(ensure_tiny_model())
-    if spec.startswith(DUMMY_PREFIX):
-        name = spec[len(DUMMY_PREFIX):]
-        if name not in dummy_names():
-            raise ValueError(f"model: unknown dummy model {name!r}; choose from {dummy_names()}")
-        raw = json.loads((resources.files("engine") / "model_configs" / f"{name}.json").read_text())
-        return ModelSource(spec, ModelConfig.from_dict(raw, source=spec), None)
-    path = Path(spec).expanduser()
-    if (path / "config.json").is_file():
-        return ModelSource(spec, ModelConfig.from_file(path / "config.json"), path)
-    if REPO_ID.fullmatch(spec) and not path.exists():
-        snapshot, looked = find_in_hf_cache(spec)
-        if snapshot is None:
-            raise ValueError(f"model: {spec!r} is not a folder and not in the Hugging Face cache "
-                             f"(looked in {looked}); Baton never downloads: fetch it first "
-                             f"(`huggingface-cli download {spec}`) or pass a folder")
-        return ModelSource(spec, ModelConfig.from_file(snapshot / "config.json"), snapshot,
-                           repo_id=spec)
-    raise ValueError(f"model: {spec!r} is not 'tiny', 'dummy:Qwen3-<size>', a folder holding "
-                     "config.json or a Hugging Face repo id in the local cache")
-
-
-REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
-
-
-def hf_cache_dir() -> Path:
-    """Where the Hugging Face hub keeps downloads: ``$HF_HUB_CACHE``, else ``$HF_HOME/hub``
-    (``~/.cache/huggingface/hub``)."""
-    if os.environ.get("HF_HUB_CACHE"):
-        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
-    home = os.environ.get("HF_HOME") or Path.home() / ".cache" / "huggingface"
-    return Path(home).expanduser() / "hub"
-
-
-def find_in_hf_cache(repo_id: str) -> tuple[Path | None, Path]:
-    """The snapshot folder of ``repo_id`` in the local cache (the revision ``refs/main`` names,
-    else the newest snapshot holding config.json) and where it looked."""
-    folder = hf_cache_dir() / f"models--{repo_id.replace('/', '--')}"
-    ref = folder / "refs" / "main"
-    if ref.is_file():
-        snapshot = folder / "snapshots" / ref.read_text().strip()
-        if (snapshot / "config.json").is_file():
-            return snapshot, folder
-    snapshots = sorted((p for p in (folder / "snapshots").glob("*") if (p / "config.json")
-                        .is_file()), key=lambda p: p.stat().st_mtime)
-    return (snapshots[-1] if snapshots else None), folder
 
 
 def load_model(source: ModelSource, device: torch.device, dtype: torch.dtype,
@@ -274,10 +188,3 @@ def _copy_shard(param: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
         raise ValueError(f"model: tensor {name} has shape {tuple(tensor.shape)}, "
                          f"expected {tuple(param.shape)}")
     param.data.copy_(tensor)
-
-
-def load_tokenizer(source: ModelSource):
-    if not source.has_tokenizer:
-        return None
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(str(source.path))

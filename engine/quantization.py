@@ -22,10 +22,11 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-import torch
-from torch import nn
+from typing import TYPE_CHECKING
 
-from kernels.fp8 import FP8, dequantize, quantize_per_channel
+if TYPE_CHECKING:  # torch and the kernels load where weights are made, not where configs are read
+    import torch
+    from torch import nn
 
 QUANTIZATIONS = ("fp8",)
 
@@ -142,6 +143,10 @@ def mark_quantized(linear: nn.Module, scheme: Fp8Scheme, native: bool) -> None:
     linear.fp8_scheme = scheme
     if not native:
         return
+    import torch
+    from torch import nn
+
+    from kernels.fp8 import FP8
     n, k = linear.weight.shape
     if scheme.block is None:
         scale_shape = (n, 1)
@@ -162,6 +167,8 @@ def fill_shard(linear: nn.Module, rows: slice, tensor: torch.Tensor,
     layer, or all of it), into ``linear``: as it is; dequantized (an FP8 tensor into a layer in
     the compute dtype); or quantized per output channel (a bf16 tensor into an FP8 layer, or the
     same rounding simulated in a layer in the compute dtype)."""
+    from kernels.fp8 import FP8, dequantize, quantize_per_channel
+
     scheme: Fp8Scheme | None = getattr(linear, "fp8_scheme", None)
     target = linear.weight.data[rows]
     if target.shape != tensor.shape:
@@ -215,6 +222,8 @@ def _fill_scale(linear: nn.Module, rows: slice, scale: torch.Tensor, scheme: Fp8
 def init_random(linear: nn.Module, generator: torch.Generator, std: float = 0.02) -> None:
     """Random weights for a ``dummy:`` model's layer: normal, quantized per channel when the
     layer is FP8 (in e4m3, or simulated in the compute dtype)."""
+    import torch
+
     if getattr(linear, "fp8_scheme", None) is None:
         linear.weight.data.normal_(0.0, std, generator=generator)
         return

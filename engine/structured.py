@@ -21,12 +21,12 @@ import json
 import re
 from collections.abc import Iterable
 from functools import lru_cache
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import torch
 from pydantic import BaseModel, ConfigDict
 
-from engine.uploads import upload
+if TYPE_CHECKING:
+    import torch
 
 Kind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
 
@@ -120,7 +120,9 @@ _FIELDS = {"json_schema": "response_format.json_schema", "json_object": "respons
 
 def apply_bitmasks(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:
     """Disallowed tokens of ``rows`` to minus infinity, in place, on the logits' device."""
+    import torch
     import xgrammar as xgr
 
+    from engine.uploads import upload
     xgr.apply_token_bitmask_inplace(logits, upload(bitmask, torch.int32, logits.device),
                                     indices=rows)

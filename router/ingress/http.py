@@ -14,8 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine import SamplingParams
-from engine.sampling_params import best_indices, fan_out
+from engine.sampling_params import SamplingParams, best_indices, fan_out
 from router.ingress.chat import StreamSplitter, split_message
 from router.ingress.door import APIKeyMiddleware, BodyLimitMiddleware, StatusCountMiddleware
 from router.ingress.errors import UnknownModel, describe, log_failure, validation_message

@@ -9,8 +9,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from engine import SamplingParams
-from engine.sampling_params import MAX_LOGPROBS
+from engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from engine.structured import StructuredOutput
 
 log = logging.getLogger("ray.serve.baton.protocol")

@@ -20,8 +20,8 @@ from ray.serve.exceptions import BackPressureError
 
 from contracts.messages import TIMELINE, GenerateResult, timeline
 from contracts.metrics import replica_id
-from engine import SamplingParams
-from engine.loader import load_tokenizer, resolve_model
+from engine.sampling_params import SamplingParams
+from engine.model_source import load_tokenizer, resolve_model
 from engine.quantization import resolve_scheme
 from engine.structured import Grammars
 from router.config import RouterConfig

@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 
 from contracts.messages import GenerateRequest, GenerateResult, TokenDelta, serve_logger
 from contracts.token_channel import TokenChannelLost, TokenSink
-from engine import SamplingParams
-from engine.async_engine import EngineDeadError
+from engine.sampling_params import SamplingParams
+from engine.errors import EngineDeadError
 from engine.detokenizer import IncrementalDetokenizer
 from router.ingress.errors import RequestTimeout
 

@@ -1,0 +1,5 @@
+"""Errors the engine's users handle (light to import: no torch)."""
+
+
+class EngineDeadError(RuntimeError):
+    pass

@@ -55,6 +55,23 @@ class Completion:
         return sum(self.logprobs) if self.logprobs is not None else None
 
 
+def append_tokens(out, detok: IncrementalDetokenizer | None, token_ids, logprobs,
+                  top_logprobs) -> bool:
+    """One sequence's new tokens onto ``out`` (anything with ``token_ids``, ``logprobs`` and
+    ``top_logprobs`` lists, the latter two None when not asked for), fed to its detokenizer: True
+    as soon as a stop string appears (the tokens after it are dropped). The offline collector and
+    the ingress's streams both follow a sequence with it."""
+    for i, token in enumerate(token_ids):
+        out.token_ids.append(token)
+        if out.logprobs is not None and logprobs is not None:
+            out.logprobs.append(logprobs[i])
+        if out.top_logprobs is not None and top_logprobs is not None:
+            out.top_logprobs.append(top_logprobs[i])
+        if detok is not None and detok.add(token):
+            return True
+    return False
+
+
 class OutputCollector:
     """Folds one request's deltas into a :class:`Completion`; with a tokenizer it also makes the
     text and applies stop strings (the engine stops on token ids only)."""
@@ -73,15 +90,10 @@ class OutputCollector:
         r = self.result
         if r.finished:
             return True
-        for i, token in enumerate(out.new_token_ids):
-            r.token_ids.append(token)
-            if r.logprobs is not None and out.new_logprobs is not None:
-                r.logprobs.append(out.new_logprobs[i])
-            if r.top_logprobs is not None and out.new_top_logprobs is not None:
-                r.top_logprobs.append(out.new_top_logprobs[i])
-            if self.detok is not None and self.detok.add(token):
-                self._finish("stop", self.detok.stop_reason)
-                return True
+        if append_tokens(r, self.detok, out.new_token_ids, out.new_logprobs,
+                         out.new_top_logprobs):
+            self._finish("stop", self.detok.stop_reason)
+            return True
         r.num_cached_tokens = out.num_cached_tokens
         if out.finished:
             self._finish(out.finish_reason, out.stop_reason)

@@ -14,7 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.sampling_params import SamplingParams, best_indices, fan_out
+from engine.sampling_params import SamplingParams, best_indices
 from router.ingress.chat import StreamSplitter, split_message
 from router.ingress.door import APIKeyMiddleware, BodyLimitMiddleware, StatusCountMiddleware
 from router.ingress.errors import UnknownModel, describe, log_failure, validation_message
@@ -213,14 +213,6 @@ class HttpAdapter:
     def _parsing(self, body) -> tuple[bool, bool]:
         """(reasoning, tools): what a chat answer's text is split into."""
         return self.reasoning_parser == "qwen3", body.tool_mode != "none"
-
-    def _feed(self, batch, params: SamplingParams, rid: str) -> Merged:
-        """Every sequence of the request, prompt by prompt (``num_sequences`` each), merged;
-        one sequence keeps the request's id, several get ``<id>-<i>``."""
-        children = fan_out(params)
-        items = [(ids, child) for ids in batch for child in children]
-        n = len(items)
-        return Merged(self, items, [rid] if n == 1 else [f"{rid}-{i}" for i in range(n)])
 
     def _logprobs(self, chat: bool, chunk_or_stream, offset: int = 0) -> tuple[dict, int]:
         c = chunk_or_stream

@@ -20,7 +20,7 @@ from ray.serve.exceptions import BackPressureError
 
 from contracts.messages import TIMELINE, GenerateResult, timeline
 from contracts.metrics import replica_id
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, fan_out
 from engine.model_source import load_tokenizer, resolve_model
 from engine.quantization import resolve_scheme
 from engine.structured import Grammars
@@ -349,3 +349,11 @@ class RequestService:
             self.check_params(ids, params)
         await self.check_structure(params)
         return batch, params, echo
+
+    def _feed(self, batch, params: SamplingParams, rid: str) -> Merged:
+        """Every sequence of the request, prompt by prompt (``num_sequences`` each), merged;
+        one sequence keeps the request's id, several get ``<id>-<i>``."""
+        children = fan_out(params)
+        items = [(ids, child) for ids in batch for child in children]
+        n = len(items)
+        return Merged(self, items, [rid] if n == 1 else [f"{rid}-{i}" for i in range(n)])

@@ -35,6 +35,7 @@ from contracts.token_channel import TokenChannelLost, TokenSink
 from engine.sampling_params import SamplingParams
 from engine.errors import EngineDeadError
 from engine.detokenizer import IncrementalDetokenizer
+from engine.outputs import append_tokens
 from router.ingress.errors import RequestTimeout
 
 log = serve_logger(__name__)
@@ -134,16 +135,10 @@ class RequestStream:
                 self.on_token(gap, produced_at)
             self._last_produced = produced_at
         self.num_cached_tokens = delta.num_cached_tokens
-        for i, token in enumerate(delta.token_ids):
-            self.token_ids.append(token)
-            if self.logprobs is not None and delta.logprobs is not None:
-                self.logprobs.append(delta.logprobs[i])
-            if self.top_logprobs is not None and delta.top_logprobs is not None:
-                self.top_logprobs.append(delta.top_logprobs[i])
-            if self.detok is not None and self.detok.add(token):
-                self._finish("stop", self.detok.stop_reason)
-                self.cancel()  # the engine stops on ids only: end it there
-                return
+        if append_tokens(self, self.detok, delta.token_ids, delta.logprobs, delta.top_logprobs):
+            self._finish("stop", self.detok.stop_reason)
+            self.cancel()  # the engine stops on ids only: end it there
+            return
         if delta.finished:
             self._finish(delta.finish_reason, delta.stop_reason)
         self._wake.set()

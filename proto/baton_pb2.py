@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11proto/baton.proto\x12\x08\x62\x61ton.v1\"\x84\x07\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x17\n\nmax_tokens\x18\x03 \x01(\rH\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x04 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x05 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x06 \x01(\x05H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x03H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x16\n\x0estop_token_ids\x18\t \x03(\x05\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\x10\n\x08logprobs\x18\x0b \x01(\x08\x12\x12\n\nrequest_id\x18\x0c \x01(\t\x12\r\n\x05model\x18\r \x01(\t\x12\x1d\n\x10presence_penalty\x18\x0e \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0f \x01(\x02H\x07\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x10 \x01(\x02H\x08\x88\x01\x01\x12\x12\n\x05min_p\x18\x11 \x01(\x02H\t\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x12 \x01(\rH\n\x88\x01\x01\x12<\n\nlogit_bias\x18\x13 \x03(\x0b\x32(.baton.v1.GenerateRequest.LogitBiasEntry\x12\x19\n\x0ctop_logprobs\x18\x14 \x01(\rH\x0b\x88\x01\x01\x12\x15\n\x0bjson_schema\x18\x15 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x16 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x17 \x01(\tH\x00\x12#\n\x06\x63hoice\x18\x18 \x01(\x0b\x32\x11.baton.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x19 \x01(\tH\x00\x12\x1e\n\x16\x64isable_any_whitespace\x18\x1a \x01(\x08\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x13\n\x11structured_outputB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x08\n\x06_min_pB\r\n\x0b_min_tokensB\x0f\n\r_top_logprobs\"\x1a\n\x07\x43hoices\x12\x0f\n\x07options\x18\x01 \x03(\t\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xe2\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x10\n\x08logprobs\x18\x05 \x03(\x02\x12\x1e\n\x05usage\x18\x06 \x01(\x0b\x32\x0f.baton.v1.Usage\x12\x0e\n\x06ttft_s\x18\x07 \x01(\x01\x12\x13\n\x0bproduced_at\x18\x08 \x01(\x01\x12+\n\x0ctop_logprobs\x18\t \x03(\x0b\x32\x15.baton.v1.TopLogprobs\"\x0f\n\rHealthRequest\"/\n\x0eHealthResponse\x12\x0e\n\x06status\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t2\xd2\x01\n\x05\x42\x61ton\x12\x41\n\x08Generate\x12\x19.baton.v1.GenerateRequest\x1a\x1a.baton.v1.GenerateResponse\x12I\n\x0eGenerateStream\x12\x19.baton.v1.GenerateRequest\x1a\x1a.baton.v1.GenerateResponse0\x01\x12;\n\x06Health\x12\x17.baton.v1.HealthRequest\x1a\x18.baton.v1.HealthResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11proto/baton.proto\x12\x08\x62\x61ton.v1\"\x9a\x07\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x17\n\nmax_tokens\x18\x03 \x01(\rH\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x04 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x05 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x06 \x01(\x05H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x03H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x16\n\x0estop_token_ids\x18\t \x03(\x05\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\x10\n\x08logprobs\x18\x0b \x01(\x08\x12\x12\n\nrequest_id\x18\x0c \x01(\t\x12\r\n\x05model\x18\r \x01(\t\x12\x1d\n\x10presence_penalty\x18\x0e \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0f \x01(\x02H\x07\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x10 \x01(\x02H\x08\x88\x01\x01\x12\x12\n\x05min_p\x18\x11 \x01(\x02H\t\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x12 \x01(\rH\n\x88\x01\x01\x12<\n\nlogit_bias\x18\x13 \x03(\x0b\x32(.baton.v1.GenerateRequest.LogitBiasEntry\x12\x19\n\x0ctop_logprobs\x18\x14 \x01(\rH\x0b\x88\x01\x01\x12\x15\n\x0bjson_schema\x18\x15 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x16 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x17 \x01(\tH\x00\x12#\n\x06\x63hoice\x18\x18 \x01(\x0b\x32\x11.baton.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x19 \x01(\tH\x00\x12\x1e\n\x16\x64isable_any_whitespace\x18\x1a \x01(\x08\x12\x0e\n\x01n\x18\x1b \x01(\rH\x0c\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x13\n\x11structured_outputB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x08\n\x06_min_pB\r\n\x0b_min_tokensB\x0f\n\r_top_logprobsB\x04\n\x02_n\"\x1a\n\x07\x43hoices\x12\x0f\n\x07options\x18\x01 \x03(\t\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\x9e\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x10\n\x08logprobs\x18\x05 \x03(\x02\x12\x1e\n\x05usage\x18\x06 \x01(\x0b\x32\x0f.baton.v1.Usage\x12\x0e\n\x06ttft_s\x18\x07 \x01(\x01\x12\x13\n\x0bproduced_at\x18\x08 \x01(\x01\x12+\n\x0ctop_logprobs\x18\t \x03(\x0b\x32\x15.baton.v1.TopLogprobs\x12\r\n\x05index\x18\n \x01(\r\x12+\n\x07\x63hoices\x18\x0b \x03(\x0b\x32\x1a.baton.v1.GenerateResponse\"\x0f\n\rHealthRequest\"/\n\x0eHealthResponse\x12\x0e\n\x06status\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t2\xd2\x01\n\x05\x42\x61ton\x12\x41\n\x08Generate\x12\x19.baton.v1.GenerateRequest\x1a\x1a.baton.v1.GenerateResponse\x12I\n\x0eGenerateStream\x12\x19.baton.v1.GenerateRequest\x1a\x1a.baton.v1.GenerateResponse0\x01\x12;\n\x06Health\x12\x17.baton.v1.HealthRequest\x1a\x18.baton.v1.HealthResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,21 +34,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATEREQUEST_LOGITBIASENTRY']._loaded_options = None
   _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_GENERATEREQUEST']._serialized_start=32
-  _globals['_GENERATEREQUEST']._serialized_end=932
-  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_start=695
-  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_end=743
-  _globals['_CHOICES']._serialized_start=934
-  _globals['_CHOICES']._serialized_end=960
-  _globals['_TOPLOGPROBS']._serialized_start=962
-  _globals['_TOPLOGPROBS']._serialized_end=1012
-  _globals['_USAGE']._serialized_start=1014
-  _globals['_USAGE']._serialized_end=1094
-  _globals['_GENERATERESPONSE']._serialized_start=1097
-  _globals['_GENERATERESPONSE']._serialized_end=1323
-  _globals['_HEALTHREQUEST']._serialized_start=1325
-  _globals['_HEALTHREQUEST']._serialized_end=1340
-  _globals['_HEALTHRESPONSE']._serialized_start=1342
-  _globals['_HEALTHRESPONSE']._serialized_end=1389
-  _globals['_BATON']._serialized_start=1392
-  _globals['_BATON']._serialized_end=1602
+  _globals['_GENERATEREQUEST']._serialized_end=954
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_start=711
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_end=759
+  _globals['_CHOICES']._serialized_start=956
+  _globals['_CHOICES']._serialized_end=982
+  _globals['_TOPLOGPROBS']._serialized_start=984
+  _globals['_TOPLOGPROBS']._serialized_end=1034
+  _globals['_USAGE']._serialized_start=1036
+  _globals['_USAGE']._serialized_end=1116
+  _globals['_GENERATERESPONSE']._serialized_start=1119
+  _globals['_GENERATERESPONSE']._serialized_end=1405
+  _globals['_HEALTHREQUEST']._serialized_start=1407
+  _globals['_HEALTHREQUEST']._serialized_end=1422
+  _globals['_HEALTHRESPONSE']._serialized_start=1424
+  _globals['_HEALTHRESPONSE']._serialized_end=1471
+  _globals['_BATON']._serialized_start=1474
+  _globals['_BATON']._serialized_end=1684
 # @@protoc_insertion_point(module_scope)

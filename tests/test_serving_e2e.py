@@ -956,3 +956,22 @@ def test_grpc_and_http_refuse_the_same_request_with_the_same_message(server, stu
         stub.Generate(baton_pb2.GenerateRequest(**grpc_fields), timeout=30)
     assert resp.status_code == 400 and err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert err.value.details() == resp.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_grpc_n_sequences_equal_the_offline_engines(stub, offline, streaming):
+    """gRPC's n as HTTP's: sequence i draws with seed + i and shares the prompt's KV."""
+    from proto import baton_pb2
+    sampled = dict(temperature=1.0, seed=7, max_tokens=8, ignore_eos=True)
+    want = [o.token_ids for o in offline.generate([PROMPTS[0]], SamplingParams(n=3, **sampled))[0]]
+    req = baton_pb2.GenerateRequest(prompt=PROMPTS[0], n=3, **sampled)
+    if streaming:
+        got = {}
+        for msg in stub.GenerateStream(req, timeout=60):
+            got.setdefault(msg.index, []).extend(msg.token_ids)
+        assert [got[i] for i in range(3)] == want
+    else:
+        resp = stub.Generate(req, timeout=60)
+        assert [list(c.token_ids) for c in resp.choices] == want
+        assert [c.index for c in resp.choices] == [0, 1, 2]
+        assert list(resp.token_ids) == want[0] and resp.finish_reason == "length"

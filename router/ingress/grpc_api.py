@@ -40,6 +40,8 @@ def completion_request(req) -> CompletionRequest:
     if req.HasField("top_logprobs") and not req.logprobs:
         raise ValueError("top_logprobs: needs logprobs=true")
     body = {name: getattr(req, name) for name in _GRPC_OPTIONAL if req.HasField(name)}
+    if req.HasField("n"):
+        body["n"] = req.n
     body.update(prompt=req.prompt or list(req.prompt_token_ids), model=req.model or None,
                 stop=list(req.stop) or None, stop_token_ids=list(req.stop_token_ids) or None,
                 ignore_eos=req.ignore_eos,
@@ -90,10 +92,10 @@ class GrpcAdapter:
         return True
 
     async def _grpc_chunks(self, req, grpc_context):
-        """(chunk, stream) of one gRPC request. A failure sets the call's status (a bad request:
-        INVALID_ARGUMENT; overload: RESOURCE_EXHAUSTED, the retry hint in the details, as
-        Serve's gRPC path drops trailing metadata) and ends the iteration. Every call is
-        counted by its status."""
+        """(index, chunk, stream) of one gRPC request's ``n`` sequences, as they come. A failure
+        sets the call's status (a bad request: INVALID_ARGUMENT; overload: RESOURCE_EXHAUSTED,
+        the retry hint in the details, as Serve's gRPC path drops trailing metadata) and ends
+        the iteration. Every call is counted by its status."""
         code = grpc.StatusCode.CANCELLED  # unless it ends here: the client went away
         try:
             if not self._grpc_authorized(grpc_context):
@@ -102,11 +104,12 @@ class GrpcAdapter:
             rid = f"grpc-{uuid.uuid4().hex}"  # the client's request_id is echoed, never a key
             try:
                 ids, params = await self._grpc_inputs(req)
-                async with self.request(ids, params, rid) as stream:
-                    async for chunk in stream.chunks(stream.deadline):
-                        if chunk.finished:
-                            await self.finish(stream)  # the replica's result: timing
-                        yield chunk, stream
+                feed = self._feed([ids], params, rid)
+                try:
+                    async for index, chunk in feed:
+                        yield index, chunk, feed.streams[index]
+                finally:
+                    await feed.aclose()
                 code = grpc.StatusCode.OK
             except Exception as exc:  # noqa: BLE001 - every failure becomes a status
                 failure = describe(exc, rid)
@@ -126,8 +129,11 @@ class GrpcAdapter:
         msg.ttft_s = t.first_token - t.received if t.first_token else 0.0
 
     async def Generate(self, request, grpc_context: RayServegRPCContext):
-        resp = baton_pb2.GenerateResponse()
-        async for chunk, stream in self._grpc_chunks(request, grpc_context):
+        """The whole answer; with ``n`` > 1 every sequence in ``choices`` (and sequence 0 in the
+        top-level fields)."""
+        answers: dict[int, baton_pb2.GenerateResponse] = {}
+        async for index, chunk, stream in self._grpc_chunks(request, grpc_context):
+            resp = answers.setdefault(index, baton_pb2.GenerateResponse(index=index))
             resp.request_id = request.request_id or stream.request_id
             resp.token_ids.extend(chunk.token_ids)
             resp.text += chunk.text
@@ -135,16 +141,24 @@ class GrpcAdapter:
             resp.top_logprobs.extend(_grpc_top(chunk))
             if chunk.finished:
                 self._grpc_final(resp, stream)
-        return resp
+        if not answers:
+            return baton_pb2.GenerateResponse()
+        choices = [answers[i] for i in sorted(answers)]
+        first = baton_pb2.GenerateResponse()
+        first.CopyFrom(choices[0])
+        if len(choices) > 1:  # sequence i ran as "<id>-<i>": the request's own id on top
+            first.choices.extend(choices)
+            first.request_id = request.request_id or choices[0].request_id.rsplit("-", 1)[0]
+        return first
 
     async def GenerateStream(self, request, grpc_context: RayServegRPCContext):
         sent = False
-        async for chunk, stream in self._grpc_chunks(request, grpc_context):
+        async for index, chunk, stream in self._grpc_chunks(request, grpc_context):
             msg = baton_pb2.GenerateResponse(request_id=request.request_id or stream.request_id,
                                              token_ids=chunk.token_ids, text=chunk.text,
                                              logprobs=chunk.logprobs or [],
                                              top_logprobs=_grpc_top(chunk),
-                                             produced_at=chunk.produced_at)
+                                             produced_at=chunk.produced_at, index=index)
             if chunk.finished:
                 self._grpc_final(msg, stream)
             sent = True

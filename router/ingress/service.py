@@ -107,8 +107,9 @@ class Merged:
     are ``(prompt ids, one-sequence params)``, a batch's prompts each fanned out into its ``n``
     (or ``best_of``) sequences. One sequence is followed directly (the hot path); several are
     all started here and each is read by a task of its own, the chunks meeting in a queue.
-    ``streams`` and ``results`` are filled once all have ended; ``aclose`` stops what still
-    runs (a client that left, a failed batch)."""
+    ``streams`` are the sequences' streams once started, ``results`` their replicas' results
+    once all have ended; ``aclose`` stops what still runs (a client that left, a failed
+    batch)."""
 
     def __init__(self, router: "RequestService", items: list[tuple[list[int], SamplingParams]],
                  rids: list[str]):
@@ -125,6 +126,7 @@ class Merged:
         if len(self.items) == 1:
             (ids, params), = self.items
             async with self.router.request(ids, params, self.rids[0]) as stream:
+                self.streams = [stream]
                 async for chunk in stream.chunks(stream.deadline):
                     yield 0, chunk
                 self.streams, self.results = [stream], [await self.router.finish(stream)]
@@ -134,6 +136,7 @@ class Merged:
             streams = [await stack.enter_async_context(
                 self.router.request(ids, params, rid, in_batch=True))
                 for (ids, params), rid in zip(self.items, self.rids)]
+            self.streams = streams
             queue: asyncio.Queue = asyncio.Queue()
 
             async def pump(i: int, stream: RequestStream) -> None:

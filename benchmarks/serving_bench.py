@@ -429,7 +429,7 @@ def serve_layout(layout, config, args, pool, prompts, offline_tokens, fresh_prom
     serve.start(http_options={"host": "127.0.0.1", "port": port},
                 grpc_options={"port": grpc_port,
                               "grpc_servicer_functions":
-                                  ["proto.baton_pb2_grpc.add_BatonServicer_to_server"]})
+                                  ["proto.servicer.add_to_server"]})
     t0 = time.time()
     serve.run(build_app(config), name="baton", route_prefix="/", blocking=False)
     wait_ready(f"http://127.0.0.1:{port}", args.timeout)

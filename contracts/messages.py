@@ -1,16 +1,20 @@
 """The typed messages between the ingress, decode replicas and prefill replicas.
 
 Per request, over Serve calls (placement, routing, cancellation, errors):
-    ingress → decode:  :class:`GenerateRequest`  →  :class:`GenerateResult` when it ends
+    ingress → decode:  :class:`GenerateRequest`  (the call returns nothing; a lost replica or a
+                       fault of the server comes back as the call's exception)
     decode → prefill:  :class:`PrefillRequest`   →  :class:`PrefillResult` once the KV is pushed
 Per engine step, over the token channel (:mod:`contracts.token_channel`):
-    decode → ingress:  :class:`TokenDelta` of every request of that ingress, in one frame
+    decode → ingress:  :class:`TokenDelta` of every request of that ingress, in one frame;
+                       after a request's last delta, its :class:`GenerateResult` (usage,
+                       transfer, timings, or the refusal of a bad request): one path back for
+                       an answer, in order behind its tokens
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
 from engine.sampling_params import SamplingParams
@@ -82,21 +86,54 @@ class DecodeTiming:
 
 
 @dataclass
+class TransferSummary:
+    """One hand-over as the ingress reports it (the fields of ``kvtransfer.TransferStats``,
+    without importing the transfer layer)."""
+
+    bytes: int = 0
+    blocks_sent: int = 0
+    blocks_skipped: int = 0
+    descriptors: int = 0
+    seconds: float = 0.0
+    backend: str = ""
+    src_node: str = ""
+    dst_node: str = ""
+
+    @classmethod
+    def of(cls, stats: TransferStats | None) -> TransferSummary | None:
+        return None if stats is None else cls(**asdict(stats))
+
+
+@dataclass
 class GenerateResult:
-    """What a decode replica returns when a request ends (its tokens went over the channel)."""
+    """How a request ended on its decode replica; sent after its last tokens on the token
+    channel."""
 
     request_id: str
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int
     finish_reason: str | None
-    transfer: TransferStats | None = None  # disaggregated only
+    transfer: TransferSummary | None = None  # disaggregated only
     prefill_seconds: float = 0.0  # the prefill replica's time from queue to first token
     timing: DecodeTiming = field(default_factory=DecodeTiming)
-    # Set when the decode replica refused the request as bad input only it can check (a prompt
-    # its KV cache cannot hold): nothing was generated; the ingress answers 400 with this text.
-    # Returned, not raised, so the replica logs one line instead of a traceback.
+    # Set when the request was refused as bad input only a replica can check (a prompt its KV
+    # cache cannot hold, a grammar that does not compile): nothing was generated; the ingress
+    # answers 400 (``BadRequest``) with this text. Sent, not raised, so the replica logs one
+    # line instead of a traceback.
     error: str | None = None
+
+    def to_wire(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_wire(cls, d: dict) -> GenerateResult:
+        timing = dict(d.get("timing") or {})
+        prefill = timing.pop("prefill", None)
+        transfer = d.get("transfer")
+        return cls(**{**d, "timing": DecodeTiming(**timing, prefill=PrefillTiming(**prefill)
+                                                   if prefill else None),
+                      "transfer": TransferSummary(**transfer) if transfer else None})
 
 
 @dataclass(frozen=True)

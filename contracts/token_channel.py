@@ -8,13 +8,18 @@ the sink's key → :meth:`TokenPublisher.route` ties a request to that connectio
 engine step :meth:`TokenPublisher.publish` (engine thread) packs one frame per sink → the event
 loop writes it → the sink hands each delta to its request's handler. A request's route ends
 with its last delta (its ``done`` future resolves) or with :meth:`TokenPublisher.unroute`; a
-connection that drops fails the ``done`` future of every request routed over it.
+connection that drops fails the ``done`` future of every request routed over it. Once the
+request has ended, :meth:`TokenPublisher.end` sends its result (a dict: usage, timings, or the
+refusal of a bad request) on the same connection, behind its last delta; the sink hands it to
+the request's ``on_end``. A sink whose connection drops tells ``on_lost`` of every request that
+had frames on it.
 
 Frames: a 4-byte big-endian length, then msgpack. The first is the publisher's hello
 ``[PROTOCOL, key, publisher_id]``; then ``[produced_at, [[request_id, token_ids, logprobs,
 finish_reason, stop_reason, num_output_tokens, num_cached_tokens, top_logprobs], ...]]``
 (``top_logprobs``: per token, ``[[id, logprob], ...]``, or nil), ``produced_at``
-being the ``time.time()`` at which the engine step's tokens were known.
+being the ``time.time()`` at which the engine step's tokens were known; an end frame is
+``[produced_at, [], [[request_id, result], ...]]``.
 """
 
 from __future__ import annotations
@@ -33,12 +38,14 @@ from contracts.messages import StreamAddress, TokenDelta
 from engine.outputs import RequestOutput
 
 log = logging.getLogger(__name__)
-PROTOCOL = 2
+PROTOCOL = 3
 HELLO_TIMEOUT_S = 5.0
 MAX_FRAME_BYTES = 64 << 20
 _LEN = struct.Struct(">I")
 
 DeltaHandler = Callable[[TokenDelta, float], None]
+EndHandler = Callable[[dict], None]
+LostHandler = Callable[[], None]
 
 
 class TokenChannelLost(ConnectionError):
@@ -57,9 +64,14 @@ def encode_step(produced_at: float, outputs: Iterable[RequestOutput]) -> bytes:
                                  for o in outputs]])
 
 
-def decode_step(payload: bytes) -> tuple[float, list[TokenDelta]]:
-    produced_at, rows = msgpack.unpackb(payload, raw=False)
-    return produced_at, [TokenDelta(*row) for row in rows]
+def encode_end(request_id: str, result: dict) -> bytes:
+    return _frame([time.time(), [], [[request_id, result]]])
+
+
+def decode_step(payload: bytes) -> tuple[float, list[TokenDelta], list]:
+    """``(produced_at, deltas, ends)``; ``ends``: ``[request_id, result]`` pairs."""
+    produced_at, rows, *rest = msgpack.unpackb(payload, raw=False)
+    return produced_at, [TokenDelta(*row) for row in rows], rest[0] if rest else []
 
 
 async def _read_frame(reader: asyncio.StreamReader) -> bytes:
@@ -79,6 +91,8 @@ class TokenSink:
         self.sink_id = uuid.uuid4().hex
         self.address: StreamAddress | None = None
         self._handlers: dict[str, DeltaHandler] = {}
+        self._on_end: dict[str, EndHandler] = {}
+        self._on_lost: dict[str, LostHandler] = {}
         self._server: asyncio.Server | None = None
         self._writers: set[asyncio.StreamWriter] = set()
         self._tasks: set[asyncio.Task] = set()
@@ -93,16 +107,24 @@ class TokenSink:
                 self.address = StreamAddress(self.host, port, self.key, self.sink_id)
         return self.address
 
-    def register(self, request_id: str, handler: DeltaHandler) -> None:
+    def register(self, request_id: str, handler: DeltaHandler, on_end: EndHandler | None = None,
+                 on_lost: LostHandler | None = None) -> None:
         self._handlers[request_id] = handler
+        if on_end is not None:
+            self._on_end[request_id] = on_end
+        if on_lost is not None:
+            self._on_lost[request_id] = on_lost
 
     def unregister(self, request_id: str) -> None:
         self._handlers.pop(request_id, None)
+        self._on_end.pop(request_id, None)
+        self._on_lost.pop(request_id, None)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = writer.get_extra_info("peername")
         self._writers.add(writer)
         self._tasks.add(asyncio.current_task())
+        seen: set[str] = set()  # requests with frames on this connection
         try:
             hello = msgpack.unpackb(await asyncio.wait_for(_read_frame(reader), HELLO_TIMEOUT_S))
             if not (isinstance(hello, list) and len(hello) == 3 and hello[0] == PROTOCOL
@@ -110,20 +132,30 @@ class TokenSink:
                 log.warning("token sink: refused a publisher from %s (bad hello)", peer)
                 return
             while True:
-                produced_at, deltas = decode_step(await _read_frame(reader))
+                produced_at, deltas, ends = decode_step(await _read_frame(reader))
                 self.num_frames += 1
                 for delta in deltas:
                     handler = self._handlers.get(delta.request_id)
                     if handler is not None:
+                        seen.add(delta.request_id)
                         handler(delta, produced_at)
+                for rid, result in ends:
+                    seen.discard(rid)
+                    on_end = self._on_end.get(rid)
+                    if on_end is not None:
+                        on_end(result)
         except (asyncio.IncompleteReadError, ConnectionError, asyncio.TimeoutError):
-            pass  # the publisher went away; its requests fail through their Serve calls
+            pass  # the publisher went away: its requests learn it below or by their calls
         except Exception:  # noqa: BLE001 - a malformed frame ends that connection only
             log.exception("token sink: dropped the connection from %s", peer)
         finally:
             self._writers.discard(writer)
             self._tasks.discard(asyncio.current_task())
             writer.close()
+            for rid in seen:
+                on_lost = self._on_lost.get(rid)
+                if on_lost is not None:
+                    on_lost()
 
     async def close(self) -> None:
         """Stop listening and drop every publisher (their requests fail on their side). The
@@ -262,6 +294,11 @@ class TokenPublisher:
                 route.conn.routes.discard(out.request_id)
             if not route.done.done():
                 route.done.set_result(out)
+
+    def end(self, conn: _Connection, request_id: str, result: dict) -> None:
+        """Send a request's result behind its last delta (event loop; after ``route.done``)."""
+        if conn.alive:
+            conn.writer.write(encode_end(request_id, result))
 
     def fail_all(self, exc: BaseException) -> None:
         """Fail every routed request (any thread): the engine behind them is gone."""

@@ -6,12 +6,10 @@ from dataclasses import asdict
 
 from ray import serve
 
-from contracts.messages import GenerateRequest, GenerateResult, serve_logger
+from contracts.messages import GenerateRequest
 from decode_worker.server import DecodeServer
 from engine import EngineConfig
 from kvtransfer.directory import PeerDirectory
-
-log = serve_logger(__name__)
 
 
 @serve.deployment(name="DecodeServer", ray_actor_options={"num_cpus": 0.5},
@@ -24,15 +22,11 @@ class DecodeDeployment:
         self.server = DecodeServer(EngineConfig(**engine), backend, prefill, transfer_timeout_s,
                                    directory)
 
-    async def generate(self, req: GenerateRequest) -> GenerateResult:
-        """Runs the request to its end; its tokens go to ``req.reply_to`` step by step. Bad
-        input the engine alone can check comes back as ``GenerateResult.error``."""
-        try:
-            return await self.server.generate(req)
-        except ValueError as exc:  # bad input (a transfer's failure is no ValueError)
-            log.info("request %s refused: %s", req.request_id, exc)
-            return GenerateResult(req.request_id, len(req.prompt_token_ids), 0, 0, None,
-                                  error=str(exc))
+    async def generate(self, req: GenerateRequest) -> None:
+        """Runs the request to its end; its tokens, then its result (or the refusal of bad
+        input only a replica can check), go to ``req.reply_to``: the answer's one path back.
+        The call itself returns nothing; it raises when the server fails."""
+        await self.server.generate(req)
 
     async def kv_load(self) -> dict:
         return self.server.kv_load()

@@ -7,8 +7,8 @@ reserves blocks (local prefix hits are kept, not asked for) and leases them to t
 in one engine command → call a prefill replica with the destination → :meth:`DecodeServer.admit`
 waits for the KV to land and admits the request into the running batch with the prefill's first
 token → after each engine step the publisher packs that step's tokens, one frame per ingress
-replica, on the engine thread → the call returns a :class:`GenerateResult` once the request has
-ended. In colocated mode, when blocks cannot be reserved right now, or when the prefill replica
+replica, on the engine thread → once the request has ended, its :class:`GenerateResult` follows
+its last tokens on the same connection (the Serve call returns nothing). In colocated mode, when blocks cannot be reserved right now, or when the prefill replica
 refuses the call (its queue is full) or is gone, the request is prefilled here.
 
 Each hand-over has one owner, a :class:`HandOver` kept by request id from the reservation to the
@@ -25,10 +25,12 @@ import logging
 import time
 
 from contracts.messages import (TIMELINE, DecodeTiming, GenerateRequest, GenerateResult,
-                                PrefillRequest, PrefillResult, serve_logger, timeline)
+                                PrefillRequest, PrefillResult, TransferSummary, serve_logger,
+                                timeline)
 from contracts.token_channel import TokenPublisher
 from contracts.metrics import EngineMetrics, TransferMetrics, replica_id
 from engine.async_engine import AsyncEngine
+from engine.errors import BadRequest
 from engine.sampling_params import SamplingParams
 from kvtransfer import (KVDestination, PushNotStarted, Transfer, TransferError, TransferState,
                         TransportUnavailableError, endpoint_for)
@@ -120,12 +122,16 @@ class DecodeServer:
                 "output_tokens": self.aengine.engine.stats.output_tokens}
 
     async def generate(self, req: GenerateRequest) -> GenerateResult:
+        """Run the request to its end; its tokens, then its :class:`GenerateResult`, go to
+        ``req.reply_to``. A request refused as bad input (:class:`BadRequest`: a grammar that
+        does not compile, a prompt the KV cache cannot hold) gets its refusal there too; any
+        other failure raises."""
         timing = DecodeTiming(received=time.time(), replica=self.replica)
         rid, prompt = req.request_id, list(req.prompt_token_ids)
-        await self.aengine.compile_grammar(req.params)  # off the engine thread
         route = self.publisher.route(rid, await self.publisher.connect(req.reply_to))
         prefilled: PrefillResult | None = None
         try:
+            await self.aengine.compile_grammar(req.params)  # off the engine thread
             if self.prefill is not None:
                 prefilled = await self._remote_prefill(req, prompt, timing)
             if prefilled is None:  # colocated, or nothing reserved: prefill here
@@ -138,19 +144,27 @@ class DecodeServer:
             self.publisher.unroute(rid)
             self.abort(rid)
             timing.first_token, timing.finished = route.first_at, time.time()
+            if isinstance(exc, BadRequest):  # the client's error: one line, answered in-band
+                log.info("request %s refused: %s", rid, exc)
+                result = GenerateResult(rid, len(prompt), 0, 0, None, timing=timing,
+                                        error=str(exc))
+                self.publisher.end(route.conn, rid, result.to_wire())
+                return result
             outcome = "cancelled" if isinstance(exc, asyncio.CancelledError) else \
                 f"error {type(exc).__name__}"
             _log_timeline(rid, outcome, timing, prefilled, None)
             raise
         timing.first_token, timing.finished = route.first_at, time.time()
         _log_timeline(rid, last.finish_reason, timing, prefilled, last.num_output_tokens)
-        return GenerateResult(
+        result = GenerateResult(
             request_id=rid, num_prompt_tokens=len(prompt),
             num_output_tokens=last.num_output_tokens, num_cached_tokens=last.num_cached_tokens,
             finish_reason=last.finish_reason,
-            transfer=prefilled.stats if prefilled is not None else None,
+            transfer=TransferSummary.of(prefilled.stats) if prefilled is not None else None,
             prefill_seconds=prefilled.prefill_seconds if prefilled is not None else 0.0,
             timing=timing)
+        self.publisher.end(route.conn, rid, result.to_wire())
+        return result
 
     async def _remote_prefill(self, req: GenerateRequest, prompt: list[int],
                               timing: DecodeTiming) -> PrefillResult | None:

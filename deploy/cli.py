@@ -22,7 +22,7 @@ DEMO_PROMPTS = [
     "Once upon a time there was a small engine",
     "Question: what is two plus two? Answer:",
 ]
-GRPC_SERVICER = "proto.baton_pb2_grpc.add_BatonServicer_to_server"
+GRPC_SERVICER = "proto.servicer.add_to_server"
 
 
 # -- offline --------------------------------------------------------------------------------

@@ -8,6 +8,10 @@
   ingress replica, a request whose replica closed the connection without answering (it died).
 - ``RAY_SERVE_THROUGHPUT_OPTIMIZED=1``: Serve's own throughput profile (user code on the
   replica's event loop, gRPC between handles and replicas, direct ingress).
+- ``RAY_SERVE_GRPC_MAX_MESSAGE_SIZE=4194304``: the gRPC port refuses a message over 4 MiB
+  (``RESOURCE_EXHAUSTED``) from its length, before reading it. Serve's default is 2 GiB: a
+  500 MB prompt was read whole and refused only after 12 s, the ingress peaking at 2.4 GB and
+  keeping 970 MB. HTTP bodies have their own bound (``router.max_request_bytes``).
 
 Both are read when Ray's processes start, so they belong in the environment of ``ray start`` (see
 ``cluster.yaml``) or of the driver that calls ``ray.init`` for a local cluster. The app runs
@@ -32,6 +36,8 @@ import shutil
 import socket
 
 THROUGHPUT = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
+GRPC_MAX_MESSAGE_BYTES = 4 << 20
+LIMITS = {"RAY_SERVE_GRPC_MAX_MESSAGE_SIZE": str(GRPC_MAX_MESSAGE_BYTES)}
 # A request HAProxy sent to an ingress replica that died before answering (its keep-alive
 # connection was still open) is sent to another one instead of failing: nothing had reached the
 # client, and the decode replicas abort whatever the dead ingress had started.
@@ -47,7 +53,7 @@ def haproxy_available() -> bool:
 
 def serve_env() -> dict[str, str]:
     """The variables to start Ray with (HAProxy only where its binary is installed)."""
-    return {**THROUGHPUT, **(HAPROXY if haproxy_available() else {}),
+    return {**THROUGHPUT, **LIMITS, **(HAPROXY if haproxy_available() else {}),
             "RAY_USAGE_STATS_ENABLED": "0"}
 
 

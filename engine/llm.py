@@ -7,6 +7,7 @@ from collections.abc import Sequence as Seq
 from tqdm.auto import tqdm
 
 from engine.config import EngineConfig
+from engine.errors import BadRequest
 from engine.llm_engine import LLMEngine, Prompt
 from engine.outputs import Completion, OutputCollector
 from engine.sampling_params import SamplingParams, best_indices, fan_out
@@ -42,9 +43,7 @@ class LLM:
         else:
             params = list(sampling_params)
             if len(params) != len(prompts):
-                raise ValueError(f"sampling_params: {len(params)} given for {len(prompts)} prompts")
-        if any(p.stop for p in params) and self.tokenizer is None:
-            raise ValueError("stop: stop strings need a tokenizer; use stop_token_ids")
+                raise BadRequest(f"sampling_params: {len(params)} given for {len(prompts)} prompts")
         # Validate everything before queueing anything, so a bad prompt leaves no request behind.
         token_ids = [self.engine.tokenize(p) for p in prompts]
         for p in params:

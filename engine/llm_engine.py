@@ -31,6 +31,7 @@ import torch
 from engine.block_pool import BlockPool
 from engine.kv_cache_manager import KVCacheManager
 from engine.config import EngineConfig, parse_dtype
+from engine.errors import BadRequest
 from engine.loader import load_model, load_tokenizer, resolve_model
 from engine.model_runner import ModelRunner
 from engine.outputs import RequestOutput, TopLogprobs
@@ -39,6 +40,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import FinishReason, Sequence
 from engine.structured import Grammars
+from engine.validation import RequestChecks
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +113,8 @@ class LLMEngine:
                                 progress=config.show_progress, quantization=config.quantization)
         self.tokenizer = load_tokenizer(self.source)
         self.eos_token_ids = self._eos_ids()
+        self.checks = RequestChecks(self.source.name, self.vocab_size, self.max_model_len,
+                                    self.tokenizer is not None)
         self.runner = ModelRunner(self.model, config, self.device, self.dtype, self.max_model_len)
         if self.device.type == "cuda":
             self.runner.warm_up(progress=config.show_progress)
@@ -161,9 +165,7 @@ class LLMEngine:
     # -- requests ---------------------------------------------------------------------------
     def tokenize(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError(f"prompt: model {self.source.name!r} has no tokenizer; "
-                                 "pass token ids instead of text")
+            self.checks.text()
             ids = self.tokenizer.encode(prompt, add_special_tokens=False)
         else:
             ids = list(prompt)
@@ -171,37 +173,24 @@ class LLMEngine:
         return ids
 
     def validate_prompt(self, ids: list[int]) -> None:
-        if not ids:
-            raise ValueError("prompt: must not be empty")
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            raise ValueError("prompt: token ids must be integers")
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt: token ids {bad[:5]} are outside the vocabulary "
-                             f"[0, {self.vocab_size})")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt: {len(ids)} tokens leave no room to generate within the "
-                             f"model's context of {self.max_model_len} tokens")
+        self.checks.prompt(ids)
         blocks = -(-(len(ids) + 1) // self.config.block_size)
         if blocks > self.pool.num_usable_blocks:
-            raise ValueError(f"prompt: {len(ids)} tokens need {blocks} KV blocks; the cache has "
+            raise BadRequest(f"prompt: {len(ids)} tokens need {blocks} KV blocks; the cache has "
                              f"{self.pool.num_usable_blocks}")
 
     def validate_params(self, params: SamplingParams) -> None:
-        """What only the model can check: token ids the parameters name are in its vocabulary,
-        and a structured output compiles for its tokenizer (cached)."""
-        bad = [t for t in params.token_ids_used() if t >= self.vocab_size]
-        if bad:
-            raise ValueError(f"logit_bias/stop_token_ids: token ids {bad[:5]} are outside the "
-                             f"vocabulary [0, {self.vocab_size})")
+        """The shared checks (:mod:`engine.validation`), and a structured output compiles for
+        the tokenizer (cached by spec)."""
+        self.checks.params(params)
         if params.structured_output is not None:
-            self.grammars.compile(params.structured_output)  # a bad spec: ValueError
+            self.grammars.compile(params.structured_output)  # a bad spec: BadRequest
 
     @functools.cached_property
     def grammars(self) -> Grammars:
         """The model's structured-output compiler (made at the first request that needs it)."""
         if self.tokenizer is None:
-            raise ValueError(f"structured output: model {self.source.name!r} has no tokenizer")
+            raise BadRequest(f"structured output: model {self.source.name!r} has no tokenizer")
         return Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids)
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
@@ -217,12 +206,12 @@ class LLMEngine:
                       request_id: str | None) -> Sequence:
         params = params or SamplingParams()
         if params.num_sequences > 1:
-            raise ValueError(f"n/best_of: an engine request is one sequence, got "
+            raise BadRequest(f"n/best_of: an engine request is one sequence, got "
                              f"{params.num_sequences}; fan it out (engine.sampling_params.fan_out)")
         self.validate_params(params)
         ids = self.tokenize(prompt)
         if request_id is not None and self.scheduler.find(request_id) is not None:
-            raise ValueError(f"request_id: {request_id!r} is already in use")
+            raise BadRequest(f"request_id: {request_id!r} is already in use")
         seq = Sequence(request_id or uuid.uuid4().hex, ids, params)
         self.stats.prompt_tokens += len(ids)
         if params.seed is not None:
@@ -266,7 +255,7 @@ class LLMEngine:
         if seq is None:
             raise KeyError(f"request {request_id!r} has no reserved blocks")
         if not 0 <= first_token < self.vocab_size:
-            raise ValueError(f"first_token: {first_token} is outside the vocabulary")
+            raise BadRequest(f"first_token: {first_token} is outside the vocabulary")
         self.scheduler.admit_transferred(seq)
         self._append_token(seq, first_token, first_logprob)
         asked = seq.params.logprobs is not None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 
+from engine.errors import BadRequest
 from engine.structured import StructuredOutput
 
 MAX_LOGPROBS = 20  # top_logprobs per token, as OpenAI allows
@@ -28,7 +29,7 @@ class SamplingParams(BaseModel):
     distribution (before any of the changes above).
 
     ``n`` and ``best_of`` are for whoever fans a request out (:func:`fan_out`): the engine runs
-    one sequence per request. Invalid values raise ``ValueError`` naming the field.
+    one sequence per request. Invalid values raise :class:`engine.errors.BadRequest` (a ``ValueError``) naming the field.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
@@ -55,13 +56,15 @@ class SamplingParams(BaseModel):
     # Set by whoever resumes a request elsewhere with its tokens so far appended to the prompt
     # (migration): the prompt's last ``num_resumed_tokens`` are output, for the penalties.
     num_resumed_tokens: int = 0
+    # Scheduling priority (vLLM's ``priority``): lower runs first; equal ones in arrival order.
+    priority: int = 0
 
     def __init__(self, **data):
         try:
             super().__init__(**data)
         except ValidationError as exc:
             # pydantic's ValidationError is a ValueError already; re-raise with a flat message.
-            raise ValueError(_flatten(exc)) from None
+            raise BadRequest(_flatten(exc)) from None
 
     @field_validator("stop", mode="before")
     @classmethod

@@ -1,7 +1,10 @@
 """Continuous batching with chunked prefill under a token budget and preemption by recompute.
 
-Queues: ``waiting`` (FIFO; preempted sequences go back to its front) → ``running`` (admission
-order, which is also priority: the most recently admitted is preempted first).
+Queues: ``waiting`` → ``running``, both ordered by the request's ``priority`` (lower first, as
+vLLM's priority scheduling; 0 by default), then by arrival: a new sequence goes behind those of
+its priority, a preempted one back in front of them. ``running`` is in admission order within a
+priority, which is also the order of preemption, from the end: the worst priority's most
+recently admitted sequence is preempted first.
 
 Each step spends ``max_num_batched_tokens``: running sequences first (one token each when
 decoding, the next chunk when still prefilling), then waiting sequences are admitted while
@@ -67,7 +70,7 @@ class Scheduler:
 
     # -- queue management -------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        _insert(self.waiting, seq, front=False)
         self.requests[seq.request_id] = seq
 
     def has_unfinished(self) -> bool:
@@ -125,7 +128,7 @@ class Scheduler:
         seq.num_computed_tokens = seq.num_tokens
         self.kv.commit(seq)
         seq.status = SequenceStatus.RUNNING
-        self.running.append(seq)
+        _insert(self.running, seq, front=False)
 
     # -- one step ---------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
@@ -171,7 +174,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.kv.free(seq)
         seq.reset_for_recompute()
-        self.waiting.appendleft(seq)
+        _insert(self.waiting, seq, front=True)
         self.num_preemptions += 1
 
     def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
@@ -198,7 +201,7 @@ class Scheduler:
             seq.num_computed_tokens = computed
             seq.status = SequenceStatus.RUNNING
             self.waiting.popleft()
-            self.running.append(seq)
+            _insert(self.running, seq, front=False)
             self._started(seq)
             batch.seqs.append(seq)
             batch.num_new_tokens.append(n)
@@ -221,3 +224,19 @@ class Scheduler:
             if seq.num_computed_tokens == seq.num_tokens:
                 due.append(seq)
         return due
+
+
+def _insert(queue, seq: Sequence, front: bool) -> None:
+    """Put ``seq`` among the sequences of its priority: behind them (``front=False``) or before
+    them; a queue of one priority is plain FIFO (append / appendleft)."""
+    p = seq.params.priority
+    if not queue or (queue[-1].params.priority <= p if not front else False):
+        queue.append(seq)
+        return
+    if front and queue[0].params.priority >= p:
+        queue.insert(0, seq)
+        return
+    i = next((k for k, other in enumerate(queue)
+              if (other.params.priority > p if not front else other.params.priority >= p)),
+             len(queue))
+    queue.insert(i, seq)

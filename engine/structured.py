@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from engine.errors import BadRequest
+
 if TYPE_CHECKING:
     import torch
 
@@ -47,7 +49,7 @@ class StructuredOutput(BaseModel):
     def choice(cls, options: Iterable[str]) -> "StructuredOutput":
         options = list(options)
         if not options or not all(isinstance(o, str) and o for o in options):
-            raise ValueError("guided_choice: give a list of non-empty strings")
+            raise BadRequest("guided_choice: give a list of non-empty strings")
         return cls(kind="choice", spec=json.dumps(options))
 
     @classmethod
@@ -95,14 +97,14 @@ class Grammars:
                 return c.compile_grammar("root ::= " + " | ".join(json.dumps(o) for o in options))
             return c.compile_grammar(so.spec)
         except (RuntimeError, ValueError) as exc:
-            raise ValueError(f"{_FIELDS[so.kind]}: {xgrammar_message(exc)}") from None
+            raise BadRequest(f"{_FIELDS[so.kind]}: {xgrammar_message(exc)}") from None
 
     def matcher(self, so: StructuredOutput, replay: Iterable[int] = ()):
         """A new sequence's matcher, advanced through ``replay`` (tokens it already made)."""
         m = self._xgr.GrammarMatcher(self.compile(so))
         for token in replay:
             if not m.accept_token(token):
-                raise ValueError(f"{_FIELDS[so.kind]}: the resumed tokens do not follow it")
+                raise BadRequest(f"{_FIELDS[so.kind]}: the resumed tokens do not follow it")
         return m
 
     def bitmasks(self, num_rows: int, matchers: dict[int, object]) -> torch.Tensor:

@@ -43,7 +43,7 @@ from loadtests.report import write_report
 
 ROOT = Path(__file__).resolve().parents[1]
 LOCUSTFILE = Path(__file__).with_name("locustfile.py")
-GRPC_SERVICER = "proto.baton_pb2_grpc.add_BatonServicer_to_server"
+GRPC_SERVICER = "proto.servicer.add_to_server"
 APP_NAME = "baton-sweep"
 
 

@@ -22,6 +22,13 @@ class RouterConfig(BaseModel):
     max_queued_requests: int = Field(1024, ge=-1)
     model_name: str | None = None  # the name served in /v1/models (default: the model spec)
     request_timeout_s: float = Field(300.0, gt=0)
+    # A request with no first token this long after it arrived (every decode replica busy with
+    # earlier work) is aborted and answered 429 with Retry-After, rather than left in a queue.
+    # None: no bound but request_timeout_s.
+    first_token_timeout_s: float | None = Field(60.0, gt=0)
+    # Sequences one request may run (prompts of a batch × n or best_of): more is a 400 at once,
+    # not a request that holds every slot (or could never be admitted).
+    max_sequences_per_request: int = Field(256, ge=1)
     max_tokens_default: int = Field(16, ge=1)
     # Clients must send `Authorization: Bearer <key>` (gRPC: the same metadata) on every path but
     # /health and /metrics when a key is set. Prefer the BATON_API_KEY environment variable of

@@ -48,22 +48,28 @@ class PrefillHandle:
 
 async def generate(decode, sink: TokenSink, prompt: list[int], rid: str,
                    params: SamplingParams) -> tuple[list[int], GenerateResult]:
-    """One request through ``decode.generate``: every token the sink received, and the result."""
-    tokens, done = [], asyncio.Event()
+    """One request through ``decode.generate``: every token the sink received, and the result as
+    it came on the channel behind them (the ingress's one path; asserted equal to the one
+    ``generate`` returns)."""
+    tokens, ends, done = [], [], asyncio.Event()
 
     def on_delta(delta, _at):
+        assert not ends, "a delta after the request's result"
         tokens.extend(delta.token_ids)
-        if delta.finished:
-            done.set()
 
-    sink.register(rid, on_delta)
+    def on_end(record):
+        ends.append(GenerateResult.from_wire(record))
+        done.set()
+
+    sink.register(rid, on_delta, on_end)
     try:
-        result = await decode.generate(GenerateRequest(tuple(prompt), params, rid,
-                                                       await sink.start()))
+        returned = await decode.generate(GenerateRequest(tuple(prompt), params, rid,
+                                                         await sink.start()))
         await asyncio.wait_for(done.wait(), 30)
     finally:
         sink.unregister(rid)
-    return tokens, result
+    assert ends == [returned]
+    return tokens, ends[0]
 
 
 def idle(server) -> bool:

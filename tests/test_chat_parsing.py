@@ -34,7 +34,38 @@ def test_a_stream_splits_as_the_whole_text_does(text, step):
         got[kind] = (got[kind] or "") + piece
     assert got["reasoning_content"] == whole[0]
     assert got["content"] == whole[1]
-    assert [c["function"] for c in s.tool_calls] == [c["function"] for c in whole[2]]
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+            for c in s.tool_calls] == [(c["function"]["name"],
+                                        json.loads(c["function"]["arguments"]))
+                                       for c in whole[2]]
+
+
+@pytest.mark.parametrize("step", [1, 3, 1000])
+def test_tool_call_arguments_stream_as_they_are_generated(step):
+    """OpenAI's streamed form: a first delta with index, id, type and name, then the arguments'
+    JSON in pieces that join to the call's arguments; nothing of the closing markup."""
+    args = '{"city": "Paris", "days": [1, 2], "opts": {"units": "metric"}}'
+    text = ("Checking.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": " + args +
+            "}\n</tool_call>\n<tool_call>\n{\"arguments\": {}, \"name\": \"now\"}\n</tool_call>")
+    s = StreamSplitter(reasoning=True, tools=True)
+    deltas, content, when = [], "", []
+    for i in range(0, len(text), step):
+        content += "".join(t for _, t in s.feed(text[i:i + step]))
+        new = s.take_calls()
+        deltas += new
+        when += [i] * len(new)
+    content += "".join(t for _, t in s.finish())
+    deltas += s.take_calls()
+    assert content == "Checking."
+    first, rest = deltas[0], [d for d in deltas if d["index"] == 0][1:]
+    assert first["function"] == {"name": "get_weather", "arguments": ""}
+    assert first["id"].startswith("call_") and first["type"] == "function"
+    assert "".join(d["function"]["arguments"] for d in rest) == args
+    if step == 1:  # the arguments went out while the call was being written
+        assert len(rest) > 10 and when[1] < text.index("</tool_call>")
+    second = [d for d in deltas if d["index"] == 1]  # arguments first: whole, at its close
+    assert len(second) == 1 and second[0]["function"]["name"] == "now"
+    assert json.loads(second[0]["function"]["arguments"]) == {}
 
 
 def test_whole_texts():

@@ -278,3 +278,28 @@ def test_a_push_whose_deadline_passed_before_it_started_says_so(roles):
         await until_idle(decode, prefill)
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("disaggregated", [False, True])
+def test_bad_input_only_a_replica_can_check_is_refused_on_the_channel(roles, disaggregated):
+    """A grammar that does not compile, or a prompt the model cannot run: the refusal comes
+    as the request's result on the token channel (the ingress's 400), nothing raises, nothing
+    is held."""
+    from engine.structured import StructuredOutput
+
+    prefill, _, decode = roles(disaggregated=disaggregated)
+    bad_grammar = GREEDY.model_copy(update={"structured_output": StructuredOutput(
+        kind="regex", spec="(unclosed")})
+    too_long = list(range(1, 200)) * 25  # beyond the context
+
+    async def main():
+        sink = TokenSink()
+        for i, (prompt, params, says) in enumerate([
+                (PROMPTS[0], bad_grammar, "guided_regex"),
+                (too_long, GREEDY, "leave no room")]):
+            tokens, result = await generate(decode, sink, prompt, f"bad{i}", params)
+            assert tokens == [] and result.error is not None and says in result.error
+        await until_idle(*(s for s in (prefill, decode) if s is not None))
+        await sink.close()
+
+    asyncio.run(main())

@@ -87,6 +87,31 @@ def test_grpc_needs_the_key(server):
         assert stub.Health(baton_pb2.HealthRequest(), timeout=10).status == "ok"
 
 
+def test_grpc_bytes_that_do_not_parse_and_oversized_messages_are_refused(server):
+    """Invalid UTF-8 in a string field: INVALID_ARGUMENT with the parser's reason (not UNKNOWN);
+    a message over 4 MiB: RESOURCE_EXHAUSTED at once, from its length, before it is read."""
+    import grpc
+
+    from proto import baton_pb2
+    _, address = server
+    ok = [("authorization", f"Bearer {KEY}")]
+    with grpc.insecure_channel(address, options=[("grpc.max_send_message_length",
+                                                  64 << 20)]) as channel:
+        raw = channel.unary_unary("/baton.v1.Baton/Generate")  # bytes in, bytes out
+        good = baton_pb2.GenerateRequest(prompt="h\u00e9llo", max_tokens=2).SerializeToString()
+        assert baton_pb2.GenerateResponse.FromString(raw(good, metadata=ok, timeout=60)).token_ids
+        with pytest.raises(grpc.RpcError) as err:
+            raw(good.replace("\u00e9".encode(), b"\xff\xfe"), metadata=ok, timeout=30)
+        assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+        assert "UTF-8" in err.value.details()
+        big = baton_pb2.GenerateRequest(prompt="a" * (5 << 20)).SerializeToString()
+        t0 = time.monotonic()
+        with pytest.raises(grpc.RpcError) as err:
+            raw(big, metadata=ok, timeout=30)
+        assert err.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert time.monotonic() - t0 < 5
+
+
 def _answers(url) -> dict[tuple[str, str], float]:
     from prometheus_client.parser import text_string_to_metric_families
     text = requests.get(f"{url}/metrics", timeout=10).text

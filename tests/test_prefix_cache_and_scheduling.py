@@ -105,3 +105,31 @@ def test_sequence_larger_than_the_whole_cache_ends_with_length():
     # 32 tokens have KV in the two blocks; the last sampled token needs none.
     assert len(PROMPTS[1]) + len(out.token_ids) == 33
     _assert_no_leak(llm)
+
+
+def test_priority_orders_the_waiting_queue_and_preemption(reference):
+    """Lower ``priority`` is admitted first (equal ones in arrival order) and preempted last;
+    the tokens stay those of the run without priorities."""
+    llm = LLM("tiny", max_num_seqs=1)
+    engine = llm.engine
+    order = []
+    engine.add_request(PROMPTS[0], GREEDY, "r0")
+    engine.step()  # r0 runs in the one slot
+    for i, p in enumerate(PROMPTS[1:4], 1):
+        engine.add_request(p, GREEDY.model_copy(update={"priority": [0, -1, 1][i - 1]}), f"r{i}")
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                order.append(out.request_id)
+    assert order == ["r0", "r2", "r1", "r3"]
+    _assert_no_leak(llm)
+    # Blocks for only some sequences: the worst priority is preempted, never the best.
+    llm = LLM("tiny", num_blocks=13)
+    sched, victims = llm.engine.scheduler, []
+    preempt = sched._preempt
+    sched._preempt = lambda seq: (victims.append(seq.params.priority), preempt(seq))
+    prio = [1, 0, 1, 0, 1]
+    outs = llm.generate(PROMPTS, [GREEDY.model_copy(update={"priority": p}) for p in prio])
+    assert [o.token_ids for o in outs] == reference
+    assert victims and set(victims) == {1}
+    _assert_no_leak(llm)

@@ -192,7 +192,8 @@ LEAKS = ("Traceback", "4242", "10.1.2.3", "abab", "ray::", "\x1b[")
 
 
 def test_an_error_raised_in_another_replica_reaches_the_client_clean():
-    exc = _remote(ValueError("prompt: 300 tokens need 19 KV blocks; the cache has 16"))
+    from engine.errors import BadRequest
+    exc = _remote(BadRequest("prompt: 300 tokens need 19 KV blocks; the cache has 16"))
     assert "pid=4242" in str(exc)  # what clients were sent before
     failure = describe(exc, "cmpl-1")
     assert (failure.status, failure.kind) == (400, "invalid_request_error")
@@ -223,7 +224,8 @@ def test_statuses_of_the_other_failures():
 
 def test_client_errors_log_one_line_server_faults_their_traceback(caplog):
     caplog.set_level(logging.INFO, logger="ray.serve.baton.errors")
-    bad = _remote(ValueError("top_p must be in (0, 1]"))
+    from engine.errors import BadRequest
+    bad = _remote(BadRequest("top_p must be in (0, 1]"))
     log_failure(describe(bad, "a"), bad, "a")
     fault = _remote(RuntimeError("boom"))
     log_failure(describe(fault, "b"), fault, "b")

@@ -89,3 +89,56 @@ def test_a_stream_past_its_deadline_times_out(tok):
             await _collect(s, deadline_s=0.2)
 
     asyncio.run(main())
+
+
+def test_a_request_not_started_within_its_bound_is_refused_with_a_retry_hint(tok):
+    """No first token by ``start_by``: NotStarted, answered 429 / RESOURCE_EXHAUSTED with
+    Retry-After; a stream that has started is bound by its deadline only."""
+    import grpc
+
+    from router.ingress.errors import NotStarted, describe
+
+    async def main():
+        s = _stream(tok)
+        s.start_by = time.monotonic() + 0.2
+        t0 = time.monotonic()
+        with pytest.raises(NotStarted) as err:
+            await _collect(s, deadline_s=5.0)
+        assert 0.15 < time.monotonic() - t0 < 1.0
+        failure = describe(err.value, "r")
+        assert (failure.status, failure.code, failure.retry_after) == \
+            (429, grpc.StatusCode.RESOURCE_EXHAUSTED, 5)
+        assert "queue-time bound" in failure.message
+        started = _stream(tok)
+        started.start_by = time.monotonic() + 0.1
+        started.feed(TokenDelta("r", [5], num_output_tokens=1), 1.0)
+
+        async def finish_later():
+            await asyncio.sleep(0.4)
+            started.feed(TokenDelta("r", [6], None, "length", num_output_tokens=2), 1.0)
+        asyncio.ensure_future(finish_later())
+        chunks = await _collect(started, deadline_s=5.0)
+        assert chunks[-1].finish_reason == "length"
+
+    asyncio.run(main())
+
+
+def test_bad_request_is_the_only_400():
+    """A BadRequest (whoever raised it) and a request model's validation error are 400; a
+    ValueError from anywhere else is the server's fault: 500, its traceback in the log."""
+    from pydantic import BaseModel, ValidationError
+
+    from engine.errors import BadRequest
+    from router.ingress.errors import describe
+
+    class M(BaseModel):
+        x: int
+
+    try:
+        M(x="no")
+    except ValidationError as exc:
+        invalid = exc
+    assert describe(BadRequest("prompt: must not be empty"), "r").status == 400
+    assert describe(invalid, "r").status == 400
+    assert describe(ValueError("a bug"), "r").status == 500
+    assert describe(ValueError("a bug"), "r").internal

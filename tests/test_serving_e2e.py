@@ -17,7 +17,7 @@ from tests.models import random_prompts
 pytestmark = pytest.mark.e2e
 ENGINE = {"model": "tiny", "num_blocks": 256, "max_num_seqs": 16}
 GREEDY = dict(temperature=0, max_tokens=12, ignore_eos=True)
-GRPC_SERVICER = "proto.baton_pb2_grpc.add_BatonServicer_to_server"
+GRPC_SERVICER = "proto.servicer.add_to_server"
 PROMPTS = ["The quick brown fox", "Hello world! Hello there, how are you today?", "a"]
 PROMPTS_IDS = random_prompts([24], vocab=512, seed=55)[0]
 
@@ -408,9 +408,17 @@ def _chat(url, body, stream=False):
         for key in ("content", "reasoning_content"):
             if delta.get(key):
                 message[key] = message.get(key, "") + delta[key]
-        if delta.get("tool_calls"):
-            message["tool_calls"] = [{k: v for k, v in c.items() if k != "index"}
-                                     for c in delta["tool_calls"]]
+        for c in delta.get("tool_calls") or ():  # OpenAI's streamed calls, joined by index
+            calls = message.setdefault("tool_calls", [])
+            while len(calls) <= c["index"]:
+                calls.append({"function": {"name": "", "arguments": ""}, "deltas": 0})
+            call = calls[c["index"]]
+            call.update({k: c[k] for k in ("id", "type") if k in c})
+            call["deltas"] += 1
+            for key in ("name", "arguments"):
+                call["function"][key] += c["function"].get(key) or ""
+    for call in message.get("tool_calls", ()):
+        assert call.pop("deltas") >= 2  # the name first, the arguments after it
     return message, reason
 
 
@@ -788,11 +796,15 @@ def test_grpc_unary_and_stream_match_offline(stub, offline):
     want = offline.generate(PROMPTS[0], SamplingParams(**GREEDY))[0]
     req = baton_pb2.GenerateRequest(prompt=PROMPTS[0], max_tokens=12, temperature=0,
                                     ignore_eos=True)
+    t0 = time.perf_counter()
     resp = stub.Generate(req, timeout=60)
+    elapsed = time.perf_counter() - t0
     assert list(resp.token_ids) == want.token_ids and resp.text == want.text
     assert resp.finish_reason == "length" and resp.usage.completion_tokens == 12
-    assert resp.ttft_s > 0
+    assert 0 < resp.ttft_s < elapsed
+    t0 = time.perf_counter()
     msgs = list(stub.GenerateStream(req, timeout=60))
+    assert 0 < msgs[-1].ttft_s < time.perf_counter() - t0
     assert [t for m in msgs for t in m.token_ids] == want.token_ids
     assert all(m.produced_at > 0 for m in msgs if m.token_ids)
     assert "".join(m.text for m in msgs) == want.text

@@ -139,3 +139,52 @@ def test_one_connection_per_ingress_however_many_requests():
         await sink.close()
 
     _run(main())
+
+
+def test_a_result_follows_its_last_delta_on_the_same_connection():
+    """The answer's one path back: the result frame comes behind the request's tokens."""
+    async def main():
+        sink, pub = TokenSink(), TokenPublisher()
+        order = []
+        sink.register("r", lambda d, at: order.append(("delta", d.token_ids)),
+                      lambda rec: order.append(("end", rec)))
+        conn = await pub.connect(await sink.start())
+        route = pub.route("r", conn)
+        _publish_from_thread(pub, [RequestOutput("r", [4], num_output_tokens=1)])
+        _publish_from_thread(pub, [RequestOutput("r", [5], None, True, "stop", None, 2)])
+        await route.done
+        pub.end(conn, "r", {"usage": 2})
+        while len(order) < 3:
+            await asyncio.sleep(0.01)
+        assert order == [("delta", [4]), ("delta", [5]), ("end", {"usage": 2})]
+        await pub.close()
+        await sink.close()
+
+    _run(main())
+
+
+def test_a_dropped_connection_tells_the_requests_that_had_frames_on_it():
+    """Requests with tokens but no result on a connection that drops are told (the ingress
+    then moves or ends them); ended ones and ones never seen there are not."""
+    async def main():
+        sink, pub = TokenSink(), TokenPublisher()
+        lost = []
+        for rid in ("mid", "ended", "unseen"):
+            sink.register(rid, lambda d, at: None, lambda rec: None,
+                          lambda rid=rid: lost.append(rid))
+        conn = await pub.connect(await sink.start())
+        for rid in ("mid", "ended"):
+            pub.route(rid, conn)
+        _publish_from_thread(pub, [RequestOutput("mid", [1]),
+                                   RequestOutput("ended", [2], None, True, "stop", None, 1)])
+        await asyncio.sleep(0.1)
+        pub.end(conn, "ended", {})
+        await asyncio.sleep(0.1)
+        await pub.close()  # the decode replica's side closes
+        while not lost:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.1)
+        assert lost == ["mid"]
+        await sink.close()
+
+    _run(main())

@@ -6,8 +6,11 @@ calls). :func:`split_message` turns a whole output into ``(reasoning_content, co
 tool_calls)`` as vLLM's ``qwen3`` reasoning parser and ``hermes`` tool parser do (a call whose
 JSON does not parse stays in the content). :class:`StreamSplitter` does the same on a stream:
 reasoning and content go out as they come, holding back only text that could still be the start
-of a marker; once a ``<tool_call>`` opens, the rest is kept and its calls go out whole at the end
-(one delta per call, the arguments complete). :func:`tool_grammar` is the grammar that
+of a marker; once a ``<tool_call>`` opens, each call goes out as vLLM's hermes parser streams it:
+a first delta with its index, id and name once ``{"name": …, "arguments":`` has come, then its
+arguments' JSON text as it is generated (holding back only what could be the call's closing
+brace or marker). A call written in another order (``arguments`` first) goes out whole when it
+closes; a first call that does not parse turns the rest into content, as in the whole text. :func:`tool_grammar` is the grammar that
 ``tool_choice`` ``required`` or a named function puts on the output: one or more calls (one, for
 a named function or ``parallel_tool_calls: false``) of the offered functions, each call's
 arguments following its JSON schema.
@@ -20,11 +23,18 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
+from engine.errors import BadRequest
 from engine.structured import xgrammar_message
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 _CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+# The head of a call whose arguments can stream: ``<tool_call> {"name": "<name>", "arguments": ``
+_HEAD = re.compile(r'<tool_call>\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
+
+
+def _call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 def split_reasoning(text: str) -> tuple[str | None, str]:
@@ -52,7 +62,7 @@ def parse_tool_calls(text: str) -> tuple[str, list[dict]]:
             return text, []
         if not isinstance(name, str):
             return text, []
-        calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+        calls.append({"id": _call_id(), "type": "function",
                       "function": {"name": name, "arguments": json.dumps(arguments)
                                    if not isinstance(arguments, str) else arguments}})
     if not calls:
@@ -78,14 +88,20 @@ def _held(text: str, markers: tuple[str, ...]) -> int:
 @dataclass
 class StreamSplitter:
     """Feeds on an output's text pieces; returns ``(kind, text)`` deltas, ``kind`` being
-    ``reasoning_content`` or ``content``; :meth:`finish` adds the tool calls (if any)."""
+    ``reasoning_content`` or ``content``; :meth:`take_calls` gives the tool-call deltas made
+    since its last call (OpenAI's streamed ``tool_calls`` items), :attr:`tool_calls` the calls
+    so far, assembled."""
 
     reasoning: bool
     tools: bool
     _state: str = "start"  # start → reasoning → content → calls
     _pending: str = ""
-    _calls: str = ""
     _skip_newlines: bool = False
+    _calls: str = ""  # every character since the first <tool_call>
+    _pos: int = 0  # in _calls: where the next call is looked for
+    _open: int = -1  # in _calls: the open call's start (-1: none open)
+    _args_at: int = -1  # in _calls: the open call's arguments sent up to here (-1: head unseen)
+    _deltas: list[dict] = field(default_factory=list)
     tool_calls: list[dict] = field(default_factory=list)
 
     def feed(self, piece: str) -> list[tuple[str, str]]:
@@ -118,10 +134,69 @@ class StreamSplitter:
                     self._state = "calls"
                 else:
                     break
-            else:  # calls: kept whole until the end
+            else:
                 self._calls += self._pending
                 self._pending = ""
+                out += self._stream_calls(final=False)
         return [(k, t) for k, t in out if t]
+
+    def take_calls(self) -> list[dict]:
+        """The tool-call deltas since the last call: ``{"index", "id", "type", "function":
+        {"name", "arguments": ""}}`` when a call starts, ``{"index", "function": {"arguments":
+        piece}}`` as its arguments come."""
+        deltas, self._deltas = self._deltas, []
+        return deltas
+
+    def _stream_calls(self, final: bool) -> list[tuple[str, str]]:
+        text = self._calls
+        while True:
+            if self._open < 0:
+                at = text.find(CALL_OPEN, self._pos)
+                if at < 0:
+                    return []
+                self._open, self._args_at = at, -1
+            head = _HEAD.match(text, self._open) if self._args_at < 0 else None
+            if head is not None and head.end() < len(text):  # (all the whitespace is in)
+                name = json.loads(f'"{head.group(1)}"')
+                call = {"id": _call_id(), "type": "function",
+                        "function": {"name": name, "arguments": ""}}
+                self.tool_calls.append(call)
+                self._deltas.append({"index": len(self.tool_calls) - 1, **call,
+                                     "function": dict(call["function"])})
+                self._args_at = head.end()
+            close = text.find(CALL_CLOSE, self._open)
+            if close < 0:
+                if self._args_at >= 0:  # the arguments so far, but what could end the call
+                    avail = text[self._args_at:]
+                    body = avail[:len(avail) - _held(avail, (CALL_CLOSE,))]
+                    safe = body if final else body.rstrip()
+                    safe = safe[:-1] if safe.endswith("}") and not final else safe
+                    self._send_arguments(safe)
+                return []
+            if self._args_at >= 0:  # its arguments end at the call's closing brace
+                body = text[self._args_at:close].rstrip()
+                self._send_arguments(body[:-1].rstrip() if body.endswith("}") else body)
+            else:  # written in another order: the whole call, parsed, at once
+                _, calls = parse_tool_calls(text[self._open:close + len(CALL_CLOSE)])
+                if not calls:
+                    if not self.tool_calls:  # as in the whole text: content after all
+                        self._state, self.tools = "content", False
+                        rest, self._calls = text, ""
+                        return [("content", rest)]
+                    return []  # malformed after good calls: dropped, as whole texts drop them
+                call = calls[0]
+                self.tool_calls.append(call)
+                self._deltas.append({"index": len(self.tool_calls) - 1, **call})
+            self._pos, self._open = close + len(CALL_CLOSE), -1
+
+    def _send_arguments(self, upto: str) -> None:
+        call = self.tool_calls[-1]["function"]
+        sent = len(call["arguments"])
+        if len(upto) > sent:
+            piece = upto[sent:]
+            call["arguments"] += piece
+            self._deltas.append({"index": len(self.tool_calls) - 1,
+                                 "function": {"arguments": piece}})
 
     def _skip_leading_newlines(self) -> bool:
         """After a marker, newlines are not text: False while nothing else has come yet."""
@@ -149,13 +224,14 @@ class StreamSplitter:
         return False
 
     def finish(self) -> list[tuple[str, str]]:
-        """The end: held-back text goes out; kept calls are parsed (a failed parse goes out as
-        content)."""
+        """The end: held-back text goes out; an open call's arguments go out as they are (cut
+        off by max_tokens); a call that never showed its head goes out as content."""
         out = []
         if self._state == "calls":
-            content, self.tool_calls = parse_tool_calls(self._calls + self._pending)
-            if not self.tool_calls:
-                out.append(("content", content))
+            out += self._stream_calls(final=True)
+            if self._state == "calls" and self._open >= 0 and self._args_at < 0:
+                if not self.tool_calls:
+                    out.append(("content", self._calls))
         elif self._pending:
             kind = "reasoning_content" if self._state == "reasoning" else "content"
             out.append((kind, self._pending))
@@ -177,7 +253,7 @@ def tool_grammar(tools: list[dict], name: str | None, parallel: bool) -> str:
     try:
         arguments = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
     except RuntimeError as exc:  # a function's parameters are not a usable JSON schema
-        raise ValueError(f"tools: {xgrammar_message(exc)}") from None
+        raise BadRequest(f"tools: {xgrammar_message(exc)}") from None
     opening, closing = json.dumps(CALL_OPEN + "\n"), json.dumps("\n" + CALL_CLOSE)
     call = xgr.Grammar.concat(xgr.Grammar.from_ebnf(f"root ::= {opening}"), arguments,
                               xgr.Grammar.from_ebnf(f"root ::= {closing}"))

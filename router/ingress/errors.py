@@ -18,12 +18,22 @@ from dataclasses import dataclass
 import grpc
 from pydantic import ValidationError
 
+from engine.errors import BadRequest
+
 log = logging.getLogger("ray.serve.baton.errors")
 MAX_MESSAGE_CHARS = 400
 
 
 class RequestTimeout(Exception):
     """The request was not served before its deadline (``router.request_timeout_s``)."""
+
+
+class NotStarted(Exception):
+    """No first token within ``router.first_token_timeout_s``: every decode replica is busy
+    with earlier work. Answered 429 with Retry-After (the request was aborted, nothing held)."""
+
+
+NOT_STARTED_RETRY_S = 5
 
 
 class UnknownModel(Exception):
@@ -83,6 +93,11 @@ def describe(exc: BaseException, request_id: str) -> Failure:
         retry = math.ceil(cause.retry_after_s or 1)
         return Failure(429, grpc.StatusCode.RESOURCE_EXHAUSTED, "overloaded_error",
                        f"the server is at capacity; retry after {retry} s", retry_after=retry)
+    if isinstance(cause, NotStarted):
+        return Failure(429, grpc.StatusCode.RESOURCE_EXHAUSTED, "overloaded_error",
+                       "the server is busy: the request could not start within the server's "
+                       f"queue-time bound; retry after {NOT_STARTED_RETRY_S} s",
+                       retry_after=NOT_STARTED_RETRY_S)
     if isinstance(cause, UnknownModel):
         return Failure(404, grpc.StatusCode.NOT_FOUND, "not_found_error", _short(str(cause)))
     if isinstance(cause, RequestTimeout):
@@ -90,7 +105,7 @@ def describe(exc: BaseException, request_id: str) -> Failure:
     if isinstance(cause, ValidationError):  # a request model refused its input
         return Failure(400, grpc.StatusCode.INVALID_ARGUMENT, "invalid_request_error",
                        _short(validation_message(cause.errors())))
-    if isinstance(cause, ValueError):
+    if isinstance(cause, BadRequest):  # the request's own fault, whoever found it
         return Failure(400, grpc.StatusCode.INVALID_ARGUMENT, "invalid_request_error",
                        _short(str(cause)))
     if replica_lost(cause):

@@ -14,6 +14,8 @@ import grpc
 from ray.serve.grpc_util import RayServegRPCContext
 
 from proto import baton_pb2
+from proto.servicer import Unparsed
+from engine.errors import BadRequest
 from router.ingress.door import authorized
 from router.ingress.errors import describe, log_failure
 from router.ingress.protocol import CompletionRequest
@@ -34,14 +36,16 @@ _GRPC_OPTIONAL = ("max_tokens", "temperature", "top_p", "top_k", "seed", "presen
 
 def completion_request(req) -> CompletionRequest:
     """A ``GenerateRequest`` as the body of HTTP's ``/v1/completions``: the same model, the same
-    checks, the same messages (``ValueError``/``ValidationError`` on bad input)."""
+    checks, the same messages (``BadRequest``/``ValidationError`` on bad input)."""
     if req.prompt and req.prompt_token_ids:
-        raise ValueError("prompt: give either prompt or prompt_token_ids, not both")
+        raise BadRequest("prompt: give either prompt or prompt_token_ids, not both")
     if req.HasField("top_logprobs") and not req.logprobs:
-        raise ValueError("top_logprobs: needs logprobs=true")
+        raise BadRequest("top_logprobs: needs logprobs=true")
     body = {name: getattr(req, name) for name in _GRPC_OPTIONAL if req.HasField(name)}
     if req.HasField("n"):
         body["n"] = req.n
+    if req.priority:
+        body["priority"] = req.priority
     body.update(prompt=req.prompt or list(req.prompt_token_ids), model=req.model or None,
                 stop=list(req.stop) or None, stop_token_ids=list(req.stop_token_ids) or None,
                 ignore_eos=req.ignore_eos,
@@ -76,6 +80,8 @@ class GrpcAdapter:
 
     async def _grpc_inputs(self, req):
         """The request's prompt ids and parameters, read as HTTP reads a completion's body."""
+        if isinstance(req, Unparsed):  # proto.servicer: the message did not parse
+            raise BadRequest(req.reason)
         body = completion_request(req)
         self.check_model(body.model)
         batch, params, _ = await self.checked_inputs(self._completion_inputs, body)

@@ -174,7 +174,8 @@ class HttpAdapter:
         if self.tokenizer is None:
             return error_response(400, f"model {self.served_name!r} has no tokenizer")
         try:
-            return {"prompt": self.tokenizer.decode(self.in_vocabulary(body.tokens, "tokens"))}
+            self.checks.in_vocabulary(body.tokens, "tokens")
+            return {"prompt": self.tokenizer.decode(body.tokens)}
         except ValueError as exc:
             return error_for(exc, "detokenize")
 
@@ -287,11 +288,10 @@ class HttpAdapter:
                 delta = {}
                 for part, text in parts:
                     delta[part] = delta.get(part, "") + text
-                if splitter.tool_calls and chunk.finished:
-                    delta["tool_calls"] = [{"index": j, **call}
-                                           for j, call in enumerate(splitter.tool_calls)]
-                    if chunk.finish_reason == "stop":
-                        choice["finish_reason"] = "tool_calls"
+                if calls := splitter.take_calls():  # as they are generated
+                    delta["tool_calls"] = calls
+                if splitter.tool_calls and chunk.finish_reason == "stop":
+                    choice["finish_reason"] = "tool_calls"
                 choice["delta"] = delta or {"content": ""}
             else:
                 text = chunk.text

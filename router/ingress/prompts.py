@@ -23,6 +23,8 @@ import functools
 import re
 from concurrent.futures import ThreadPoolExecutor
 
+from engine.errors import BadRequest
+
 INLINE_CHARS = 4096
 SLICE_CHARS = 32768
 SLACK_PER_CUT = 8  # tokens a forced cut (no word boundary near) may add to the count
@@ -35,7 +37,7 @@ def valid_text(text: str, field: str) -> str:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
-        raise ValueError(f"{field}: not valid Unicode text (a lone surrogate at character "
+        raise BadRequest(f"{field}: not valid Unicode text (a lone surrogate at character "
                          f"{exc.start})") from None
     return text
 
@@ -78,10 +80,10 @@ class PromptEncoder:
                 messages, tools=tools, add_generation_prompt=add_generation_prompt,
                 tokenize=False, **(template_kwargs or {}))
         except (TypeError, ValueError, KeyError, AttributeError) as exc:  # jinja's own errors too
-            raise ValueError(f"messages: the chat template cannot render them: {exc}") from None
+            raise BadRequest(f"messages: the chat template cannot render them: {exc}") from None
         except Exception as exc:  # noqa: BLE001 - jinja2 TemplateError and the like
             if type(exc).__module__.startswith("jinja2"):
-                raise ValueError(f"messages: the chat template cannot render them: {exc}") \
+                raise BadRequest(f"messages: the chat template cannot render them: {exc}") \
                     from None
             raise
 
@@ -90,7 +92,7 @@ class PromptEncoder:
 
     def refuse_by_length(self, chars: int) -> None:
         if chars > self.max_model_len * self.max_token_bytes:
-            raise ValueError(
+            raise BadRequest(
                 f"prompt: {chars} characters are more than the model's context of "
                 f"{self.max_model_len} tokens can hold (a token covers at most "
                 f"{self.max_token_bytes} bytes)")
@@ -107,7 +109,7 @@ class PromptEncoder:
                 counted += len(self._encode(text[start:end]))
                 cuts += forced
                 if counted > self.max_model_len + SLACK_PER_CUT * cuts:
-                    raise ValueError(
+                    raise BadRequest(
                         f"prompt: longer than the model's context of {self.max_model_len} "
                         f"tokens ({counted} tokens in its first {end} of {len(text)} "
                         "characters)")

@@ -9,6 +9,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from engine.errors import BadRequest
 from engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from engine.structured import StructuredOutput
 
@@ -45,7 +46,7 @@ class ResponseFormat(BaseModel):
     @model_validator(mode="after")
     def _schema_given(self):
         if self.type == "json_schema" and self.json_schema is None:
-            raise ValueError("response_format: type json_schema needs json_schema.schema")
+            raise BadRequest("response_format: type json_schema needs json_schema.schema")
         return self
 
 
@@ -77,7 +78,7 @@ def _one_structure(named: dict) -> StructuredOutput | None:
     """The one structured output a request names (a 400 naming them when it names several)."""
     named = {k: v for k, v in named.items() if v is not None}
     if len(named) > 1:
-        raise ValueError(f"{' and '.join(sorted(named))}: give one structured output, not "
+        raise BadRequest(f"{' and '.join(sorted(named))}: give one structured output, not "
                          f"{len(named)}")
     return next(iter(named.values()), None)
 
@@ -117,6 +118,7 @@ class _Common(BaseModel):
     repetition_penalty: float = 1.0
     min_p: float = 0.0
     min_tokens: int = 0
+    priority: int = 0  # vLLM's: lower is scheduled first; equal ones in arrival order
     logit_bias: dict[str, float] | None = None  # token id (a string in JSON) -> bias
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and guided_*.
     response_format: ResponseFormat | None = None
@@ -135,7 +137,7 @@ class _Common(BaseModel):
 
     def sampling_params(self, default_max_tokens: int, logprobs: int | None,
                         best_of: int | None = None) -> SamplingParams:
-        """The request's sampling parameters (``ValueError`` naming a bad field)."""
+        """The request's sampling parameters (``BadRequest`` naming a bad field)."""
         limit = next((v for v in (self.max_completion_tokens, self.max_tokens) if v is not None),
                      default_max_tokens)
         return SamplingParams(
@@ -145,7 +147,7 @@ class _Common(BaseModel):
             logprobs=logprobs, n=self.n, best_of=best_of,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, min_p=self.min_p,
-            min_tokens=self.min_tokens, logit_bias=self.logit_bias,
+            min_tokens=self.min_tokens, logit_bias=self.logit_bias, priority=self.priority,
             structured_output=self.structured_output())
 
     def structured_output(self) -> StructuredOutput | None:
@@ -176,7 +178,7 @@ class CompletionRequest(_Common):
     def _batch_size(cls, v):
         if isinstance(v, list) and v and isinstance(v[0], (str, list)) \
                 and len(v) > MAX_PROMPTS_PER_REQUEST:
-            raise ValueError(f"prompt: at most {MAX_PROMPTS_PER_REQUEST} prompts per request, "
+            raise BadRequest(f"prompt: at most {MAX_PROMPTS_PER_REQUEST} prompts per request, "
                              f"got {len(v)}")
         return v
 
@@ -190,14 +192,14 @@ class CompletionRequest(_Common):
     @model_validator(mode="after")
     def _unsupported_completion(self):
         if self.echo and self.logprobs is not None:
-            raise ValueError("echo: not supported together with logprobs (prompt logprobs)")
+            raise BadRequest("echo: not supported together with logprobs (prompt logprobs)")
         if self.suffix:
-            raise ValueError("suffix: not supported")
+            raise BadRequest("suffix: not supported")
         if self.stream and self.best_of is not None and self.best_of != self.n:
-            raise ValueError("best_of: not supported when streaming (the best are known only "
+            raise BadRequest("best_of: not supported when streaming (the best are known only "
                              "at the end)")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs: must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+            raise BadRequest(f"logprobs: must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         return self
 
 
@@ -238,7 +240,7 @@ class ChatMessage(BaseModel):
             return v
         other = sorted({p.type for p in v if p.type != "text"})
         if other:
-            raise ValueError(f"content: parts of type {', '.join(other)} are not supported "
+            raise BadRequest(f"content: parts of type {', '.join(other)} are not supported "
                              "(text only)")
         return "".join(p.text or "" for p in v)
 
@@ -250,9 +252,9 @@ class ChatMessage(BaseModel):
     @model_validator(mode="after")
     def _content_given(self):
         if self.content is None and not (self.role == "assistant" and self.tool_calls):
-            raise ValueError(f"content: a {self.role} message needs content")
+            raise BadRequest(f"content: a {self.role} message needs content")
         if self.tool_calls is not None and self.role != "assistant":
-            raise ValueError("tool_calls: only an assistant message has them")
+            raise BadRequest("tool_calls: only an assistant message has them")
         return self
 
     def for_template(self) -> dict:
@@ -305,19 +307,19 @@ class ChatCompletionRequest(_Common):
     @model_validator(mode="after")
     def _unsupported_chat(self):
         if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("top_logprobs: needs logprobs=true")
+            raise BadRequest("top_logprobs: needs logprobs=true")
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"top_logprobs: must be in [0, {MAX_LOGPROBS}], got "
+            raise BadRequest(f"top_logprobs: must be in [0, {MAX_LOGPROBS}], got "
                              f"{self.top_logprobs}")
         choice = self.tool_choice
         if choice not in (None, "none", "auto") and not self.tools:
-            raise ValueError("tool_choice: needs tools")
+            raise BadRequest("tool_choice: needs tools")
         if isinstance(choice, NamedToolChoice) and choice.function.name not in \
                 {t.function.name for t in self.tools}:
-            raise ValueError(f"tool_choice: no tool named {choice.function.name!r} in tools")
+            raise BadRequest(f"tool_choice: no tool named {choice.function.name!r} in tools")
         names = [t.function.name for t in self.tools or ()]
         if len(set(names)) != len(names):
-            raise ValueError("tools: two functions have one name")
+            raise BadRequest("tools: two functions have one name")
         return self
 
     @property
@@ -338,7 +340,7 @@ class ChatCompletionRequest(_Common):
         if self.tool_mode != "forced":
             return None
         if self.structured_output() is not None:
-            raise ValueError("tool_choice: a required or named tool call cannot be combined "
+            raise BadRequest("tool_choice: a required or named tool call cannot be combined "
                              "with a structured output")
         from router.ingress.chat import tool_grammar
 
@@ -360,7 +362,7 @@ class TokenizeRequest(BaseModel):
     @model_validator(mode="after")
     def _one_input(self):
         if (self.prompt is None) == (self.messages is None):
-            raise ValueError("give either prompt or messages")
+            raise BadRequest("give either prompt or messages")
         return self
 
 

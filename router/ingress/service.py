@@ -1,7 +1,6 @@
 """The ingress's request service, the same for both protocols: a request from its token ids and
-sampling parameters to its end. It checks what the engine cannot (the prompt against the
-vocabulary and the context, stop strings, a structured output that must compile, the model's
-name), starts the request on a decode replica (:class:`~router.ingress.streams.DecodeClient`),
+sampling parameters to its end. It runs the engine's own checks (:mod:`engine.validation`:
+the prompt against the vocabulary and the context, stop strings) and the model's name, starts the request on a decode replica (:class:`~router.ingress.streams.DecodeClient`),
 fans a request out into its ``n``/``best_of`` sequences and a batch into its prompts
 (:class:`Merged`), keeps the request's metrics and logs its timeline. The HTTP (OpenAI) and gRPC
 adapters (:mod:`router.ingress.http`, :mod:`router.ingress.grpc_api`) only translate.
@@ -23,9 +22,10 @@ from contracts.metrics import replica_id
 from engine.sampling_params import SamplingParams, fan_out
 from engine.model_source import load_tokenizer, resolve_model
 from engine.quantization import resolve_scheme
-from engine.structured import Grammars
+from engine.errors import BadRequest
+from engine.validation import RequestChecks
 from router.config import RouterConfig
-from router.ingress.errors import RequestTimeout, UnknownModel
+from router.ingress.errors import NotStarted, RequestTimeout, UnknownModel
 from router.ingress.logprobs import TokenTexts
 from router.ingress.metrics import RouterMetrics
 from router.ingress.prompts import PromptEncoder
@@ -195,19 +195,22 @@ class RequestService:
         source = resolve_model(model)
         self.tokenizer = load_tokenizer(source)
         self.texts = TokenTexts(self.tokenizer)
-        self.grammars: Grammars | None = None  # structured outputs, checked at the door
         self.client = DecodeClient(decode, self.tokenizer, ray.util.get_node_ip_address())
         self.vocab_size = source.config.vocab_size
         self.max_model_len = min(max_model_len or source.config.max_position_embeddings,
                                  source.config.max_position_embeddings)
         self.prompts = (PromptEncoder(self.tokenizer, self.max_model_len)
                         if self.tokenizer is not None else None)
+        self.checks = RequestChecks(served_name, self.vocab_size, self.max_model_len,
+                                    self.tokenizer is not None)
         self.served_name = served_name
         engine = engine or {}  # what the replicas run, said in /v1/models
         scheme = resolve_scheme(source.config.quantization, engine.get("quantization"), model)
         self.card_extras = {"quantization": scheme.name if scheme else None,
                             "kv_cache_dtype": engine.get("kv_cache_dtype", "auto")}
         self.timeout_s = cfg.request_timeout_s
+        self.first_token_timeout_s = cfg.first_token_timeout_s
+        self.max_sequences = cfg.max_sequences_per_request
         self.default_max_tokens = cfg.max_tokens_default
         self.reasoning_parser = cfg.reasoning_parser
         self.replica = replica_id()
@@ -217,59 +220,18 @@ class RequestService:
     async def prompt_ids(self, prompt) -> list[int]:
         """Token ids of a text (tokenized off the event loop when long) or of an id list."""
         if isinstance(prompt, str):
-            if self.prompts is None:
-                raise ValueError(f"prompt: model {self.served_name!r} has no tokenizer; send "
-                                 "token ids")
-            return self.checked(await self.prompts.encode(prompt))
-        return self.checked(list(prompt))
-
-    def checked(self, ids: list[int]) -> list[int]:
-        if not ids:
-            raise ValueError("prompt: must not be empty")
-        self.in_vocabulary(ids, "prompt")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt: {len(ids)} tokens leave no room to generate within the "
-                             f"model's context of {self.max_model_len} tokens")
-        return ids
-
-    def in_vocabulary(self, ids: list[int], field: str) -> list[int]:
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"{field}: token ids {bad[:5]} are outside the vocabulary "
-                             f"[0, {self.vocab_size})")
-        return ids
-
-    async def check_structure(self, params: SamplingParams) -> None:
-        """A structured output that does not compile is the client's error: refused here, off
-        the event loop (a big schema takes a while), before any replica sees it."""
-        so = params.structured_output
-        if so is None:
-            return
-        if self.tokenizer is None:
-            raise ValueError(f"structured output: model {self.served_name!r} has no tokenizer")
-        if self.grammars is None:
-            self.grammars = Grammars(self.tokenizer, self.vocab_size,
-                                     [self.tokenizer.eos_token_id or 0])
-        await asyncio.to_thread(self.grammars.compile, so)
+            self.checks.text()
+            return self.checks.prompt(await self.prompts.encode(prompt))
+        return self.checks.prompt(list(prompt))
 
     async def chat_ids(self, body: ChatCompletionRequest) -> list[int]:
         if self.prompts is None or not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError(f"messages: model {self.served_name!r} has no chat template")
+            raise BadRequest(f"messages: model {self.served_name!r} has no chat template")
         tools = [t.model_dump(exclude_none=True) for t in body.tools] \
             if body.tool_mode != "none" else None
-        return self.checked(await self.prompts.render_chat(
+        return self.checks.prompt(await self.prompts.render_chat(
             [m.for_template() for m in body.messages], tools=tools,
             **(body.chat_template_kwargs or {})))
-
-    def check_params(self, ids: list[int], params: SamplingParams) -> None:
-        """What the engine cannot check: stop strings need text; the whole request must fit
-        the context (so a huge ``max_tokens`` is refused, not run for minutes)."""
-        if params.stop and self.tokenizer is None:
-            raise ValueError("stop: stop strings need a tokenizer; use stop_token_ids")
-        self.in_vocabulary(params.token_ids_used(), "logit_bias/stop_token_ids")
-        if len(ids) + params.max_tokens > self.max_model_len:
-            raise ValueError(f"max_tokens: {params.max_tokens} new tokens after a {len(ids)}-token "
-                             f"prompt exceed the model's context of {self.max_model_len} tokens")
 
     @asynccontextmanager
     async def request(self, ids: list[int], params: SamplingParams, request_id: str,
@@ -287,6 +249,8 @@ class RequestService:
         stream = await self.client.start(ids, params, request_id, on_token, received,
                                          own_serve_id=in_batch)
         stream.deadline = start + self.timeout_s
+        if self.first_token_timeout_s is not None:
+            stream.start_by = start + self.first_token_timeout_s
         metrics.in_flight.inc()
         outcome = "error"
         try:
@@ -294,6 +258,9 @@ class RequestService:
             outcome = stream.finish_reason or "error"
         except RequestTimeout:
             outcome = "timeout"
+            raise
+        except NotStarted:
+            outcome = "refused"
             raise
         except BackPressureError:
             outcome = "refused"
@@ -345,12 +312,18 @@ class RequestService:
         return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
 
     async def checked_inputs(self, inputs, body):
-        """``inputs(body)`` (``batch, params, echo``) with every check the engine cannot make
-        done here, before any replica sees the request (``ValueError`` naming the field)."""
+        """``inputs(body)`` (``batch, params, echo``) with the engine's own checks
+        (:mod:`engine.validation`) and the context bound done here, before any replica sees
+        the request. A structured output is compiled (and a bad one refused) where it is used:
+        on the decode replica (and the prefill replica that samples the first token)."""
         batch, params, echo = await inputs(body)
+        if len(batch) * params.num_sequences > self.max_sequences:
+            raise BadRequest(f"n/best_of: {len(batch)} prompts x {params.num_sequences} "
+                             f"sequences exceed this server's {self.max_sequences} sequences "
+                             "per request")
+        self.checks.params(params)
         for ids in batch:
-            self.check_params(ids, params)
-        await self.check_structure(params)
+            self.checks.fits(len(ids), params)
         return batch, params, echo
 
     def _feed(self, batch, params: SamplingParams, rid: str) -> Merged:

@@ -6,9 +6,12 @@ calls ``generate`` on a decode replica (Serve picks it; the call carries the sin
 the sink feeds each engine step's delta to the stream, which detokenizes it and checks stop
 strings (text lives here, not in the engine) → the writer (SSE, gRPC, or a whole-body answer)
 takes everything that arrived since its last turn as one :class:`Chunk`, so a busy writer sends
-fewer, larger chunks instead of falling behind → the call returns a ``GenerateResult`` (usage,
-transfer stats, timings). A stop string, a client that leaves or a deadline cancels the call,
-which aborts the request on the decode replica and frees its blocks.
+fewer, larger chunks instead of falling behind → the request's ``GenerateResult`` (usage,
+transfer stats, timings, or a refusal: ``BadRequest``) arrives on the same channel behind its
+last tokens: the answer has one path back, in order. The Serve call returns nothing; its
+exception says the replica (or the server) failed. A stop string, a client that leaves or a
+deadline cancels the call, which aborts the request on the decode replica and frees its
+blocks.
 
 Migration: when the call fails because its decode replica (or its token channel, or its engine)
 is gone, the request is submitted again, under a new internal id, with the prompt plus every
@@ -33,15 +36,13 @@ from dataclasses import dataclass, field
 from contracts.messages import GenerateRequest, GenerateResult, TokenDelta, serve_logger
 from contracts.token_channel import TokenChannelLost, TokenSink
 from engine.sampling_params import SamplingParams
-from engine.errors import EngineDeadError
+from engine.errors import BadRequest, EngineDeadError
 from engine.detokenizer import IncrementalDetokenizer
 from engine.outputs import append_tokens
-from router.ingress.errors import RequestTimeout
+from router.ingress.errors import NotStarted, RequestTimeout
 
 log = serve_logger(__name__)
 
-# A call may return just before the last frame of its tokens arrives (they travel apart).
-RESULT_GRACE_S = 5.0
 MAX_MIGRATIONS = 32  # moves of one request; the deadline bounds them too
 MIGRATION_BACKOFF_S = (0.05, 0.2, 0.5, 1.0)  # then 1 s: Serve learns of a death in about that
 
@@ -103,9 +104,11 @@ class RequestStream:
     migrations: int = 0
     moved_at: list[float] = field(default_factory=list)  # time.time() of each migration
     deadline: float = float("inf")  # time.monotonic() by which it must have ended
+    start_by: float = float("inf")  # time.monotonic() by which its first token must be here
     cancelled: bool = False
     own_serve_id: bool = False  # one of a batch: its Serve calls get their own request id
     call_done: asyncio.Event = field(default_factory=asyncio.Event)
+    ended: asyncio.Event = field(default_factory=asyncio.Event)  # its result came (or never will)
     _sent: int = 0
     _oldest_unsent: float = 0.0
     _last_produced: float = 0.0
@@ -150,6 +153,16 @@ class RequestStream:
             self.detok.finish()
         self._wake.set()
 
+    def end(self, record: dict) -> None:
+        """The decode replica's result, behind the request's last tokens (or its refusal)."""
+        self.result = GenerateResult.from_wire(record)
+        if self.result.error is not None:  # refused by the decode replica: the client's 400
+            self.fail(BadRequest(self.result.error))
+        elif not self.finished:
+            self.fail(ConnectionError(f"request {self.request_id} ended without its last "
+                                      "tokens"))
+        self.ended.set()
+
     def fail(self, exc: BaseException) -> None:
         if not self.finished and self.error is None:
             self.error = exc
@@ -163,13 +176,22 @@ class RequestStream:
     # -- read by one writer ------------------------------------------------------------------
     async def chunks(self, deadline: float) -> AsyncIterator[Chunk]:
         """Everything new since the last chunk, until the request ends; raises the call's error,
-        or :class:`RequestTimeout` at ``deadline`` (``time.monotonic()``)."""
+        :class:`NotStarted` at ``start_by`` without a first token, or :class:`RequestTimeout`
+        at ``deadline`` (``time.monotonic()``)."""
         while True:
             while not (self.finished or self.error or self._sent < len(self.token_ids)):
                 self._wake.clear()
+                waiting = not self.token_ids
+                until = min(deadline, self.start_by) if waiting else deadline
                 try:
-                    await asyncio.wait_for(self._wake.wait(), deadline - time.monotonic())
+                    await asyncio.wait_for(self._wake.wait(), until - time.monotonic())
                 except asyncio.TimeoutError:
+                    if waiting and time.monotonic() >= self.start_by and \
+                            self.start_by < deadline:
+                        raise NotStarted(f"request {self.request_id} was not started within "
+                                         "the queue-time bound") from None
+                    if time.monotonic() < deadline:
+                        continue
                     raise RequestTimeout(f"request {self.request_id} was not served in "
                                          "time") from None
             if self.error is not None and not self.finished:
@@ -224,7 +246,8 @@ class DecodeClient:
             "max_tokens": p.max_tokens - len(have), "min_tokens": max(p.min_tokens - len(have), 0),
             "num_resumed_tokens": len(have)})  # they count as output for the penalties
         stream.call_id = rid
-        self.sink.register(rid, stream.feed)
+        self.sink.register(rid, stream.feed, stream.end,
+                           lambda: asyncio.ensure_future(self._channel_lost(stream, rid)))
         req = GenerateRequest(stream.prompt_token_ids + tuple(have), params, rid,
                               self.sink.address)
         if stream.own_serve_id:
@@ -248,10 +271,10 @@ class DecodeClient:
         return self.decode.generate.remote(req)
 
     async def _follow(self, stream: RequestStream, rid: str) -> None:
-        """The call's outcome: a lost replica moves the request; another error fails the stream;
-        a result that arrives before the last tokens waits for them a little."""
+        """The call's outcome: a lost replica moves the request; another error fails the stream
+        (its result will not come)."""
         try:
-            result = await stream.call
+            await stream.call
         except BaseException as exc:  # noqa: BLE001 - the writer raises it
             self.sink.unregister(rid)
             if replica_lost(exc) and await self._may_migrate(stream):
@@ -262,17 +285,33 @@ class DecodeClient:
                 self._submit(stream)
                 return
             stream.fail(exc)
+            stream.ended.set()
             stream.call_done.set()
             return
-        stream.result = result
-        stream.call_done.set()
-        if result.error is not None:  # refused by the decode replica: the client's 400
-            stream.fail(ValueError(result.error))
+        stream.call_done.set()  # the result comes on the channel (or it was lost there)
+
+    async def _channel_lost(self, stream: RequestStream, rid: str) -> None:
+        """The connection that carried the request's tokens dropped. While its call runs, the
+        call fails too (and ``_follow`` moves the request); once the call has returned, the
+        rest was in that connection: move an unfinished request, end a finished one."""
+        if stream.call_id != rid or stream.ended.is_set():
             return
-        if not stream.finished:
-            await asyncio.sleep(RESULT_GRACE_S)
-            stream.fail(ConnectionError(f"request {stream.request_id} ended but its last tokens "
-                                        "never arrived"))
+        await stream.call_done.wait()
+        if stream.call_id != rid or stream.ended.is_set():
+            return  # moved by _follow, or its result came after all
+        self.sink.unregister(rid)
+        if stream.finished:
+            stream.ended.set()
+        elif await self._may_migrate(stream):
+            log.warning("request %s: token channel lost after its call ended; moving it with "
+                        "%d tokens", stream.request_id, len(stream.token_ids))
+            stream.migrations += 1
+            stream.moved_at.append(time.time())
+            self._submit(stream)
+        else:
+            stream.fail(TokenChannelLost(f"request {stream.request_id}: its token channel "
+                                         "closed before its last tokens"))
+            stream.ended.set()
 
     @staticmethod
     async def _may_migrate(stream: RequestStream) -> bool:
@@ -285,12 +324,14 @@ class DecodeClient:
         await asyncio.sleep(pause)
         return not (stream.finished or stream.cancelled)
 
-    async def result(self, stream: RequestStream, timeout_s: float = RESULT_GRACE_S
-                     ) -> GenerateResult | None:
-        """The call's result once the stream has finished (None if it was cancelled)."""
-        if not stream.cancelled:
+    async def result(self, stream: RequestStream) -> GenerateResult | None:
+        """The request's result once it has finished (None if it was cancelled). It follows
+        the last tokens on the same connection, so it is there or about to be; the wait is
+        bounded by the request's deadline."""
+        if not stream.cancelled and not stream.ended.is_set():
             try:
-                await asyncio.wait_for(stream.call_done.wait(), timeout_s)
+                await asyncio.wait_for(stream.ended.wait(),
+                                       max(stream.deadline - time.monotonic(), 0.0))
             except asyncio.TimeoutError:
                 pass
         return stream.result

@@ -105,3 +105,19 @@ def test_tool_grammar_admits_calls_of_the_offered_functions_only():
     with pytest.raises(ValueError, match="tools: "):
         tool_grammar([{"type": "function", "function": {"name": "f", "parameters": {
             "type": "frob"}}}], None, True)
+
+
+def test_streamed_arguments_are_strict_json_even_with_raw_control_characters():
+    """A model may write a raw control character inside a string (a whole call's parse
+    tolerates it); streamed pieces escape it, so clients' strict json.loads reads the join."""
+    text = '<tool_call>\n{"name": "f", "arguments": {"a": "x\x18y\\"\t", "b": [1,\n 2]}}\n</tool_call>'
+    for step in (1, 4, 1000):
+        s = StreamSplitter(reasoning=False, tools=True)
+        deltas = []
+        for i in range(0, len(text), step):
+            s.feed(text[i:i + step])
+            deltas += s.take_calls()
+        s.finish()
+        deltas += s.take_calls()
+        joined = "".join(d["function"].get("arguments", "") for d in deltas)
+        assert json.loads(joined) == {"a": 'x\x18y"\t', "b": [1, 2]}

@@ -101,6 +101,9 @@ class StreamSplitter:
     _pos: int = 0  # in _calls: where the next call is looked for
     _open: int = -1  # in _calls: the open call's start (-1: none open)
     _args_at: int = -1  # in _calls: the open call's arguments sent up to here (-1: head unseen)
+    _sent: int = 0  # characters of the open call's arguments sent (as generated)
+    _in_string: bool = False  # where the arguments sent so far end: inside a JSON string,
+    _escaped: bool = False  # right after a backslash there
     _deltas: list[dict] = field(default_factory=list)
     tool_calls: list[dict] = field(default_factory=list)
 
@@ -163,7 +166,8 @@ class StreamSplitter:
                 self.tool_calls.append(call)
                 self._deltas.append({"index": len(self.tool_calls) - 1, **call,
                                      "function": dict(call["function"])})
-                self._args_at = head.end()
+                self._args_at, self._sent = head.end(), 0
+                self._in_string = self._escaped = False
             close = text.find(CALL_CLOSE, self._open)
             if close < 0:
                 if self._args_at >= 0:  # the arguments so far, but what could end the call
@@ -190,13 +194,30 @@ class StreamSplitter:
             self._pos, self._open = close + len(CALL_CLOSE), -1
 
     def _send_arguments(self, upto: str) -> None:
-        call = self.tool_calls[-1]["function"]
-        sent = len(call["arguments"])
-        if len(upto) > sent:
-            piece = upto[sent:]
-            call["arguments"] += piece
-            self._deltas.append({"index": len(self.tool_calls) - 1,
-                                 "function": {"arguments": piece}})
+        """Send what ``upto`` adds to the arguments sent so far. A control character inside a
+        JSON string (the model may write one raw; parsing the whole call tolerates it) goes out
+        escaped, so the joined pieces are strict JSON."""
+        if len(upto) <= self._sent:
+            return
+        out = []
+        for ch in upto[self._sent:]:
+            if self._in_string:
+                if self._escaped:
+                    self._escaped = False
+                elif ch == "\\":
+                    self._escaped = True
+                elif ch == '"':
+                    self._in_string = False
+                elif ch < " ":
+                    ch = f"\\u{ord(ch):04x}"
+            elif ch == '"':
+                self._in_string = True
+            out.append(ch)
+        self._sent = len(upto)
+        piece = "".join(out)
+        self.tool_calls[-1]["function"]["arguments"] += piece
+        self._deltas.append({"index": len(self.tool_calls) - 1,
+                             "function": {"arguments": piece}})
 
     def _skip_leading_newlines(self) -> bool:
         """After a marker, newlines are not text: False while nothing else has come yet."""

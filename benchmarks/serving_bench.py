@@ -8,7 +8,8 @@
 
 For each stream count the same requests (random token-id prompts, greedy, ``ignore_eos``) run
 through ``LLM.generate`` and through the served app (sent all at once by client processes),
-over HTTP (SSE) and gRPC, for each layout. It prints served/offline output tokens/s, TTFT
+over HTTP (SSE) and gRPC, for each layout; every point (offline and served) starts with cold
+prefix caches, so no protocol gets the prompts of another's point from the cache. It prints served/offline output tokens/s, TTFT
 p50/p99, the delay from the engine step that produced a token to the client (p50/p99), tokens
 per streamed chunk, whether the served tokens equal the offline ones, the CPU each process kind
 used, and at zero load the served TTFT minus the engine's own time to first token with where
@@ -321,6 +322,7 @@ def offline_runs(engine_kw: dict, prompts, streams: list[int], max_tokens: int,
     llm.generate(prompts[: min(16, len(prompts))], params, use_tqdm=False)  # warm-up
     tok_s, tokens = {}, {}
     for n in streams:
+        llm.engine.reset_prefix_cache()  # as the served points: every point cold
         before = asdict(llm.engine.stats)
         t0 = time.perf_counter()
         outs = llm.generate(prompts[:n], params, use_tqdm=False)
@@ -403,6 +405,16 @@ def decode_stats() -> dict:
     return driver_handle("DecodeServer").engine_stats.remote().result()
 
 
+def reset_prefix_caches(layout: str) -> None:
+    """Every point starts with cold prefix caches (the layouts run one replica per role): the
+    points replay the same prompts, and a warm cache would prefill the second protocol's for
+    free (measured before this: gRPC, run after HTTP, got every prompt from the cache)."""
+    from deploy.ray_env import driver_handle
+
+    for role in ("DecodeServer",) + (("PrefillServer",) if layout != "colo" else ()):
+        driver_handle(role).reset_prefix_cache.remote().result()
+
+
 def check_fits(layout: str, config: dict) -> None:
     """Refuse a layout the cluster cannot place (Serve would wait for it forever)."""
     import ray
@@ -440,6 +452,7 @@ def serve_layout(layout, config, args, pool, prompts, offline_tokens, fresh_prom
             address = addresses[protocol]
             run_point(pool, protocol, address, prompts, min(16, len(prompts)), 8,
                       args.clients, args.timeout)  # warm-up: connections, channels, graphs
+            reset_prefix_caches(layout)
             jobs = list(enumerate(fresh_prompts(args.zero_load + 1)))  # no prefix-cache hit
             zero = pool.submit(client_process, protocol, address, jobs, 0.0, 2, args.timeout,
                                True).result(timeout=args.timeout + 60)
@@ -453,6 +466,7 @@ def serve_layout(layout, config, args, pool, prompts, offline_tokens, fresh_prom
                 meter = CpuMeter()
                 spy = start_py_spy(meter.pid("decode"), args, f"{layout}-{protocol}-{n}")
                 meter.start()
+                reset_prefix_caches(layout)
                 before = decode_stats()
                 records, wall = run_point(pool, protocol, address, prompts, n, args.output_len,
                                           args.clients, args.timeout)

@@ -135,6 +135,19 @@ class BlockPool:
             out.append(block_id)
         return out
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every free block's hash (vLLM's ``reset_prefix_cache``): none of them is a hit
+        any more. Blocks in use keep theirs (their requests still own them). Returns how many
+        blocks were forgotten."""
+        n = 0
+        for b in self._free:
+            block = self.blocks[b]
+            if block.block_hash is not None:
+                del self._cached[block.block_hash]
+                block.block_hash = None
+                n += 1
+        return n
+
     def free(self, block_ids: Sequence[int]) -> None:
         """Drop one reference from each block. Pass a request's blocks tail first, so that its
         last blocks (the least shared) are evicted before its first ones."""

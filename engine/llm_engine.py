@@ -271,6 +271,11 @@ class LLMEngine:
             step.wait()
             step.releases = self.scheduler.num_releases
 
+    def reset_prefix_cache(self) -> int:
+        """Make every cached block that no request holds a miss again (vLLM's
+        ``reset_prefix_cache``): benchmarks that replay prompts start each point cold."""
+        return self.pool.reset_prefix_cache()
+
     def abort_request(self, request_id: str) -> bool:
         seq = self.scheduler.find(request_id)
         if seq is None:

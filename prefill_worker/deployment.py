@@ -25,6 +25,10 @@ class PrefillDeployment:
     async def kv_load(self) -> dict:
         return self.server.kv_load()
 
+    async def reset_prefix_cache(self) -> int:
+        """Forget the prefix cache's free blocks (benchmarks replaying prompts)."""
+        return await self.server.aengine.call(lambda engine: engine.reset_prefix_cache())
+
     async def engine_stats(self) -> dict:
         """The engine's step counters (:class:`engine.llm_engine.EngineStats`)."""
         return asdict(self.server.aengine.engine.stats)

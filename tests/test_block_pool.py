@@ -78,3 +78,14 @@ def test_hashes_are_chained():
     assert len(a) == 2 and a[1] != b[1]  # same second block, different parent
     assert hash_blocks([1, 2, 3, 4, 5, 6, 7, 8, 9], 4) == a  # partial blocks are not hashed
     assert hash_blocks([1, 2, 3, 4, 5, 6, 7, 8], 4, parent=a[0], start_block=1) == a[1:]
+
+
+def test_reset_prefix_cache_forgets_free_blocks_only():
+    pool = BlockPool(8)
+    held, free = pool.allocate(2), pool.allocate(2)
+    for b, h in zip(held + free, (11, 12, 13, 14)):
+        pool.cache_block(b, h)
+    pool.free(free)
+    assert pool.match_prefix([13, 14]) == free
+    assert pool.reset_prefix_cache() == 2
+    assert pool.match_prefix([13, 14]) == [] and pool.match_prefix([11, 12]) == held

@@ -133,3 +133,13 @@ def test_priority_orders_the_waiting_queue_and_preemption(reference):
     assert [o.token_ids for o in outs] == reference
     assert victims and set(victims) == {1}
     _assert_no_leak(llm)
+
+
+def test_reset_prefix_cache_makes_a_replayed_prompt_a_miss(reference):
+    llm = LLM("tiny")
+    first = llm.generate(PROMPTS[4], GREEDY)[0]
+    assert llm.engine.pool.num_cached_blocks > 0
+    assert llm.engine.reset_prefix_cache() > 0 and llm.engine.pool.num_cached_blocks == 0
+    hits = llm.engine.pool.hit_tokens
+    again = llm.generate(PROMPTS[4], GREEDY)[0]
+    assert llm.engine.pool.hit_tokens == hits and again.token_ids == first.token_ids

@@ -55,6 +55,7 @@ class TokenDelta:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     top_logprobs: list[list[list]] | None = None  # per token: [[id, logprob], ...], best first
+    prompt_logprobs: list | None = None  # the first delta of a request asking (RequestOutput's)
 
     @property
     def finished(self) -> bool:

@@ -16,8 +16,9 @@ had frames on it.
 
 Frames: a 4-byte big-endian length, then msgpack. The first is the publisher's hello
 ``[PROTOCOL, key, publisher_id]``; then ``[produced_at, [[request_id, token_ids, logprobs,
-finish_reason, stop_reason, num_output_tokens, num_cached_tokens, top_logprobs], ...]]``
-(``top_logprobs``: per token, ``[[id, logprob], ...]``, or nil), ``produced_at``
+finish_reason, stop_reason, num_output_tokens, num_cached_tokens, top_logprobs,
+prompt_logprobs], ...]]`` (``top_logprobs``: per token, ``[[id, logprob], ...]``, or nil;
+``prompt_logprobs``: nil but in a first delta that asked for them), ``produced_at``
 being the ``time.time()`` at which the engine step's tokens were known; an end frame is
 ``[produced_at, [], [[request_id, result], ...]]``.
 """
@@ -60,7 +61,7 @@ def _frame(obj) -> bytes:
 def encode_step(produced_at: float, outputs: Iterable[RequestOutput]) -> bytes:
     return _frame([produced_at, [[o.request_id, o.new_token_ids, o.new_logprobs, o.finish_reason,
                                   o.stop_reason, o.num_output_tokens, o.num_cached_tokens,
-                                  o.new_top_logprobs]
+                                  o.new_top_logprobs, o.prompt_logprobs]
                                  for o in outputs]])
 
 

@@ -132,7 +132,8 @@ class DecodeServer:
         prefilled: PrefillResult | None = None
         try:
             await self.aengine.compile_grammar(req.params)  # off the engine thread
-            if self.prefill is not None:
+            if self.prefill is not None and req.params.prompt_logprobs is None:
+                # (prompt logprobs are made where the prompt is computed: here, in one engine)
                 prefilled = await self._remote_prefill(req, prompt, timing)
             if prefilled is None:  # colocated, or nothing reserved: prefill here
                 def add(engine):  # stamped here: the first token may come before the loop runs

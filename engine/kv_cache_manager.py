@@ -52,6 +52,8 @@ class KVCacheManager:
     # -- the verbs --------------------------------------------------------------------------
     def match(self, seq: Sequence) -> PrefixHit:
         self._update_hashes(seq)
+        if seq.params.prompt_logprobs is not None:  # every prompt position is computed
+            return PrefixHit([], 0)
         blocks = self.pool.match_prefix(seq.block_hashes)
         return PrefixHit(blocks, min(len(blocks) * self.block_size, seq.num_tokens))
 

@@ -86,6 +86,7 @@ class LaunchedStep:
     host_logprobs: torch.Tensor | None = None
     host_top_ids: torch.Tensor | None = None
     host_top_logprobs: torch.Tensor | None = None
+    prompt: object | None = None  # model_runner.PromptLogprobs, host copies
     done: torch.cuda.Event | None = None
     releases: int = 0  # the scheduler's release count right after the launch
 
@@ -315,6 +316,10 @@ class LLMEngine:
         logits = self.runner.execute(batch, running.tokens if running is not None else None)
         due = self.scheduler.advance(batch)
         step = LaunchedStep(due)
+        if (p := self.runner.prompt_out) is not None:
+            p.logprobs, p.top_ids, p.top_logprobs = (self._to_host(t) for t in (
+                p.logprobs, p.top_ids, p.top_logprobs))
+            step.prompt = p
         if due:
             out = self.sampler(logits, due, running.tokens if running is not None else None,
                                self.eos_token_ids,
@@ -339,6 +344,9 @@ class LLMEngine:
 
     def _resolve(self, step: LaunchedStep) -> list[RequestOutput]:
         """Wait for a launched step and turn its sampled ids into tokens and outputs."""
+        if step.prompt is not None:
+            step.wait()
+            self._store_prompt_logprobs(step.prompt)
         if not step.due:
             return []
         step.wait()
@@ -359,6 +367,16 @@ class LLMEngine:
                 seq, [token], [logprobs[i]] if k is not None else None,
                 [list(zip(top_ids[i][:k], top_lps[i][:k]))] if k else None))
         return outputs
+
+    @staticmethod
+    def _store_prompt_logprobs(p) -> None:
+        lps = p.logprobs.tolist()
+        ids = p.top_ids.tolist() if p.top_ids is not None else None
+        vals = p.top_logprobs.tolist() if p.top_logprobs is not None else None
+        for i, (seq, pos) in enumerate(p.owners):
+            k = seq.params.prompt_logprobs
+            seq.prompt_logprobs[pos] = [lps[i], [[t, v] for t, v in zip(ids[i][:k], vals[i][:k])]
+                                        if k else []]
 
     def _append_token(self, seq: Sequence, token: int, logprob: float | None) -> None:
         seq.token_ids.append(token)
@@ -395,7 +413,11 @@ class LLMEngine:
 
     def _output(self, seq: Sequence, new_tokens: list[int], new_logprobs: list[float] | None,
                 new_top: list[TopLogprobs] | None = None) -> RequestOutput:
+        prompt = None
+        if seq.prompt_logprobs is not None and not seq.prompt_logprobs_sent and new_tokens:
+            prompt, seq.prompt_logprobs_sent = seq.prompt_logprobs, True
         return RequestOutput(
             seq.request_id, new_tokens, new_logprobs, seq.is_finished,
             seq.finish_reason.value if seq.finish_reason else None, seq.stop_reason,
-            seq.num_resolved_tokens - seq.num_prompt_tokens, seq.num_cached_tokens, new_top)
+            seq.num_resolved_tokens - seq.num_prompt_tokens, seq.num_cached_tokens, new_top,
+            prompt)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -62,6 +62,7 @@ class ModelRunner:
             attn.kv_cache = self.kv_cache[i]
             attn.backend = self.backend
         self.graphs = None
+        self.prompt_out: PromptLogprobs | None = None  # the last step's prompt logprobs
         if device.type == "cuda" and not config.enforce_eager \
                 and self.backend.supports_cuda_graphs:
             self.graphs = DecodeGraphs(self, min(config.max_num_seqs,
@@ -166,8 +167,11 @@ class ModelRunner:
         bs = self.block_size
         ids, positions, slots, qsl, ctx, logit_rows = [], [], [], [0], [], []
         indptr, indices, last, gathers = [0], [], [], []
+        prompt = PromptRows()
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+            if seq.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1:
+                prompt.add(seq, len(ids), start, min(end, seq.num_prompt_tokens - 1))
             ids += seq.token_ids[start:end]
             if end > seq.num_resolved_tokens:  # its input is the token the running step samples
                 ids[-1] = 0
@@ -190,7 +194,7 @@ class ModelRunner:
             kv_indices=host_tensor(indices, torch.int32),
             kv_last_page_len=host_tensor(last, torch.int32),
             block_size=bs, is_decode_only=all(n == 1 for n in batch.num_new_tokens))
-        return StepInputs(ids, positions, slots, gathers, meta, logit_rows)
+        return StepInputs(ids, positions, slots, gathers, meta, logit_rows, prompt)
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch,
@@ -199,30 +203,82 @@ class ModelRunner:
         (or None). ``prev_tokens``: the sampled tokens of the step still running, which pending
         inputs are read from. Nothing here waits for the device."""
         step = self.prepare(batch)
+        self.prompt_out = None
         if step.gathers and prev_tokens is None:
             raise RuntimeError("a pending token is an input but no step is running")
-        if (self.graphs is not None and step.meta.is_decode_only
+        if (self.graphs is not None and step.meta.is_decode_only and not step.prompt.rows
                 and step.meta.num_seqs <= self.graphs.max_batch):
             logits = self.graphs.run(step, prev_tokens)
         else:
             dev = upload(step.host_rows(), torch.int64, self.device)
             step.meta.slot_mapping = dev[2]
             step.feed_pending(dev[0], dev[3], prev_tokens)
-            return self._forward(dev[0], dev[1], step.meta, step.logit_rows)
+            return self._forward(dev[0], dev[1], step.meta, step.logit_rows, step.prompt)
         if len(step.logit_rows) == len(step.ids):
             return logits
         return logits[upload(step.logit_rows, torch.int64, self.device)]
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                 logit_rows: list[int]) -> torch.Tensor | None:
+                 logit_rows: list[int], prompt: PromptRows | None = None) -> torch.Tensor | None:
         self.backend.plan(meta)
         with set_forward_context(meta):
             hidden = self.model(input_ids, positions)
+        if prompt is not None and prompt.rows:
+            self.prompt_out = self._prompt_logprobs(hidden, prompt)
         if not logit_rows:
             return None
         if len(logit_rows) < hidden.shape[0]:
             hidden = hidden[upload(logit_rows, torch.int64, self.device)]
         return self.model.compute_logits(hidden)
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, prompt: PromptRows) -> PromptLogprobs:
+        """Log-softmax of the raw logits at the prompt rows (as sampled tokens' logprobs are),
+        in slices of rows so that a long prompt never holds its whole [rows, vocab] at once."""
+        rows = upload(prompt.rows, torch.int64, self.device)
+        targets = upload(prompt.targets, torch.int64, self.device)
+        lps, ids, vals = [], [], []
+        for i in range(0, len(prompt.rows), PROMPT_LOGPROB_ROWS):
+            sl = slice(i, i + PROMPT_LOGPROB_ROWS)
+            logp = torch.log_softmax(self.model.compute_logits(hidden[rows[sl]]).float(), -1)
+            lps.append(logp.gather(1, targets[sl, None]).squeeze(1))
+            if prompt.k:
+                v, ix = logp.topk(prompt.k, -1)
+                vals.append(v)
+                ids.append(ix)
+        return PromptLogprobs(prompt.owners, torch.cat(lps), torch.cat(ids) if ids else None,
+                              torch.cat(vals) if vals else None)
+
+
+PROMPT_LOGPROB_ROWS = 512  # rows of full-vocabulary logits made at once (float32)
+
+
+@dataclass
+class PromptRows:
+    """Rows of a step whose logits score the next prompt token (``prompt_logprobs``):
+    ``owners[i]`` is (sequence, position of the scored token)."""
+
+    rows: list[int] = field(default_factory=list)
+    targets: list[int] = field(default_factory=list)
+    owners: list[tuple] = field(default_factory=list)
+    k: int = 0
+
+    def add(self, seq, row0: int, start: int, stop: int) -> None:
+        """Positions ``start..stop-1`` of ``seq`` (rows from ``row0``) score tokens 1 later."""
+        for pos in range(start, stop):
+            self.rows.append(row0 + pos - start)
+            self.targets.append(seq.token_ids[pos + 1])
+            self.owners.append((seq, pos + 1))
+        self.k = max(self.k, seq.params.prompt_logprobs)
+
+
+@dataclass
+class PromptLogprobs:
+    """Device results of :class:`PromptRows`: each row's target logprob and its top ``k``."""
+
+    owners: list[tuple]
+    logprobs: torch.Tensor
+    top_ids: torch.Tensor | None
+    top_logprobs: torch.Tensor | None
 
 
 @dataclass
@@ -236,6 +292,7 @@ class StepInputs:
     gathers: list[tuple[int, int]]
     meta: AttentionMetadata
     logit_rows: list[int]
+    prompt: PromptRows = field(default_factory=PromptRows)
 
     def host_rows(self, size: int | None = None) -> torch.Tensor:
         """``[4, size]`` int64: ids, positions, slots, and the pending row to read each id from

@@ -33,6 +33,9 @@ class RequestOutput:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     new_top_logprobs: list[TopLogprobs] | None = None
+    # With the first output of a request asking for them: per prompt position, None (the first)
+    # or ``[logprob, [[id, logprob], ...]]`` of the prompt's token there given those before
+    prompt_logprobs: list | None = None
 
 
 @dataclass
@@ -49,6 +52,7 @@ class Completion:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    prompt_logprobs: list | None = None  # as RequestOutput's
 
     @property
     def cumulative_logprob(self) -> float | None:
@@ -88,6 +92,8 @@ class OutputCollector:
         """Take a delta; True once the request is complete (the engine finished it, or a stop
         string appeared: then the caller aborts it in the engine)."""
         r = self.result
+        if out.prompt_logprobs is not None:
+            r.prompt_logprobs = out.prompt_logprobs
         if r.finished:
             return True
         if append_tokens(r, self.detok, out.new_token_ids, out.new_logprobs,

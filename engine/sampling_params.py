@@ -43,6 +43,10 @@ class SamplingParams(BaseModel):
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    # The logprob of every prompt token after the first (vLLM's ``prompt_logprobs``), with the
+    # ``prompt_logprobs`` most likely tokens at each position; None: off. Such a request's
+    # prompt is computed whole (no prefix-cache hit), as in vLLM.
+    prompt_logprobs: int | None = None
     min_p: float = 0.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -117,6 +121,9 @@ class SamplingParams(BaseModel):
             raise ValueError(f"seed must fit in 64 signed bits, got {self.seed}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got "
+                             f"{self.prompt_logprobs}")
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         for name in ("presence_penalty", "frequency_penalty"):

@@ -62,10 +62,16 @@ class Sequence:
     matcher: object | None = None  # structured output: the grammar's state (engine.structured)
     arrival_time: float = field(default_factory=time.monotonic)
     scheduled_time: float | None = None  # first taken into the batch (or given blocks to fill)
+    # params.prompt_logprobs: per prompt position, (logprob, [[id, logprob], ...]) of its token
+    # given the ones before (None at position 0 and until computed); sent with the first output
+    prompt_logprobs: list | None = None
+    prompt_logprobs_sent: bool = False
 
     def __post_init__(self):
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None] * len(self.prompt_token_ids)
 
     @property
     def num_tokens(self) -> int:

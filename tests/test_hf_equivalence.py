@@ -42,3 +42,27 @@ def test_prefill_logits_close_to_transformers(case):
     with torch.no_grad():
         expected = torch.stack([hf(torch.tensor([p])).logits[0, -1] for p in prompts])
     torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("budget", [None, 16])  # one prefill chunk, or chunks of 16 tokens
+def test_prompt_logprobs_match_transformers(case, budget):
+    """``prompt_logprobs``: each prompt token's logprob given those before it and the top k
+    there, as transformers' log-softmax of its logits gives them; computed whole even when the
+    prompt is in the prefix cache, and across chunked prefill."""
+    path, prompts, hf, _ = case
+    kw = {"max_num_batched_tokens": budget} if budget else {}
+    llm = LLM(str(path), device="cpu", **kw)
+    llm.generate(prompts[4], SamplingParams(max_tokens=1))  # now a prefix-cache hit
+    params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3)
+    outs = llm.generate(prompts, params)
+    for p, out in zip(prompts, outs):
+        assert len(out.prompt_logprobs) == len(p) and out.prompt_logprobs[0] is None
+        with torch.no_grad():
+            logp = torch.log_softmax(hf(torch.tensor([p])).logits[0].float(), -1)
+        for pos in range(1, len(p)):
+            lp, top = out.prompt_logprobs[pos]
+            assert lp == pytest.approx(logp[pos - 1, p[pos]].item(), abs=1e-4)
+            want = logp[pos - 1].topk(3)
+            assert [t for t, _ in top] == want.indices.tolist()
+            assert [v for _, v in top] == pytest.approx(want.values.tolist(), abs=1e-4)
+    assert llm.engine.pool.num_used_blocks == 0

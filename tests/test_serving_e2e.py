@@ -563,6 +563,39 @@ def test_echo_puts_the_prompt_before_the_completion(server, offline, stream):
     assert text == PROMPTS[1] + want
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_prompt_logprobs_echo_and_vllm_field_match_offline(server, offline, stream):
+    """``echo`` with ``logprobs`` (OpenAI's legacy completions) and ``prompt_logprobs`` (vLLM's):
+    every prompt token after the first gets the offline engine's prompt logprob and top k,
+    colocated and disaggregated (made where the prompt is computed), streamed or whole."""
+    _, url, _ = server
+    ids = offline.tokenizer.encode(PROMPTS[1], add_special_tokens=False)
+    want = offline.generate([ids], SamplingParams(**GREEDY, logprobs=2, prompt_logprobs=2))[0]
+    body = {"prompt": ids, "echo": True, "logprobs": 2, "prompt_logprobs": 2, "stream": stream,
+            **GREEDY}
+    resp = _post(f"{url}/v1/completions", body, stream=stream)
+    if stream:
+        events = [e for e in _events(resp) if e and e["choices"]]
+        choice = events[0]["choices"][0]
+        lp = {k: [x for e in events for x in (e["choices"][0]["logprobs"] or {}).get(k, [])]
+              for k in ("tokens", "token_logprobs")}
+    else:
+        choice = resp.json()["choices"][0]
+        lp = choice["logprobs"]
+    n = len(ids)
+    assert lp["token_logprobs"][0] is None and len(lp["token_logprobs"]) == n + 12
+    assert lp["token_logprobs"][1:n] == pytest.approx([x for x, _ in want.prompt_logprobs[1:]],
+                                                      abs=1e-4)
+    assert lp["token_logprobs"][n:] == pytest.approx(want.logprobs, abs=1e-4)
+    field = choice["prompt_logprobs"]
+    assert field[0] is None and len(field) == n
+    for pos in range(1, n):
+        got = {int(t): v["logprob"] for t, v in field[pos].items()}
+        lp_pos, alts = want.prompt_logprobs[pos]
+        assert got[ids[pos]] == pytest.approx(lp_pos, abs=1e-4)
+        assert all(got[t] == pytest.approx(v, abs=1e-4) for t, v in alts)
+
+
 def test_tokenize_and_detokenize_as_vllm_has_them(server, offline):
     _, url, _ = server
     want = offline.tokenizer.encode(PROMPTS[1], add_special_tokens=False)
@@ -805,6 +838,15 @@ def test_grpc_unary_and_stream_match_offline(stub, offline):
     t0 = time.perf_counter()
     msgs = list(stub.GenerateStream(req, timeout=60))
     assert 0 < msgs[-1].ttft_s < time.perf_counter() - t0
+    ids = offline.tokenizer.encode(PROMPTS[0], add_special_tokens=False)
+    lp = offline.generate([ids], SamplingParams(**GREEDY, prompt_logprobs=2))[0].prompt_logprobs
+    asked = baton_pb2.GenerateRequest(prompt_token_ids=ids, max_tokens=2, temperature=0,
+                                      prompt_logprobs=2)
+    for got in (stub.Generate(asked, timeout=60), next(iter(stub.GenerateStream(asked,
+                                                                                timeout=60)))):
+        assert list(got.prompt_logprobs) == pytest.approx([x for x, _ in lp[1:]], abs=1e-4)
+        assert [list(t.token_ids) for t in got.prompt_top_logprobs] == \
+            [[t for t, _ in alts] for _, alts in lp[1:]]
     assert [t for m in msgs for t in m.token_ids] == want.token_ids
     assert all(m.produced_at > 0 for m in msgs if m.token_ids)
     assert "".join(m.text for m in msgs) == want.text

@@ -46,6 +46,8 @@ def completion_request(req) -> CompletionRequest:
         body["n"] = req.n
     if req.priority:
         body["priority"] = req.priority
+    if req.HasField("prompt_logprobs"):
+        body["prompt_logprobs"] = req.prompt_logprobs
     body.update(prompt=req.prompt or list(req.prompt_token_ids), model=req.model or None,
                 stop=list(req.stop) or None, stop_token_ids=list(req.stop_token_ids) or None,
                 ignore_eos=req.ignore_eos,
@@ -72,6 +74,17 @@ def completion_request(req) -> CompletionRequest:
 def _grpc_top(chunk: Chunk) -> list:
     return [baton_pb2.TopLogprobs(token_ids=[t for t, _ in alts], logprobs=[lp for _, lp in alts])
             for alts in chunk.top_logprobs or ()]
+
+
+def _grpc_prompt(msg, stream: RequestStream) -> None:
+    """A sequence's prompt logprobs (asked with ``prompt_logprobs``), from the second token."""
+    if stream.prompt_logprobs is None:
+        return
+    rest = stream.prompt_logprobs[1:]
+    msg.prompt_logprobs.extend(lp for lp, _ in rest)
+    msg.prompt_top_logprobs.extend(
+        baton_pb2.TopLogprobs(token_ids=[t for t, _ in alts], logprobs=[v for _, v in alts])
+        for _, alts in rest)
 
 
 class GrpcAdapter:
@@ -139,7 +152,10 @@ class GrpcAdapter:
         top-level fields)."""
         answers: dict[int, baton_pb2.GenerateResponse] = {}
         async for index, chunk, stream in self._grpc_chunks(request, grpc_context):
-            resp = answers.setdefault(index, baton_pb2.GenerateResponse(index=index))
+            if index not in answers:
+                answers[index] = baton_pb2.GenerateResponse(index=index)
+                _grpc_prompt(answers[index], stream)
+            resp = answers[index]
             resp.request_id = request.request_id or stream.request_id
             resp.token_ids.extend(chunk.token_ids)
             resp.text += chunk.text
@@ -158,13 +174,16 @@ class GrpcAdapter:
         return first
 
     async def GenerateStream(self, request, grpc_context: RayServegRPCContext):
-        sent = False
+        sent, started = False, set()
         async for index, chunk, stream in self._grpc_chunks(request, grpc_context):
             msg = baton_pb2.GenerateResponse(request_id=request.request_id or stream.request_id,
                                              token_ids=chunk.token_ids, text=chunk.text,
                                              logprobs=chunk.logprobs or [],
                                              top_logprobs=_grpc_top(chunk),
                                              produced_at=chunk.produced_at, index=index)
+            if index not in started:
+                started.add(index)
+                _grpc_prompt(msg, stream)
             if chunk.finished:
                 self._grpc_final(msg, stream)
             sent = True

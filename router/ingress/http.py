@@ -21,7 +21,7 @@ from router.ingress.errors import UnknownModel, describe, log_failure, validatio
 from router.ingress.protocol import (ChatCompletionRequest, CompletionRequest,
                                      DetokenizeRequest, TokenizeRequest)
 from router.ingress.service import Merged, timing_of, usage_of
-from router.ingress.streams import Chunk
+from router.ingress.streams import Chunk, RequestStream
 
 app = FastAPI(title="Baton")
 TEXT, CHAT = "text_completion", "chat.completion"  # the two endpoints' answer objects
@@ -244,6 +244,11 @@ class HttpAdapter:
                           "token_ids": stream.token_ids}
                 head = echo[p] if echo else ""
                 lp = self._logprobs(chat, stream, len(head))[0] if shown else None
+                if echo and shown:  # the echoed prompt's tokens first, with their logprobs
+                    lp = self._with_prompt(lp, stream, params)
+                if body.prompt_logprobs is not None and stream.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = self.texts.prompt_field(
+                        stream.prompt_token_ids, stream.prompt_logprobs)
                 if chat:
                     choice["message"] = _message(text, parsing)
                     if choice["message"].get("tool_calls") and stream.finish_reason == "stop":
@@ -255,6 +260,17 @@ class HttpAdapter:
         usage = self._usage(feed, params, body.include_timing)
         return {"id": rid, "object": kind, "created": int(time.time()), "model": self.served_name,
                 "choices": choices, "usage": usage}
+
+    def _with_prompt(self, lp: dict, stream: RequestStream, params: SamplingParams) -> dict:
+        """A completion's logprobs object behind its echoed prompt's."""
+        if stream.prompt_logprobs is None:
+            return lp
+        head, _ = self.texts.echoed(stream.prompt_token_ids, stream.prompt_logprobs,
+                                    bool(params.logprobs))
+        top = head["top_logprobs"] + lp["top_logprobs"] if head["top_logprobs"] is not None \
+            else None
+        return {key: head[key] + lp[key] for key in ("tokens", "token_logprobs", "text_offset")} \
+            | {"top_logprobs": top}
 
     def _usage(self, feed: Merged, params: SamplingParams, timed: bool) -> dict:
         """The answer's usage, with the request's timeline when asked (one sequence only)."""
@@ -280,8 +296,15 @@ class HttpAdapter:
             choice = {"index": index, "finish_reason": chunk.finish_reason,
                       "token_ids": chunk.token_ids}
             lp = None
+            first = index not in started
             if shown and chunk.token_ids:
                 lp, offsets[index] = self._logprobs(chat, chunk, offsets[index])
+                if echo and first and not chat:
+                    lp = self._with_prompt(lp, feed.streams[index], params)
+            if first and body.prompt_logprobs is not None and \
+                    feed.streams[index].prompt_logprobs is not None:
+                choice["prompt_logprobs"] = self.texts.prompt_field(
+                    feed.streams[index].prompt_token_ids, feed.streams[index].prompt_logprobs)
             if chat:
                 splitter = splitters[index]
                 parts = splitter.feed(chunk.text) + (splitter.finish() if chunk.finished else [])

@@ -48,6 +48,30 @@ class TokenTexts:
         return {"tokens": tokens, "token_logprobs": [_finite(lp) for lp in logprobs],
                 "top_logprobs": tops, "text_offset": offsets}, offset
 
+    def echoed(self, prompt_ids, prompt_logprobs, top: bool) -> tuple[dict, int]:
+        """The completions object of an echoed prompt (``echo`` with ``logprobs``): the first
+        token has no logprob (None), each other the engine's prompt logprob and, with ``top``,
+        its alternatives → (object, the offset after the prompt's text)."""
+        rest = prompt_logprobs[1:]
+        obj, offset = self.completion(
+            prompt_ids[1:], [lp for lp, _ in rest], [alts for _, alts in rest] if top else None,
+            len(self(prompt_ids[0])))
+        first = self(prompt_ids[0])
+        return {"tokens": [first] + obj["tokens"], "token_logprobs": [None] + obj["token_logprobs"],
+                "top_logprobs": [None] + obj["top_logprobs"] if top else None,
+                "text_offset": [0] + obj["text_offset"]}, offset
+
+    def prompt_field(self, prompt_ids, prompt_logprobs) -> list:
+        """vLLM's ``prompt_logprobs`` of a choice: None for the first token, then per token
+        ``{id: {"logprob", "decoded_token"}}`` of the prompt's token and its alternatives."""
+        out: list = [None]
+        for token, (lp, alts) in zip(prompt_ids[1:], prompt_logprobs[1:]):
+            entry = {str(token): {"logprob": _finite(lp), "decoded_token": self(token)}}
+            for t, alt in alts:
+                entry.setdefault(str(t), {"logprob": _finite(alt), "decoded_token": self(t)})
+            out.append(entry)
+        return out
+
     def chat(self, token_ids, logprobs, top) -> dict:
         content = []
         for i, (token, lp) in enumerate(zip(token_ids, logprobs)):

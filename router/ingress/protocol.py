@@ -119,6 +119,9 @@ class _Common(BaseModel):
     min_p: float = 0.0
     min_tokens: int = 0
     priority: int = 0  # vLLM's: lower is scheduled first; equal ones in arrival order
+    # vLLM's: each prompt token's logprob and the k most likely there, in the choice's
+    # ``prompt_logprobs`` (None first: the first token has no context)
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     logit_bias: dict[str, float] | None = None  # token id (a string in JSON) -> bias
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and guided_*.
     response_format: ResponseFormat | None = None
@@ -148,7 +151,12 @@ class _Common(BaseModel):
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, min_p=self.min_p,
             min_tokens=self.min_tokens, logit_bias=self.logit_bias, priority=self.priority,
+            prompt_logprobs=self.prompt_k(logprobs),
             structured_output=self.structured_output())
+
+    def prompt_k(self, logprobs: int | None) -> int | None:
+        """The prompt logprobs the answer needs (the top k of each position), or None."""
+        return self.prompt_logprobs
 
     def structured_output(self) -> StructuredOutput | None:
         rf, so = self.response_format, self.structured_outputs or StructuredOutputs()
@@ -182,6 +190,13 @@ class CompletionRequest(_Common):
                              f"got {len(v)}")
         return v
 
+    def prompt_k(self, logprobs: int | None) -> int | None:
+        """``echo`` with ``logprobs``: the echoed prompt's tokens get theirs too (OpenAI's
+        legacy completions), with the same top k."""
+        if self.echo and logprobs is not None:
+            return max(logprobs, self.prompt_logprobs or 0)
+        return self.prompt_logprobs
+
     def prompts(self) -> list[str | list[int]]:
         """The request's prompts: one, or a batch (one choice each, in order)."""
         v = self.prompt
@@ -191,8 +206,6 @@ class CompletionRequest(_Common):
 
     @model_validator(mode="after")
     def _unsupported_completion(self):
-        if self.echo and self.logprobs is not None:
-            raise BadRequest("echo: not supported together with logprobs (prompt logprobs)")
         if self.suffix:
             raise BadRequest("suffix: not supported")
         if self.stream and self.best_of is not None and self.best_of != self.n:

@@ -92,6 +92,7 @@ class RequestStream:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] | None = None
     top_logprobs: list[list] | None = None
+    prompt_logprobs: list | None = None  # asked for: per prompt position, from the first delta
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
@@ -138,6 +139,8 @@ class RequestStream:
                 self.on_token(gap, produced_at)
             self._last_produced = produced_at
         self.num_cached_tokens = delta.num_cached_tokens
+        if delta.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = delta.prompt_logprobs
         if append_tokens(self, self.detok, delta.token_ids, delta.logprobs, delta.top_logprobs):
             self._finish("stop", self.detok.stop_reason)
             self.cancel()  # the engine stops on ids only: end it there
@@ -244,7 +247,8 @@ class DecodeClient:
         p = stream.params
         params = p if not have else p.model_copy(update={
             "max_tokens": p.max_tokens - len(have), "min_tokens": max(p.min_tokens - len(have), 0),
-            "num_resumed_tokens": len(have)})  # they count as output for the penalties
+            "num_resumed_tokens": len(have),  # they count as output for the penalties
+            "prompt_logprobs": None})  # the first call's first delta brought them
         stream.call_id = rid
         self.sink.register(rid, stream.feed, stream.end,
                            lambda: asyncio.ensure_future(self._channel_lost(stream, rid)))

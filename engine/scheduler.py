@@ -4,7 +4,9 @@ Queues: ``waiting`` → ``running``, both ordered by the request's ``priority`` 
 vLLM's priority scheduling; 0 by default), then by arrival: a new sequence goes behind those of
 its priority, a preempted one back in front of them. ``running`` is in admission order within a
 priority, which is also the order of preemption, from the end: the worst priority's most
-recently admitted sequence is preempted first.
+recently admitted sequence is preempted first. A waiting sequence that finds no slot or no blocks
+takes them from a running sequence of a worse priority (preempted, as vLLM's priority policy
+does), so a request with a better priority does not wait for a queue of long ones to end.
 
 Each step spends ``max_num_batched_tokens``: running sequences first (one token each when
 decoding, the next chunk when still prefilling), then waiting sequences are admitted while
@@ -181,11 +183,16 @@ class Scheduler:
         # Sequences receiving their KV hold a slot too: once admitted they join the batch.
         computing = self.kv.uncommitted(self.running) if self.waiting else set()
         deferred: list[Sequence] = []
-        while (self.waiting and budget > 0
-               and len(self.running) + len(self.transferring) < self.max_num_seqs):
+        while self.waiting and budget > 0:
             seq = self.waiting[0]
             if seq.num_pending:
                 break  # preempted while its last token was on the way
+            if len(self.running) + len(self.transferring) >= self.max_num_seqs:
+                freed = self._displace(seq, batch)  # a worse priority's slot, if any
+                if freed is None:
+                    break
+                budget += freed
+                continue
             hit = self.kv.match(seq)
             if len(hit.blocks) < len(seq.block_hashes) and \
                     seq.block_hashes[len(hit.blocks)] in computing:
@@ -197,7 +204,11 @@ class Scheduler:
             computed = min(hit.num_tokens, seq.num_tokens - 1)
             n = min(seq.num_tokens - computed, budget)
             if not self.kv.allocate(seq, hit, computed + n):
-                break
+                freed = self._displace(seq, batch)  # a worse priority's blocks, if any
+                if freed is None:
+                    break
+                budget += freed
+                continue
             seq.num_computed_tokens = computed
             seq.status = SequenceStatus.RUNNING
             self.waiting.popleft()
@@ -208,6 +219,21 @@ class Scheduler:
             budget -= n
             computing.update(seq.block_hashes[seq.num_registered_blocks:])
         self.waiting.extendleft(reversed(deferred))
+
+    def _displace(self, seq: Sequence, batch: ScheduledBatch) -> int | None:
+        """Preempt the newest running sequence of the worst priority if it is worse than
+        ``seq``'s (vLLM's priority policy), taking it out of this step if it was in it; returns
+        the step budget it gave back, or None when no running sequence ranks below ``seq``."""
+        if not self.running or self.running[-1].params.priority <= seq.params.priority:
+            return None
+        victim = self.running.pop()
+        freed = 0
+        if victim in batch.seqs:
+            i = batch.seqs.index(victim)
+            del batch.seqs[i]
+            freed = batch.num_new_tokens.pop(i)
+        self._preempt(victim)
+        return freed
 
     def _started(self, seq: Sequence) -> None:
         if seq.scheduled_time is None:  # not again after a preemption (vLLM's queue time)

@@ -108,20 +108,25 @@ def test_sequence_larger_than_the_whole_cache_ends_with_length():
 
 
 def test_priority_orders_the_waiting_queue_and_preemption(reference):
-    """Lower ``priority`` is admitted first (equal ones in arrival order) and preempted last;
-    the tokens stay those of the run without priorities."""
+    """Lower ``priority`` is admitted first (equal ones in arrival order), takes the slot of a
+    running sequence of a worse priority, and is preempted last; the tokens stay those of the
+    run without priorities."""
     llm = LLM("tiny", max_num_seqs=1)
     engine = llm.engine
-    order = []
+    order, tokens = [], {}
     engine.add_request(PROMPTS[0], GREEDY, "r0")
     engine.step()  # r0 runs in the one slot
     for i, p in enumerate(PROMPTS[1:4], 1):
         engine.add_request(p, GREEDY.model_copy(update={"priority": [0, -1, 1][i - 1]}), f"r{i}")
     while engine.has_unfinished_requests():
         for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
             if out.finished:
                 order.append(out.request_id)
-    assert order == ["r0", "r2", "r1", "r3"]
+    # r2 (priority -1) took r0's slot at once; r0, preempted, goes on before r1 (same priority,
+    # earlier); r3 (priority 1) last.
+    assert order == ["r2", "r0", "r1", "r3"]
+    assert [tokens[f"r{i}"] for i in range(4)] == reference[:4]
     _assert_no_leak(llm)
     # Blocks for only some sequences: the worst priority is preempted, never the best.
     llm = LLM("tiny", num_blocks=13)

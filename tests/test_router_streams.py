@@ -142,3 +142,82 @@ def test_bad_request_is_the_only_400():
     assert describe(invalid, "r").status == 400
     assert describe(ValueError("a bug"), "r").status == 500
     assert describe(ValueError("a bug"), "r").internal
+
+
+class _Call:
+    """A Serve call as the ingress sees it: awaitable, cancellable."""
+
+    def __init__(self, fut):
+        self.fut = fut
+
+    def __await__(self):
+        return self.fut.__await__()
+
+    def cancel(self):
+        self.fut.cancel()
+
+
+class _Handle:
+    """The decode deployment's handle, calling a DecodeServer in this process (``silent``: the
+    first call returns at once and sends nothing, as one whose channel broke after it)."""
+
+    def __init__(self, server, silent_first: bool = False):
+        self.server, self.calls, self.silent_first = server, [], silent_first
+        self.generate = self
+
+    def remote(self, req):
+        self.calls.append(req)
+        if self.silent_first and len(self.calls) == 1:
+            fut = asyncio.get_running_loop().create_future()
+            fut.set_result(None)
+            return _Call(fut)
+        return _Call(asyncio.ensure_future(self.server.generate(req)))
+
+
+@pytest.fixture(scope="module")
+def decode_server():
+    from decode_worker.server import DecodeServer
+    from engine import EngineConfig
+
+    server = DecodeServer(EngineConfig(model="tiny", num_blocks=64, show_progress=False),
+                          "local")
+    yield server
+    server.close()
+
+
+def test_the_answer_comes_back_on_the_channel_only(tok, decode_server):
+    """DecodeClient against a real decode server (no Ray): the tokens and then the result
+    arrive on the token channel (the call's own return value is not read); bad input only the
+    replica can check ends the stream with BadRequest; a stream whose call ended but whose
+    channel dropped before its last tokens is moved (called again) and completes."""
+    from engine import LLM
+    from engine.errors import BadRequest
+    from router.ingress.streams import DecodeClient
+
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    prompt = tok.encode("The answer comes back", add_special_tokens=False)
+    want = LLM("tiny").generate([prompt], params)[0].token_ids
+
+    async def main():
+        client = DecodeClient(_Handle(decode_server), tok)
+        stream = await client.start(prompt, params, "a")
+        stream.deadline = time.monotonic() + 30
+        got = [t for c in [c async for c in stream.chunks(stream.deadline)] for t in c.token_ids]
+        result = await client.result(stream)
+        assert got == want and result.num_output_tokens == 10 and result.finish_reason == "length"
+
+        too_long = await client.start(list(range(1, 100)) * 40, params, "b")
+        with pytest.raises(BadRequest, match="leave no room"):
+            await _collect(too_long, deadline_s=30)
+
+        handle = _Handle(decode_server, silent_first=True)
+        client = DecodeClient(handle, tok)
+        moved = await client.start(prompt, params, "c")
+        moved.deadline = time.monotonic() + 30
+        await moved.call_done.wait()
+        await client._channel_lost(moved, "c")
+        got = [t for c in [c async for c in moved.chunks(moved.deadline)] for t in c.token_ids]
+        assert got == want and len(handle.calls) == 2 and moved.migrations == 1
+        await client.sink.close()
+
+    asyncio.run(main())

@@ -125,6 +125,9 @@ class EngineConfig(BaseModel):
     # (kernels/gemv.py), which beats cuBLAS there on every measured Qwen3 shape.
     triton_gemv: bool = True
     show_progress: bool = True
+    # Ranks the model is split over (engine.parallel): heads, columns and the vocabulary;
+    # it must divide the attention and KV heads (Qwen3: 1, 2, 4 or 8).
+    tensor_parallel_size: int = Field(1, ge=1)
 
     @field_validator("dtype", mode="before")
     @classmethod

@@ -22,6 +22,7 @@ import json
 import logging
 import time
 import uuid
+import weakref
 from collections import deque
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
@@ -40,6 +41,8 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import FinishReason, Sequence
 from engine.structured import Grammars
+from engine.parallel import TPGroup, building, check_tp
+from engine.tp_worker import TPWorkers
 from engine.validation import RequestChecks
 
 log = logging.getLogger(__name__)
@@ -95,6 +98,19 @@ class LaunchedStep:
             self.done.synchronize()
 
 
+def engine_shape(config: EngineConfig, device: torch.device):
+    """``(source, device, dtype, max_model_len)`` of an engine (and of each of its ranks)."""
+    source = resolve_model(config.model)
+    mcfg = source.config
+    if config.dtype is not None:
+        dtype = parse_dtype(config.dtype)
+    else:
+        dtype = parse_dtype(mcfg.torch_dtype) if device.type == "cuda" else torch.float32
+    max_model_len = min(config.max_model_len or mcfg.max_position_embeddings,
+                        mcfg.max_position_embeddings)
+    return source, device, dtype, max_model_len
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         t0 = time.perf_counter()
@@ -102,23 +118,37 @@ class LLMEngine:
         self.device = config.resolved_device()
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # kernels launch on the current device
-        self.source = resolve_model(config.model)
-        mcfg = self.source.config
-        if config.dtype is not None:
-            self.dtype = parse_dtype(config.dtype)
-        else:
-            self.dtype = parse_dtype(mcfg.torch_dtype) if self.device.type == "cuda" else torch.float32
-        self.max_model_len = min(config.max_model_len or mcfg.max_position_embeddings,
-                                 mcfg.max_position_embeddings)
-        self.model = load_model(self.source, self.device, self.dtype, seed=config.seed,
-                                progress=config.show_progress, quantization=config.quantization)
+        # Tensor parallelism: this process is rank 0; the other ranks are worker processes
+        # that run every step with it (engine.tp_worker). Steps are resolved one at a time
+        # then (the workers read no tokens still on the device).
+        if config.tensor_parallel_size > 1:
+            check_tp(resolve_model(config.model).config, config.tensor_parallel_size)
+        self.tp_workers = TPWorkers(config) if config.tensor_parallel_size > 1 else None
+        if self.tp_workers is not None:  # the workers stop with the engine
+            weakref.finalize(self, self.tp_workers.close)
+        self.async_scheduling = config.async_scheduling and self.tp_workers is None
+        self.source, _, self.dtype, self.max_model_len = engine_shape(config, self.device)
+        group = self.tp_workers.group if self.tp_workers is not None else TPGroup()
+        with building(group):
+            self.model = load_model(self.source, self.device, self.dtype, seed=config.seed,
+                                    progress=config.show_progress,
+                                    quantization=config.quantization)
         self.tokenizer = load_tokenizer(self.source)
         self.eos_token_ids = self._eos_ids()
         self.checks = RequestChecks(self.source.name, self.vocab_size, self.max_model_len,
                                     self.tokenizer is not None)
-        self.runner = ModelRunner(self.model, config, self.device, self.dtype, self.max_model_len)
+        with building(group):
+            self.runner = ModelRunner(self.model, config, self.device, self.dtype,
+                                      self.max_model_len)
+        if self.tp_workers is not None:
+            self.tp_workers.build(self.runner.num_blocks)
+            self.runner.workers = self.tp_workers
         if self.device.type == "cuda":
+            if self.tp_workers is not None:
+                self.tp_workers.warm_up()
             self.runner.warm_up(progress=config.show_progress)
+            if self.tp_workers is not None:
+                self.tp_workers.warmed()
         self.pool = BlockPool(self.runner.num_blocks, config.enable_prefix_caching)
         self.kv_manager = KVCacheManager(self.pool, config.block_size)
         self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs,
@@ -140,7 +170,7 @@ class LLMEngine:
         cfg = self.source.config
         return KVCacheSpec(kv_cache=self.runner.kv_cache, model=self.source.model_id,
                            dtype=str(self.runner.kv_dtype).removeprefix("torch."),
-                           num_layers=cfg.num_hidden_layers, num_kv_heads=cfg.num_key_value_heads,
+                           num_layers=cfg.num_hidden_layers, num_kv_heads=self.runner.num_kv_heads,
                            head_dim=cfg.head_dim, block_size=self.config.block_size)
 
     @property
@@ -272,6 +302,12 @@ class LLMEngine:
             step.wait()
             step.releases = self.scheduler.num_releases
 
+    def shutdown(self) -> None:
+        """Stop the other ranks of a tensor-parallel engine (nothing to do otherwise)."""
+        if self.tp_workers is not None:
+            self.tp_workers.close()
+            self.tp_workers = None
+
     def reset_prefix_cache(self) -> int:
         """Make every cached block that no request holds a miss again (vLLM's
         ``reset_prefix_cache``): benchmarks that replay prompts start each point cold."""
@@ -295,7 +331,7 @@ class LLMEngine:
         launched = self._launch(batch) if batch else None
         due = [self._running_step] if self._running_step is not None else []
         self._running_step = None
-        if self.config.async_scheduling:
+        if self.async_scheduling:
             self._running_step = launched
         elif launched is not None:
             due.append(launched)

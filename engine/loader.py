@@ -19,6 +19,7 @@ from tqdm import tqdm
 from engine.model_source import (DUMMY_PREFIX, ModelSource, dummy_names,  # noqa: F401
                                  find_in_hf_cache, hf_cache_dir, load_tokenizer, resolve_model)
 from engine.models.qwen3 import PACKED_MODULES, Qwen3ForCausalLM
+from engine.parallel import tp
 from engine.quantization import (Fp8Scheme, fill_shard, init_random, mark_quantized,
                                  resolve_scheme)
 from kernels.fp8 import fp8_supported
@@ -36,6 +37,9 @@ def load_model(source: ModelSource, device: torch.device, dtype: torch.dtype,
     a plain checkpoint's decoder projections at load; an FP8 checkpoint needs no flag
     (:mod:`engine.quantization`)."""
     scheme = resolve_scheme(source.config.quantization, quantization, source.name)
+    if scheme is not None and tp().size > 1:
+        raise ValueError("quantization: FP8 weights with tensor_parallel_size > 1 are not "
+                         "supported yet (their scales are not split across ranks)")
     with torch.device("meta"):
         model = Qwen3ForCausalLM(source.config)
     model = model.to(dtype)
@@ -140,7 +144,7 @@ def load_weights(model: Qwen3ForCausalLM, path: Path, progress: bool = False) ->
                 if param is None:
                     unexpected.append(name)
                     continue
-                tensor = f.get_tensor(name)
+                tensor = _read(f, name, ours, shard, param, model)
                 module_name = ours.rsplit(".", 1)[0]
                 if module_name.endswith(PROJECTIONS):
                     linear = model.get_submodule(module_name)
@@ -161,6 +165,27 @@ def load_weights(model: Qwen3ForCausalLM, path: Path, progress: bool = False) ->
     if missing or unexpected:
         raise ValueError(f"model: checkpoint {path} does not match Qwen3 "
                          f"(missing: {missing or 'none'}; unexpected: {unexpected or 'none'})")
+
+
+# Under tensor parallelism: the parameters split by rows (column-parallel projections, the
+# vocabulary) and by columns (row-parallel projections); the rest is whole on every rank.
+_ROW_PARALLEL = ("o_proj.weight", "down_proj.weight")
+_BY_ROWS = ("qkv_proj.weight", "gate_up_proj.weight", "embed_tokens.weight", "lm_head.weight")
+
+
+def _read(f, name: str, ours: str, shard: int | None, param: torch.Tensor, model) -> torch.Tensor:
+    """The checkpoint tensor, or only this rank's slice of it (read as a slice: no rank holds
+    a whole copy of a split weight)."""
+    size, rank = tp().size, tp().rank
+    if size == 1 or not ours.endswith(_ROW_PARALLEL + _BY_ROWS):
+        return f.get_tensor(name)
+    part = f.get_slice(name)
+    if ours.endswith(_ROW_PARALLEL):
+        n = param.shape[1]
+        return part[:, rank * n:(rank + 1) * n]
+    sizes = _shard_sizes(model, ours)
+    n = param.shape[0] if shard is None else sizes[shard]
+    return part[rank * n:(rank + 1) * n]
 
 
 def _scale_of(name: str, linear, where: dict[str, Path]) -> torch.Tensor | None:

@@ -17,6 +17,7 @@ from engine.attention import get_backend
 from engine.config import EngineConfig
 from engine.cuda_graph import DecodeGraphs
 from engine.forward_context import AttentionMetadata, null_meta, set_forward_context
+from engine.parallel import split
 from engine.models.qwen3 import Qwen3ForCausalLM
 from engine.scheduler import ScheduledBatch
 from engine.uploads import host_tensor, upload
@@ -42,11 +43,12 @@ class ModelRunner:
         self.block_size = config.block_size
         self.max_model_len = max_model_len
         self.kv_dtype = kv_cache_dtype(config.kv_cache_dtype, dtype)
+        self.num_kv_heads = split(cfg.num_key_value_heads, "KV heads")  # this rank's
         self.backend = get_backend(config.attention_backend, device, dtype,
                                    decode_tensor_cores=config.decode_tensor_cores,
                                    kv_dtype=self.kv_dtype,
-                                   num_heads=cfg.num_attention_heads,
-                                   num_kv_heads=cfg.num_key_value_heads,
+                                   num_heads=split(cfg.num_attention_heads, "attention heads"),
+                                   num_kv_heads=self.num_kv_heads,
                                    head_dim=cfg.head_dim, scale=cfg.head_dim ** -0.5,
                                    block_size=self.block_size)
         self.num_blocks = self._num_blocks()
@@ -55,7 +57,7 @@ class ModelRunner:
         # engine and the transfer layer see it as [layers, blocks, ...] (``kv_cache``), where each
         # layer's slice is FlashInfer's HND paged layout with a page stride of all layers.
         self.kv_storage = torch.zeros(
-            self.num_blocks, cfg.num_hidden_layers, 2, cfg.num_key_value_heads, self.block_size,
+            self.num_blocks, cfg.num_hidden_layers, 2, self.num_kv_heads, self.block_size,
             cfg.head_dim, dtype=self.kv_dtype, device=device)
         self.kv_cache = self.kv_storage.transpose(0, 1)
         for i, attn in enumerate(model.attention_layers()):
@@ -63,6 +65,7 @@ class ModelRunner:
             attn.backend = self.backend
         self.graphs = None
         self.prompt_out: PromptLogprobs | None = None  # the last step's prompt logprobs
+        self.workers = None  # rank 0 of a tensor-parallel engine: engine.tp_worker.TPWorkers
         if device.type == "cuda" and not config.enforce_eager \
                 and self.backend.supports_cuda_graphs:
             self.graphs = DecodeGraphs(self, min(config.max_num_seqs,
@@ -75,7 +78,7 @@ class ModelRunner:
     @property
     def block_bytes(self) -> int:
         cfg = self.model.config
-        return (cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * self.block_size
+        return (cfg.num_hidden_layers * 2 * self.num_kv_heads * self.block_size
                 * cfg.head_dim * self.kv_dtype.itemsize)
 
     def _num_blocks(self) -> int:
@@ -203,6 +206,14 @@ class ModelRunner:
         (or None). ``prev_tokens``: the sampled tokens of the step still running, which pending
         inputs are read from. Nothing here waits for the device."""
         step = self.prepare(batch)
+        if self.workers is not None:
+            self.workers.step(step)
+        return self.run(step, prev_tokens)
+
+    @torch.inference_mode()
+    def run(self, step: StepInputs, prev_tokens: torch.Tensor | None = None
+            ) -> torch.Tensor | None:
+        """Run prepared inputs (every rank of a tensor-parallel engine runs the same ones)."""
         self.prompt_out = None
         if step.gathers and prev_tokens is None:
             raise RuntimeError("a pending token is an input but no step is running")

@@ -17,6 +17,9 @@ RANDOM_CONFIGS = {
                               num_attention_heads=4, num_key_value_heads=2, head_dim=32), False),
     "gqa4-hd16-tied": (dict(hidden_size=96, intermediate_size=128, num_hidden_layers=2,
                             num_attention_heads=8, num_key_value_heads=2, head_dim=16), True),
+    # Qwen3's 8 KV heads (every size has them): tensor parallelism up to 8 ranks
+    "kv8-untied": (dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=16, num_key_value_heads=8, head_dim=8), False),
 }
 VOCAB = 256
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine.parallel import all_reduce, split, tp
 from kernels import rmsnorm
 from kernels.fp8 import fp8_linear
 from kernels.gemv import GemvConfig, gemv, norm_gemv
@@ -52,8 +53,29 @@ def norm_then(proj: Linear, norm: RMSNorm, x: torch.Tensor, residual: torch.Tens
 
 
 def embedding(num: int, dim: int) -> nn.Embedding:
-    """``nn.Embedding`` without initialisation (see :meth:`Linear.reset_parameters`)."""
+    """``nn.Embedding`` without initialisation (see :meth:`Linear.reset_parameters`); under
+    tensor parallelism each rank holds its rows of the vocabulary (:class:`VocabEmbedding`)."""
+    if tp().size > 1:
+        return VocabEmbedding(num, dim)
     return nn.Embedding(num, dim, _weight=torch.empty(num, dim))
+
+
+class VocabEmbedding(nn.Module):
+    """This rank's rows ``[start, start + rows)`` of a vocabulary-parallel embedding: ids outside
+    them look up zeros, and the sum over the group is every id's row."""
+
+    def __init__(self, num: int, dim: int):
+        super().__init__()
+        self.group = tp()
+        self.rows = split(num, "vocabulary")
+        self.start = self.group.rank * self.rows
+        self.weight = nn.Parameter(torch.empty(self.rows, dim))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.start
+        inside = (local >= 0) & (local < self.rows)
+        out = nn.functional.embedding(local.clamp(0, self.rows - 1), self.weight)
+        return all_reduce(out * inside.unsqueeze(-1).to(out.dtype), self.group)
 
 
 class RMSNorm(nn.Module):

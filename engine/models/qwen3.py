@@ -9,6 +9,7 @@ from engine.attention.base import AttentionBackend
 from engine.config import ModelConfig
 from engine.forward_context import get_forward_context
 from engine.models.layers import Linear, RMSNorm, RotaryEmbedding, embedding, norm_then
+from engine.parallel import all_gather_last, all_reduce, split, tp
 from kernels import qk_norm_rope_store, silu_and_mul
 from kernels.gemv import GemvConfig, gemv
 
@@ -25,8 +26,12 @@ PACKED_MODULES = {
 class Qwen3Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = (
-            cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+        # This rank's heads (all of them without tensor parallelism): qkv is column-parallel,
+        # o row-parallel (a partial sum, all-reduced).
+        self.group = tp()
+        self.num_heads = split(cfg.num_attention_heads, "attention heads")
+        self.num_kv_heads = split(cfg.num_key_value_heads, "KV heads")
+        self.head_dim = cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
@@ -50,19 +55,21 @@ class Qwen3Attention(nn.Module):
                                self.kv_cache, meta.slot_mapping, self.num_heads,
                                self.num_kv_heads, self.k_scale, self.v_scale)
         o = self.backend.forward(q, self.kv_cache, meta, self.k_scale, self.v_scale)
-        return self.o_proj(o.reshape(-1, self.q_size))
+        return all_reduce(self.o_proj(o.reshape(-1, self.q_size)), self.group)
 
 
 class Qwen3MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-        self.shard_sizes = (cfg.intermediate_size, cfg.intermediate_size)
+        self.group = tp()
+        inter = split(cfg.intermediate_size, "intermediate size")  # this rank's columns
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * inter, bias=False)
+        self.down_proj = Linear(inter, cfg.hidden_size, bias=False)
+        self.shard_sizes = (inter, inter)
 
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
         """From the packed gate/up projection (run by the layer, like ``qkv_proj``)."""
-        return self.down_proj(silu_and_mul(gate_up))
+        return all_reduce(self.down_proj(silu_and_mul(gate_up)), self.group)
 
 
 class Qwen3DecoderLayer(nn.Module):
@@ -104,9 +111,13 @@ class Qwen3ForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
+        self.group = tp()
         self.model = Qwen3Model(cfg)
+        # Under tensor parallelism each rank holds its rows of the vocabulary (tied: the
+        # embedding's) and the logits are gathered.
         self.lm_head = (None if cfg.tie_word_embeddings
-                        else Linear(cfg.hidden_size, cfg.vocab_size, bias=False))
+                        else Linear(cfg.hidden_size, split(cfg.vocab_size, "vocabulary"),
+                                    bias=False))
         self.lm_head_gemv: GemvConfig | None = None  # one-row logits through the skinny matmul
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -115,8 +126,8 @@ class Qwen3ForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.lm_head_weight
         if self.lm_head_gemv is not None and hidden.shape[0] == 1:
-            return gemv(hidden, weight, self.lm_head_gemv).float()
-        return torch.nn.functional.linear(hidden, weight).float()
+            return all_gather_last(gemv(hidden, weight, self.lm_head_gemv).float(), self.group)
+        return all_gather_last(torch.nn.functional.linear(hidden, weight).float(), self.group)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:

@@ -1,0 +1,147 @@
+"""The ranks 1..N-1 of a tensor-parallel engine: processes that each hold a slice of the model and
+its KV cache, and run every step rank 0 (the engine) runs, on the same inputs.
+
+Lifecycle: :class:`TPWorkers` (rank 0) spawns the workers → every rank joins the group
+(:func:`engine.parallel.init_tp`) → rank 0 loads its slice and sizes the KV cache, then tells
+the workers how many blocks to make (every rank must have the same) → the workers load their
+slices and build their runners → on CUDA all ranks warm up (and capture their decode graphs)
+together → per step rank 0 sends the step's host inputs (``ModelRunner.prepare``: ids,
+positions, slots, attention metadata, logit rows) to every worker and all ranks run it; the
+row-parallel layers all-reduce, the LM head gathers the vocabulary, and only rank 0 samples.
+
+The scheduler, the block tables and the sampler live on rank 0 only; a worker never decides
+anything. A worker that dies makes rank 0's next send or collective fail (collectives time out
+after ``TIMEOUT_S``), and the engine with it: the serving layer then replaces the replica.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import tempfile
+from dataclasses import replace
+
+log = logging.getLogger(__name__)
+TIMEOUT_S = 120.0  # a collective (or a worker's answer) that takes longer fails the engine
+
+
+def rank_device(config, rank: int):
+    """Rank ``rank``'s device: the engine's, offset by the rank on CUDA."""
+    device = config.resolved_device()
+    if device.type != "cuda":
+        return device
+    import torch
+    return torch.device("cuda", device.index + rank)
+
+
+def _worker(rank: int, size: int, init_method: str, config: dict, conn) -> None:
+    import torch
+
+    from engine.config import EngineConfig
+    from engine.llm_engine import engine_shape
+    from engine.loader import load_model
+    from engine.model_runner import ModelRunner
+    from engine.parallel import building, destroy_tp, init_tp
+
+    cfg = EngineConfig(**config)
+    device = rank_device(cfg, rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    try:
+        group = init_tp(rank, size, init_method, device, TIMEOUT_S)
+        cmd, num_blocks = conn.recv()
+        assert cmd == "build", cmd
+        cfg = cfg.model_copy(update={"num_blocks": num_blocks})
+        source, _, dtype, max_model_len = engine_shape(cfg, device)
+        with building(group):
+            model = load_model(source, device, dtype, seed=cfg.seed,
+                               quantization=cfg.quantization)
+            runner = ModelRunner(model, cfg, device, dtype, max_model_len)
+        conn.send(("ready", runner.num_blocks))
+        while True:
+            cmd, payload = conn.recv()
+            if cmd == "step":
+                runner.run(payload)
+            elif cmd == "warm_up":
+                runner.warm_up(progress=False)
+                conn.send(("warm", None))
+            else:
+                break
+    except EOFError:
+        pass  # rank 0 went away
+    except Exception:  # noqa: BLE001 - reported, then the process ends (rank 0 fails too)
+        log.exception("tensor-parallel rank %d failed", rank)
+        raise
+    finally:
+        destroy_tp()
+
+
+class TPWorkers:
+    """Rank 0's side: the worker processes and the pipes to them."""
+
+    def __init__(self, config):
+        from engine.parallel import init_tp
+
+        size = config.tensor_parallel_size
+        self._dir = tempfile.TemporaryDirectory(prefix="baton-tp-")
+        init_method = "file://" + os.path.join(self._dir.name, "rendezvous")
+        ctx = mp.get_context("spawn")
+        self.conns, self.procs = [], []
+        payload = config.model_dump()
+        for rank in range(1, size):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_worker, args=(rank, size, init_method, payload, child),
+                               daemon=True, name=f"baton-tp-rank{rank}")
+            proc.start()
+            child.close()
+            self.conns.append(parent)
+            self.procs.append(proc)
+        self.group = init_tp(0, size, init_method, rank_device(config, 0), TIMEOUT_S)
+
+    def build(self, num_blocks: int) -> None:
+        """Every worker builds its slice with ``num_blocks`` KV blocks; waits until they have."""
+        for conn in self.conns:
+            conn.send(("build", num_blocks))
+        for conn in self.conns:
+            self._answer(conn, "ready")
+
+    def warm_up(self) -> None:
+        for conn in self.conns:
+            conn.send(("warm_up", None))
+
+    def warmed(self) -> None:
+        for conn in self.conns:
+            self._answer(conn, "warm")
+
+    def step(self, step) -> None:
+        """Send a step's host inputs to every worker (its prompt-logprob owners stay here)."""
+        step = replace(step, prompt=replace(step.prompt, owners=[]))
+        for conn in self.conns:
+            conn.send(("step", step))
+
+    def _answer(self, conn, want: str) -> None:
+        if not conn.poll(TIMEOUT_S):
+            raise RuntimeError(f"tensor-parallel worker did not answer {want!r} within "
+                               f"{TIMEOUT_S:.0f} s")
+        got, _ = conn.recv()
+        if got != want:
+            raise RuntimeError(f"tensor-parallel worker answered {got!r}, not {want!r}")
+
+    def close(self) -> None:
+        from engine.parallel import destroy_tp
+
+        if not self.procs:
+            return
+        for conn in self.conns:
+            try:
+                conn.send(("stop", None))
+            except (BrokenPipeError, OSError):
+                pass
+        for proc in self.procs:
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+        self.procs, self.conns = [], []
+        destroy_tp()
+        self._dir.cleanup()

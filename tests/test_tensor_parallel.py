@@ -1,0 +1,59 @@
+"""Tensor parallelism on CPU (gloo, worker processes): the greedy tokens of a model split over 2
+or 4 ranks are those of one rank, float32, with prefix-cache hits, chunked prefill, preemption
+and prompt logprobs; a size that does not divide the heads is refused before any rank starts."""
+
+import pytest
+
+from engine import LLM, SamplingParams
+from tests.models import model_path, random_prompts
+
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+
+
+def _tokens(llm, prompts, params=GREEDY):
+    return [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("name,size", [("tiny", 2), ("kv8-untied", 4)])
+def test_split_model_gives_the_tokens_of_one_rank(name, size):
+    """``tiny`` (tied embedding: the LM head is the vocabulary-parallel embedding) over 2 ranks;
+    a model with Qwen3's 8 KV heads and its own LM head over 4."""
+    path = str(model_path(name))
+    vocab = 512 if name == "tiny" else 256
+    prompts = random_prompts([5, 16, 33, 40, 70], vocab=vocab, seed=3)
+    params = GREEDY.model_copy(update={"logprobs": 2, "prompt_logprobs": 1})
+    one = LLM(path, show_progress=False)
+    want = one.generate(prompts, params, use_tqdm=False)
+    llm = LLM(path, tensor_parallel_size=size, show_progress=False)
+    try:
+        got = llm.generate(prompts, params, use_tqdm=False)
+        assert [o.token_ids for o in got] == [o.token_ids for o in want]
+        for g, w in zip(got, want):
+            assert g.logprobs == pytest.approx(w.logprobs, abs=1e-4)
+            assert [p[0] for p in g.prompt_logprobs[1:]] == pytest.approx(
+                [p[0] for p in w.prompt_logprobs[1:]], abs=1e-4)
+        again = llm.generate(prompts, GREEDY, use_tqdm=False)  # prefix-cache hits now
+        assert [o.token_ids for o in again] == _tokens(one, prompts)
+        assert llm.engine.pool.hit_tokens > 0
+        assert llm.engine.pool.num_used_blocks == 0
+    finally:
+        llm.engine.shutdown()
+
+
+def test_chunked_prefill_and_preemption_over_two_ranks():
+    path = str(model_path("tiny"))
+    prompts = random_prompts([5, 16, 33, 40, 70], vocab=512, seed=3)
+    want = _tokens(LLM(path, show_progress=False), prompts)
+    llm = LLM(path, tensor_parallel_size=2, num_blocks=13, max_num_batched_tokens=16,
+              show_progress=False)
+    try:
+        assert _tokens(llm, prompts) == want
+        assert llm.engine.scheduler.num_preemptions > 0
+    finally:
+        llm.engine.shutdown()
+
+
+def test_a_size_that_does_not_divide_the_heads_is_refused_at_once():
+    with pytest.raises(ValueError, match="tensor_parallel_size: 3 does not divide the "
+                                         "model's attention heads"):
+        LLM(str(model_path("tiny")), tensor_parallel_size=3, show_progress=False)

@@ -27,7 +27,7 @@ def _options(cfg: BatonConfig, role: str, router_class: str, **router_kwargs) ->
     rc: RoleConfig = getattr(cfg, role)
     return dict(num_replicas=rc.num_replicas, max_ongoing_requests=cfg.max_ongoing(role),
                 max_queued_requests=cfg.max_queued(role), backpressure_config=_backpressure(cfg),
-                ray_actor_options=rc.actor_options(),
+                ray_actor_options=rc.actor_options(cfg.engine_for(role).tensor_parallel_size),
                 request_router_config=RequestRouterConfig(
                     request_router_class=router_class, request_router_kwargs=router_kwargs,
                     request_routing_stats_period_s=1.0))

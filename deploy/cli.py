@@ -264,12 +264,15 @@ def serve_config_from_flags(args) -> dict:
     import torch
 
     gpus = torch.cuda.device_count()
-    replicas = args.decode + args.prefill
+    ranks = args.tensor_parallel_size
+    replicas = (args.decode + args.prefill) * ranks
     per_replica = args.gpus_per_replica
-    if per_replica is None:  # share what there is: a GPU each, or shares of one
+    if per_replica is None:  # share what there is: a GPU each (per rank), or shares of one
         per_replica = min(1.0, gpus / replicas) if gpus else 0.0
     engine = {"model": args.model, "quantization": args.quantization,
               "kv_cache_dtype": args.kv_cache_dtype}
+    if ranks > 1:
+        engine["tensor_parallel_size"] = ranks
     for key in ("max_model_len", "max_num_seqs"):
         if getattr(args, key) is not None:
             engine[key] = getattr(args, key)
@@ -389,8 +392,11 @@ def main(argv: list[str] | None = None) -> int:
                            help="prefill replicas (0: colocated, decode replicas prefill)")
     serve_cmd.add_argument("--decode", type=int, default=1, help="decode replicas")
     serve_cmd.add_argument("--gpus-per-replica", type=float, default=None,
-                           help="GPUs of each replica (default: a GPU each, or equal shares "
-                                "of the GPUs there are; 0 on a machine without one)")
+                           help="GPUs of each replica's rank (default: a GPU each, or equal "
+                                "shares of the GPUs there are; 0 on a machine without one)")
+    serve_cmd.add_argument("--tensor-parallel-size", "--tensor-parallel", type=int, default=1,
+                           help="ranks each replica's model is split over (one GPU each; "
+                                "colocated, --prefill 0, for now)")
     serve_cmd.add_argument("--host", default="127.0.0.1",
                            help="HTTP address to listen on (0.0.0.0: every interface; set "
                                 "BATON_API_KEY first)")

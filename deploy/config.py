@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engine.config import EngineConfig
 from router.config import RouterConfig
@@ -35,7 +35,9 @@ class _Strict(BaseModel):
 class RoleConfig(_Strict):
     num_replicas: int = Field(1, ge=1)
     num_cpus: float = Field(0.5, ge=0)
-    num_gpus: float = Field(0.0, ge=0)
+    num_gpus: float = Field(0.0, ge=0)  # per rank: a replica of N ranks asks for N times this
+    # Ranks each replica's model is split over (engine.parallel); None: the engine's setting.
+    tensor_parallel_size: int | None = Field(None, ge=1)
     max_ongoing_requests: int | None = Field(None, ge=1)  # None: 2 x the engine's max_num_seqs
     max_queued_requests: int | None = Field(None, ge=-1)  # None: max_num_seqs; -1: unbounded
     engine: dict = Field(default_factory=dict)  # per-role EngineConfig overrides
@@ -46,8 +48,11 @@ class RoleConfig(_Strict):
     accelerator_type: str | None = None
     label_selector: dict[str, str] = Field(default_factory=dict)
 
-    def actor_options(self) -> dict:
-        opts = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus}
+    def actor_options(self, ranks: int = 1) -> dict:
+        """Ray options of one replica of ``ranks`` ranks: the replica's process holds every
+        rank's GPU (its worker processes use the devices the replica sees), so they are on
+        one node, as a STRICT_PACK placement would put them."""
+        opts = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus * ranks}
         if self.resources:
             opts["resources"] = dict(self.resources)
         if self.accelerator_type:
@@ -78,9 +83,25 @@ class BatonConfig(_Strict):
     transfer: TransferConfig = Field(default_factory=TransferConfig)
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
 
+    @model_validator(mode="after")
+    def _check_tp(self) -> "BatonConfig":
+        for role in ("prefill", "decode") if self.mode == "disaggregated" else ("decode",):
+            ranks = self.engine_for(role).tensor_parallel_size
+            gpus = getattr(self, role).num_gpus
+            if ranks > 1 and self.mode == "disaggregated":
+                raise ValueError(f"{role}.tensor_parallel_size: {ranks} ranks are served "
+                                 "colocated only for now (the KV hand-over between caches split "
+                                 "by KV heads is not built yet)")
+            if ranks > 1 and gpus and gpus != 1:
+                raise ValueError(f"{role}.num_gpus: {gpus} per rank; a split model needs one "
+                                 "whole GPU per rank")
+        return self
+
     def engine_for(self, role: Literal["prefill", "decode"]) -> EngineConfig:
-        overrides = (self.prefill if role == "prefill" else self.decode).engine
-        return EngineConfig(**{**self.engine.model_dump(), **overrides})
+        rc = self.prefill if role == "prefill" else self.decode
+        ranks = {} if rc.tensor_parallel_size is None else {
+            "tensor_parallel_size": rc.tensor_parallel_size}
+        return EngineConfig(**{**self.engine.model_dump(), **ranks, **rc.engine})
 
     def max_ongoing(self, role: Literal["prefill", "decode"]) -> int:
         cfg = self.prefill if role == "prefill" else self.decode

@@ -143,10 +143,18 @@ class AsyncEngine:
             except Exception as exc:  # noqa: BLE001 - the caller gets it
                 fut.set_exception(exc)
 
+    def check(self) -> None:
+        """Raise if the engine cannot serve: its thread died, or a rank of a split model did
+        (a Serve health check: the replica is then replaced and its streams move)."""
+        if self.error is not None:
+            raise RuntimeError(f"engine thread died: {self.error!r}")
+        self.engine.check_ranks()
+
     def shutdown(self) -> None:
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout=5)
+        self.engine.shutdown()
 
 
 def freeze_startup_heap() -> None:

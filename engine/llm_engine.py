@@ -302,6 +302,11 @@ class LLMEngine:
             step.wait()
             step.releases = self.scheduler.num_releases
 
+    def check_ranks(self) -> None:
+        """Raise if a rank of a tensor-parallel engine is gone."""
+        if self.tp_workers is not None and (dead := self.tp_workers.dead()):
+            raise RuntimeError(f"tensor-parallel rank(s) {dead} died")
+
     def shutdown(self) -> None:
         """Stop the other ranks of a tensor-parallel engine (nothing to do otherwise)."""
         if self.tp_workers is not None:

@@ -128,6 +128,10 @@ class TPWorkers:
         if got != want:
             raise RuntimeError(f"tensor-parallel worker answered {got!r}, not {want!r}")
 
+    def dead(self) -> list[int]:
+        """The ranks whose process has ended."""
+        return [rank for rank, proc in enumerate(self.procs, 1) if not proc.is_alive()]
+
     def close(self) -> None:
         from engine.parallel import destroy_tp
 

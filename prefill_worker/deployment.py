@@ -42,5 +42,4 @@ class PrefillDeployment:
             server.close()
 
     def check_health(self) -> None:
-        if self.server.aengine.error is not None:
-            raise RuntimeError(f"engine thread died: {self.server.aengine.error!r}")
+        self.server.aengine.check()  # the engine thread, and every rank of a split model

@@ -41,8 +41,9 @@ def expected():
 ENGINE = {"model": "tiny", "num_blocks": 512, "max_num_seqs": 8}
 
 
-def _config(decode_replicas: int, disaggregated: bool = False, prefill_replicas: int = 1) -> dict:
-    config = {"mode": "colocated", "engine": ENGINE,
+def _config(decode_replicas: int, disaggregated: bool = False, prefill_replicas: int = 1,
+            ranks: int = 1) -> dict:
+    config = {"mode": "colocated", "engine": {**ENGINE, "tensor_parallel_size": ranks},
               "decode": {"num_replicas": decode_replicas, "num_cpus": 0.5},
               "router": {"request_timeout_s": 120}}
     if disaggregated:
@@ -52,15 +53,16 @@ def _config(decode_replicas: int, disaggregated: bool = False, prefill_replicas:
     return config
 
 
-def _deploy(decode_replicas: int, disaggregated: bool = False, prefill_replicas: int = 1) -> str:
+def _deploy(decode_replicas: int, disaggregated: bool = False, prefill_replicas: int = 1,
+            ranks: int = 1) -> str:
     from ray import serve
 
     from deploy.app import build_app
 
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app(_config(decode_replicas, disaggregated, prefill_replicas)), name="baton",
-              route_prefix="/")
+    serve.run(build_app(_config(decode_replicas, disaggregated, prefill_replicas, ranks)),
+              name="baton", route_prefix="/")
     return f"http://127.0.0.1:{port}"
 
 
@@ -132,6 +134,27 @@ def test_killing_a_decode_replica_loses_no_stream(ray_cluster, expected, decode_
         _join_streams(threads, got, errors, expected)
         assert migrations(url) >= 1
         _assert_decode_idle()
+    finally:
+        shutdown_serve()
+
+
+def test_a_split_decode_replica_serves_and_a_dead_rank_loses_no_stream(ray_cluster, expected):
+    """A colocated replica whose model is split over 2 ranks (tensor parallelism, gloo) streams
+    the tokens of one rank; killing its second rank mid-stream fails the replica's engine, Serve
+    replaces it, and every stream goes on there with exactly the undisturbed run's tokens."""
+    from ray.thirdparty_files import psutil
+
+    url = _deploy(1, ranks=2)
+    try:
+        threads, got, errors = _start_streams(url)
+        (pid,) = _decode_pids()
+        ranks = [c for c in psutil.Process(pid).children()
+                 if "multiprocessing.spawn" in " ".join(c.cmdline())
+                 and "resource_tracker" not in " ".join(c.cmdline())]
+        assert len(ranks) == 1, [c.cmdline() for c in ranks]
+        ranks[0].kill()
+        _join_streams(threads, got, errors, expected)
+        assert migrations(url) >= 1
     finally:
         shutdown_serve()
 

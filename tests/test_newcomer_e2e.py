@@ -41,11 +41,17 @@ def test_one_line_configs_and_the_open_port_warning():
     args = type("A", (), dict(model="tiny", prefill=0, decode=2, gpus_per_replica=None,
                               host="0.0.0.0", port=8000, grpc_port=9000, grpc_reflection=False,
                               served_model_name=None, max_model_len=None, max_num_seqs=8,
-                              quantization=None, kv_cache_dtype="fp8"))()
+                              quantization=None, kv_cache_dtype="fp8",
+                              tensor_parallel_size=2))()
     config = serve_config_from_flags(args)
     app = config["applications"][0]["args"]
     assert app["mode"] == "colocated" and app["decode"]["num_replicas"] == 2
     assert app["engine"]["kv_cache_dtype"] == "fp8" and "prefill" not in app
+    assert app["engine"]["tensor_parallel_size"] == 2
+    from deploy.config import BatonConfig
+    assert BatonConfig(**app).engine_for("decode").tensor_parallel_size == 2
+    with pytest.raises(ValueError, match="colocated only"):
+        BatonConfig(**{**app, "mode": "disaggregated"})
     assert config["grpc_options"]["enable_reflection"] is False
     assert "no API key" in open_without_key_warning(config)
     app["router"]["api_key"] = "k"

@@ -7,6 +7,7 @@ import pytest
 from engine import LLM, SamplingParams
 from tests.models import model_path, random_prompts
 
+pytestmark = pytest.mark.slow  # worker processes: not the inner loop's tier
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
 

@@ -41,7 +41,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import FinishReason, Sequence
 from engine.structured import Grammars
-from engine.parallel import TPGroup, building, check_tp
+from engine.parallel import TPGroup, broadcast, building, check_tp
 from engine.tp_worker import TPWorkers
 from engine.validation import RequestChecks
 
@@ -119,14 +119,14 @@ class LLMEngine:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # kernels launch on the current device
         # Tensor parallelism: this process is rank 0; the other ranks are worker processes
-        # that run every step with it (engine.tp_worker). Steps are resolved one at a time
-        # then (the workers read no tokens still on the device).
+        # that run every step with it (engine.tp_worker) and receive each step's sampled
+        # tokens (the next step's pending inputs) by broadcast.
         if config.tensor_parallel_size > 1:
             check_tp(resolve_model(config.model).config, config.tensor_parallel_size)
         self.tp_workers = TPWorkers(config) if config.tensor_parallel_size > 1 else None
         if self.tp_workers is not None:  # the workers stop with the engine
             weakref.finalize(self, self.tp_workers.close)
-        self.async_scheduling = config.async_scheduling and self.tp_workers is None
+        self.async_scheduling = config.async_scheduling
         self.source, _, self.dtype, self.max_model_len = engine_shape(config, self.device)
         group = self.tp_workers.group if self.tp_workers is not None else TPGroup()
         with building(group):
@@ -366,6 +366,8 @@ class LLMEngine:
                                self.eos_token_ids,
                                self.grammars if any(s.matcher for s in due) else None)
             step.tokens = out.tokens
+            if self.tp_workers is not None:  # the workers' copy of what the next step reads
+                broadcast(out.tokens.to(torch.int64), self.tp_workers.group)
             step.host_tokens, step.host_logprobs = self._to_host(out.tokens), \
                 self._to_host(out.logprobs)
             step.host_top_ids, step.host_top_logprobs = self._to_host(out.top_ids), \

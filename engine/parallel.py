@@ -100,6 +100,15 @@ def all_reduce(x: torch.Tensor, group: TPGroup) -> torch.Tensor:
     return x
 
 
+def broadcast(x: torch.Tensor, group: TPGroup) -> torch.Tensor:
+    """Rank 0's ``x`` on every rank, in place (the sampled tokens the next step reads)."""
+    if group.size > 1:
+        import torch.distributed as dist
+
+        dist.broadcast(x, 0)
+    return x
+
+
 def all_gather_last(x: torch.Tensor, group: TPGroup) -> torch.Tensor:
     """Every rank's ``x`` side by side along the last dimension (the vocabulary of logits)."""
     if group.size == 1:

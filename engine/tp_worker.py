@@ -7,7 +7,9 @@ the workers how many blocks to make (every rank must have the same) → the work
 slices and build their runners → on CUDA all ranks warm up (and capture their decode graphs)
 together → per step rank 0 sends the step's host inputs (``ModelRunner.prepare``: ids,
 positions, slots, attention metadata, logit rows) to every worker and all ranks run it; the
-row-parallel layers all-reduce, the LM head gathers the vocabulary, and only rank 0 samples.
+row-parallel layers all-reduce, the LM head gathers the vocabulary, and only rank 0 samples,
+then broadcasts the sampled tokens: with the engine one step ahead, the next step's inputs read
+them on every rank's device, as on rank 0's.
 
 The scheduler, the block tables and the sampler live on rank 0 only; a worker never decides
 anything. A worker that dies makes rank 0's next send or collective fail (collectives time out
@@ -42,7 +44,7 @@ def _worker(rank: int, size: int, init_method: str, config: dict, conn) -> None:
     from engine.llm_engine import engine_shape
     from engine.loader import load_model
     from engine.model_runner import ModelRunner
-    from engine.parallel import building, destroy_tp, init_tp
+    from engine.parallel import broadcast, building, destroy_tp, init_tp
 
     cfg = EngineConfig(**config)
     device = rank_device(cfg, rank)
@@ -59,10 +61,14 @@ def _worker(rank: int, size: int, init_method: str, config: dict, conn) -> None:
                                quantization=cfg.quantization)
             runner = ModelRunner(model, cfg, device, dtype, max_model_len)
         conn.send(("ready", runner.num_blocks))
+        tokens = None  # the previous step's sampled tokens (rank 0 broadcasts them)
         while True:
             cmd, payload = conn.recv()
             if cmd == "step":
-                runner.run(payload)
+                runner.run(payload, tokens)
+                if payload.logit_rows:  # rank 0 sampled a token for each of these rows
+                    tokens = broadcast(torch.empty(len(payload.logit_rows), dtype=torch.int64,
+                                                   device=device), group)
             elif cmd == "warm_up":
                 runner.warm_up(progress=False)
                 conn.send(("warm", None))

@@ -58,3 +58,17 @@ def test_the_checker_sees_lazy_imports_and_skips_annotations(tmp_path):
     module.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import deploy\n"
                       "def f():\n    from kvtransfer.types import TransferError\n")
     assert runtime_imports(module) == {"kvtransfer"}
+
+
+def test_the_ingress_imports_no_torch_at_start():
+    """The CPU-only ingress builds requests without torch or the Triton kernels (its tokenizer
+    brings torch in later, at replica start, through transformers)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, router.ingress.app; "
+            "print(sorted(m for m in ('torch', 'triton', 'kernels') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

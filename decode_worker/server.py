@@ -8,8 +8,9 @@ in one engine command → call a prefill replica with the destination → :meth:
 waits for the KV to land and admits the request into the running batch with the prefill's first
 token → after each engine step the publisher packs that step's tokens, one frame per ingress
 replica, on the engine thread → once the request has ended, its :class:`GenerateResult` follows
-its last tokens on the same connection (the Serve call returns nothing). In colocated mode, when blocks cannot be reserved right now, or when the prefill replica
-refuses the call (its queue is full) or is gone, the request is prefilled here.
+its last tokens on the same connection (the Serve call returns nothing). In colocated mode, when
+blocks cannot be reserved right now, or when the prefill replica refuses the call (its queue is
+full) or is gone, the request is prefilled here.
 
 Each hand-over has one owner, a :class:`HandOver` kept by request id from the reservation to the
 admission; :meth:`DecodeServer.abort` works wherever the request is and is harmless twice. A

@@ -121,25 +121,23 @@ class LLMEngine:
         # Tensor parallelism: this process is rank 0; the other ranks are worker processes
         # that run every step with it (engine.tp_worker) and receive each step's sampled
         # tokens (the next step's pending inputs) by broadcast.
-        if config.tensor_parallel_size > 1:
-            check_tp(resolve_model(config.model).config, config.tensor_parallel_size)
-        self.tp_workers = TPWorkers(config) if config.tensor_parallel_size > 1 else None
-        if self.tp_workers is not None:  # the workers stop with the engine
-            weakref.finalize(self, self.tp_workers.close)
-        self.async_scheduling = config.async_scheduling
         self.source, _, self.dtype, self.max_model_len = engine_shape(config, self.device)
+        self.tp_workers = None
+        if config.tensor_parallel_size > 1:
+            check_tp(self.source.config, config.tensor_parallel_size)
+            self.tp_workers = TPWorkers(config)
+            weakref.finalize(self, self.tp_workers.close)  # the workers stop with the engine
         group = self.tp_workers.group if self.tp_workers is not None else TPGroup()
         with building(group):
             self.model = load_model(self.source, self.device, self.dtype, seed=config.seed,
                                     progress=config.show_progress,
                                     quantization=config.quantization)
+            self.runner = ModelRunner(self.model, config, self.device, self.dtype,
+                                      self.max_model_len)
         self.tokenizer = load_tokenizer(self.source)
         self.eos_token_ids = self._eos_ids()
         self.checks = RequestChecks(self.source.name, self.vocab_size, self.max_model_len,
                                     self.tokenizer is not None)
-        with building(group):
-            self.runner = ModelRunner(self.model, config, self.device, self.dtype,
-                                      self.max_model_len)
         if self.tp_workers is not None:
             self.tp_workers.build(self.runner.num_blocks)
             self.runner.workers = self.tp_workers
@@ -336,7 +334,7 @@ class LLMEngine:
         launched = self._launch(batch) if batch else None
         due = [self._running_step] if self._running_step is not None else []
         self._running_step = None
-        if self.async_scheduling:
+        if self.config.async_scheduling:
             self._running_step = launched
         elif launched is not None:
             due.append(launched)
@@ -387,12 +385,13 @@ class LLMEngine:
 
     def _resolve(self, step: LaunchedStep) -> list[RequestOutput]:
         """Wait for a launched step and turn its sampled ids into tokens and outputs."""
+        if step.prompt is None and not step.due:
+            return []
+        step.wait()
         if step.prompt is not None:
-            step.wait()
             self._store_prompt_logprobs(step.prompt)
         if not step.due:
             return []
-        step.wait()
         tokens = step.host_tokens.tolist()
         logprobs = step.host_logprobs.tolist() if step.host_logprobs is not None else None
         top_ids = step.host_top_ids.tolist() if step.host_top_ids is not None else None

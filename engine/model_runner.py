@@ -17,7 +17,6 @@ from engine.attention import get_backend
 from engine.config import EngineConfig
 from engine.cuda_graph import DecodeGraphs
 from engine.forward_context import AttentionMetadata, null_meta, set_forward_context
-from engine.parallel import split
 from engine.models.qwen3 import Qwen3ForCausalLM
 from engine.scheduler import ScheduledBatch
 from engine.uploads import host_tensor, upload
@@ -43,11 +42,12 @@ class ModelRunner:
         self.block_size = config.block_size
         self.max_model_len = max_model_len
         self.kv_dtype = kv_cache_dtype(config.kv_cache_dtype, dtype)
-        self.num_kv_heads = split(cfg.num_key_value_heads, "KV heads")  # this rank's
+        attn = model.attention_layers()[0]  # this rank's heads (all of them on one rank)
+        self.num_kv_heads = attn.num_kv_heads
         self.backend = get_backend(config.attention_backend, device, dtype,
                                    decode_tensor_cores=config.decode_tensor_cores,
                                    kv_dtype=self.kv_dtype,
-                                   num_heads=split(cfg.num_attention_heads, "attention heads"),
+                                   num_heads=attn.num_heads,
                                    num_kv_heads=self.num_kv_heads,
                                    head_dim=cfg.head_dim, scale=cfg.head_dim ** -0.5,
                                    block_size=self.block_size)

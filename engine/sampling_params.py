@@ -29,7 +29,8 @@ class SamplingParams(BaseModel):
     distribution (before any of the changes above).
 
     ``n`` and ``best_of`` are for whoever fans a request out (:func:`fan_out`): the engine runs
-    one sequence per request. Invalid values raise :class:`engine.errors.BadRequest` (a ``ValueError``) naming the field.
+    one sequence per request. Invalid values raise :class:`engine.errors.BadRequest` (a
+    ``ValueError``) naming the field.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)

@@ -256,13 +256,10 @@ def _insert(queue, seq: Sequence, front: bool) -> None:
     """Put ``seq`` among the sequences of its priority: behind them (``front=False``) or before
     them; a queue of one priority is plain FIFO (append / appendleft)."""
     p = seq.params.priority
-    if not queue or (queue[-1].params.priority <= p if not front else False):
-        queue.append(seq)
-        return
-    if front and queue[0].params.priority >= p:
-        queue.insert(0, seq)
-        return
-    i = next((k for k, other in enumerate(queue)
-              if (other.params.priority > p if not front else other.params.priority >= p)),
-             len(queue))
+    if front:  # before the first of its priority or a worse one
+        i = next((k for k, o in enumerate(queue) if o.params.priority >= p), len(queue))
+    elif not queue or queue[-1].params.priority <= p:  # the usual case: at the end
+        i = len(queue)
+    else:  # before the first of a worse priority
+        i = next(k for k, o in enumerate(queue) if o.params.priority > p)
     queue.insert(i, seq)

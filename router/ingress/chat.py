@@ -10,7 +10,8 @@ of a marker; once a ``<tool_call>`` opens, each call goes out as vLLM's hermes p
 a first delta with its index, id and name once ``{"name": …, "arguments":`` has come, then its
 arguments' JSON text as it is generated (holding back only what could be the call's closing
 brace or marker). A call written in another order (``arguments`` first) goes out whole when it
-closes; a first call that does not parse turns the rest into content, as in the whole text. :func:`tool_grammar` is the grammar that
+closes; a first call that does not parse turns the rest into content, as in the whole text.
+:func:`tool_grammar` is the grammar that
 ``tool_choice`` ``required`` or a named function puts on the output: one or more calls (one, for
 a named function or ``parallel_tool_calls: false``) of the offered functions, each call's
 arguments following its JSON schema.

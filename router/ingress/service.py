@@ -1,8 +1,9 @@
 """The ingress's request service, the same for both protocols: a request from its token ids and
 sampling parameters to its end. It runs the engine's own checks (:mod:`engine.validation`:
-the prompt against the vocabulary and the context, stop strings) and the model's name, starts the request on a decode replica (:class:`~router.ingress.streams.DecodeClient`),
-fans a request out into its ``n``/``best_of`` sequences and a batch into its prompts
-(:class:`Merged`), keeps the request's metrics and logs its timeline. The HTTP (OpenAI) and gRPC
+the prompt against the vocabulary and the context, stop strings) and the model's name, starts
+the request on a decode replica (:class:`~router.ingress.streams.DecodeClient`), fans a
+request out into its ``n``/``best_of`` sequences and a batch into its prompts (:class:`Merged`),
+keeps the request's metrics and logs its timeline. The HTTP (OpenAI) and gRPC
 adapters (:mod:`router.ingress.http`, :mod:`router.ingress.grpc_api`) only translate.
 """
 

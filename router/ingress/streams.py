@@ -282,11 +282,7 @@ class DecodeClient:
         except BaseException as exc:  # noqa: BLE001 - the writer raises it
             self.sink.unregister(rid)
             if replica_lost(exc) and await self._may_migrate(stream):
-                log.warning("request %s: decode replica lost (%s: %s); moving it with %d tokens",
-                            stream.request_id, type(exc).__name__, exc, len(stream.token_ids))
-                stream.migrations += 1
-                stream.moved_at.append(time.time())
-                self._submit(stream)
+                self._move(stream, f"decode replica lost ({type(exc).__name__}: {exc})")
                 return
             stream.fail(exc)
             stream.ended.set()
@@ -307,15 +303,19 @@ class DecodeClient:
         if stream.finished:
             stream.ended.set()
         elif await self._may_migrate(stream):
-            log.warning("request %s: token channel lost after its call ended; moving it with "
-                        "%d tokens", stream.request_id, len(stream.token_ids))
-            stream.migrations += 1
-            stream.moved_at.append(time.time())
-            self._submit(stream)
+            self._move(stream, "token channel lost after its call ended")
         else:
             stream.fail(TokenChannelLost(f"request {stream.request_id}: its token channel "
                                          "closed before its last tokens"))
             stream.ended.set()
+
+    def _move(self, stream: RequestStream, why: str) -> None:
+        """Submit the request again for what it still lacks (migration)."""
+        log.warning("request %s: %s; moving it with %d tokens", stream.request_id, why,
+                    len(stream.token_ids))
+        stream.migrations += 1
+        stream.moved_at.append(time.time())
+        self._submit(stream)
 
     @staticmethod
     async def _may_migrate(stream: RequestStream) -> bool:

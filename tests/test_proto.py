@@ -65,3 +65,17 @@ def test_servicer_has_all_methods():
         assert callable(getattr(baton_pb2_grpc.BatonServicer, method, None)), method
     assert hasattr(baton_pb2_grpc, "BatonStub")
     assert hasattr(baton_pb2_grpc, "add_BatonServicer_to_server")
+
+
+def test_a_generate_request_reads_into_the_completions_model():
+    """gRPC's options land in the same sampling parameters as HTTP's, priority and prompt
+    logprobs included; an unset one keeps the default."""
+    from proto import baton_pb2
+    from router.ingress.grpc_api import completion_request
+
+    req = baton_pb2.GenerateRequest(prompt_token_ids=[1, 2, 3], max_tokens=4, priority=-2,
+                                    prompt_logprobs=3, n=2)
+    params = completion_request(req).sampling_params(16, None)
+    assert (params.priority, params.prompt_logprobs, params.n, params.max_tokens) == (-2, 3, 2, 4)
+    plain = completion_request(baton_pb2.GenerateRequest(prompt="hi")).sampling_params(16, None)
+    assert (plain.priority, plain.prompt_logprobs, plain.max_tokens) == (0, None, 16)

@@ -548,6 +548,10 @@ def test_a_batch_of_prompts_gets_one_choice_each_in_order(server, offline, strea
     assert usage["completion_tokens"] == 36 and len(usage["kv_transfer"]) == 3
     bad = _post(f"{url}/v1/completions", {"prompt": ["fine", ""], **GREEDY})
     assert bad.status_code == 400 and "must not be empty" in bad.json()["error"]["message"]
+    t0 = time.perf_counter()  # more sequences than one request may run: refused at once
+    wide = _post(f"{url}/v1/completions", {"prompt": ["x"] * 128, "n": 3, "max_tokens": 1})
+    assert wide.status_code == 400 and time.perf_counter() - t0 < 5
+    assert "128 prompts x 3 sequences exceed this server's 256 sequences per request" in wide.text
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -45,9 +45,10 @@ class LayerMajorLayout(KVLayout):
     blocks is a region of its own. ``num_blocks`` is the size of both caches (a layer's offset);
     as a field it is also checked equal on both sides before a push."""
 
-    num_blocks: int
+    num_blocks: int = 0
 
-    def regions(self, runs, side: int) -> list[tuple[int, int]]:
+    def regions(self, runs, side: int, heads=None) -> list[tuple[int, int]]:
+        assert heads is None, "a layer-major cache moves whole blocks only"
         per_block = self.block_bytes_per_layer
         return [((layer * self.num_blocks + run[side]) * per_block, run[2] * per_block)
                 for layer in range(self.num_layers) for run in runs]

@@ -33,7 +33,7 @@ from contracts.metrics import EngineMetrics, TransferMetrics, replica_id
 from engine.async_engine import AsyncEngine
 from engine.errors import BadRequest
 from engine.sampling_params import SamplingParams
-from kvtransfer import (KVDestination, PushNotStarted, Transfer, TransferError, TransferState,
+from kvtransfer import (KVDestination, Transfer, TransferError, TransferState,
                         TransportUnavailableError, endpoint_for)
 from kvtransfer.directory import PeerDirectory, Publisher
 
@@ -42,16 +42,17 @@ log = serve_logger(__name__)
 
 def prefill_unavailable(exc: BaseException) -> bool:
     """The prefill replica refused the call (its queue is full), is gone, has no transport to
-    this replica (``TransportUnavailableError``, for example ``cuda_ipc`` across nodes), or got
-    to the push only after its deadline (``PushNotStarted``: a call queued while a replica
-    restarts). In each case it wrote nothing into our blocks (a refused push never started; a
-    dead writer writes no more), so the decode replica can release the lease and prefill the
-    request itself at once."""
+    this replica (``TransportUnavailableError``, for example ``cuda_ipc`` across nodes), got to
+    the push only after its deadline (``PushNotStarted``: a call queued while a replica
+    restarts), or its push failed (``TransferError``: the replica answers only once every part
+    of it has ended, for example one rank's part of a tensor-parallel hand-over). In each case
+    nothing can still write into our blocks (a refused push never started; a dead writer writes
+    no more; an answered push is over), so the decode replica can release the lease and
+    prefill the request itself at once."""
     from ray.exceptions import RayActorError
     from ray.serve.exceptions import BackPressureError
 
-    return isinstance(exc, (BackPressureError, RayActorError, TransportUnavailableError,
-                            PushNotStarted))
+    return isinstance(exc, (BackPressureError, RayActorError, TransferError))
 
 
 class HandOver:

@@ -88,10 +88,6 @@ class BatonConfig(_Strict):
         for role in ("prefill", "decode") if self.mode == "disaggregated" else ("decode",):
             ranks = self.engine_for(role).tensor_parallel_size
             gpus = getattr(self, role).num_gpus
-            if ranks > 1 and self.mode == "disaggregated":
-                raise ValueError(f"{role}.tensor_parallel_size: {ranks} ranks are served "
-                                 "colocated only for now (the KV hand-over between caches split "
-                                 "by KV heads is not built yet)")
             if ranks > 1 and gpus and gpus != 1:
                 raise ValueError(f"{role}.num_gpus: {gpus} per rank; a split model needs one "
                                  "whole GPU per rank")

@@ -67,7 +67,10 @@ class EngineStats:
 class KVCacheSpec:
     """An engine's paged KV cache as a transfer layer needs it: the cache, indexed ``[layer,
     block, K/V, kv head, slot, head dim]`` over block-major memory (one block of every layer is
-    one contiguous region), and what names its layout (``dtype`` as ``"bfloat16"``)."""
+    one contiguous region), and what names its layout (``dtype`` as ``"bfloat16"``;
+    ``num_kv_heads``: the model's). A tensor-parallel engine has one cache per rank, each with
+    ``num_kv_heads / tp_size`` heads (rank r the r-th slice) under the same block ids:
+    ``rank_caches`` lists them, rank 0's (``kv_cache``) first."""
 
     kv_cache: torch.Tensor
     model: str
@@ -76,6 +79,16 @@ class KVCacheSpec:
     num_kv_heads: int
     head_dim: int
     block_size: int
+    rank_caches: tuple = ()
+
+    @property
+    def caches(self) -> tuple:
+        """Every rank's cache, rank 0's first."""
+        return self.rank_caches or (self.kv_cache,)
+
+    @property
+    def tp_size(self) -> int:
+        return len(self.caches)
 
 
 @dataclass
@@ -164,12 +177,17 @@ class LLMEngine:
                  self.runner.warm_up_s)
 
     def kv_cache_spec(self) -> KVCacheSpec:
-        """The KV cache and its layout, for a transfer endpoint (``kvtransfer.endpoint_for``)."""
+        """The KV cache and its layout, for a transfer endpoint (``kvtransfer.endpoint_for``).
+        With tensor parallelism every rank's cache is in it (the other ranks share theirs with
+        this process the first time this is asked)."""
         cfg = self.source.config
+        ranks = () if self.tp_workers is None else \
+            (self.runner.kv_cache, *self.tp_workers.kv_caches())
         return KVCacheSpec(kv_cache=self.runner.kv_cache, model=self.source.model_id,
                            dtype=str(self.runner.kv_dtype).removeprefix("torch."),
-                           num_layers=cfg.num_hidden_layers, num_kv_heads=self.runner.num_kv_heads,
-                           head_dim=cfg.head_dim, block_size=self.config.block_size)
+                           num_layers=cfg.num_hidden_layers,
+                           num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
+                           block_size=self.config.block_size, rank_caches=ranks)
 
     @property
     def weights_name(self) -> str:

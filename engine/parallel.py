@@ -13,16 +13,17 @@ the model splits its work by heads and columns:
 - attention runs each rank's heads over its own KV cache, which holds only its KV heads.
 
 Qwen3 has 8 KV heads at every size, so N ∈ {1, 2, 4, 8} never replicates a KV head; a size that
-does not divide the heads (or the vocabulary) is refused by :func:`split`. The group is the
-process's default ``torch.distributed`` group: gloo on CPU, NCCL on CUDA (one group per
-process). A model takes its rank and group size when it is built (inside :func:`building`), so
-an engine of one rank and a tensor-parallel one can live in the same process.
+does not divide the heads (or the vocabulary) is refused by :func:`split`. Each engine has a
+process group of its own (gloo on CPU, NCCL on CUDA), made from a file store in the engine's
+temporary folder, never the process's default ``torch.distributed`` group: several engines of
+several ranks can live in one process (a prefill and a decode engine in a test, say). A model
+takes its group when it is built (inside :func:`building`).
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -31,6 +32,7 @@ import torch
 class TPGroup:
     rank: int = 0
     size: int = 1
+    pg: object = field(default=None, compare=False, repr=False)  # the process group (size > 1)
 
 
 _GROUP = TPGroup()
@@ -54,23 +56,32 @@ def building(group: TPGroup):
 
 def init_tp(rank: int, size: int, init_method: str, device: torch.device,
             timeout_s: float = 120.0) -> TPGroup:
-    """Join the group of ``size`` ranks (every rank calls this, rank 0 included)."""
-    if size > 1:
-        from datetime import timedelta
+    """Join the group of ``size`` ranks (every rank calls this, rank 0 included);
+    ``init_method`` is ``file://<path>``, a file store only this engine's ranks share."""
+    if size == 1:
+        return TPGroup()
+    from datetime import timedelta
 
-        import torch.distributed as dist
-
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
-                                timeout=timedelta(seconds=timeout_s))
-    return TPGroup(rank, size)
-
-
-def destroy_tp() -> None:
     import torch.distributed as dist
 
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    store = dist.FileStore(init_method.removeprefix("file://"), size)
+    timeout = timedelta(seconds=timeout_s)
+    if device.type == "cuda":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        pg = dist.ProcessGroupNCCL(store, rank, size, options)
+    else:
+        pg = dist.ProcessGroupGloo(store, rank, size, timeout)
+    return TPGroup(rank, size, pg)
+
+
+def destroy_tp(group: TPGroup | None) -> None:
+    """Leave the group (its communicators end with it)."""
+    if group is not None and group.size > 1 and hasattr(group.pg, "shutdown"):
+        try:
+            group.pg.shutdown()
+        except Exception:  # noqa: BLE001 - best effort at shutdown
+            pass
 
 
 def split(total: int, what: str, size: int | None = None) -> int:
@@ -94,18 +105,14 @@ def check_tp(cfg, size: int) -> None:
 def all_reduce(x: torch.Tensor, group: TPGroup) -> torch.Tensor:
     """Sum ``x`` over the group, in place (nothing to do alone)."""
     if group.size > 1:
-        import torch.distributed as dist
-
-        dist.all_reduce(x)
+        group.pg.allreduce([x]).wait()
     return x
 
 
 def broadcast(x: torch.Tensor, group: TPGroup) -> torch.Tensor:
     """Rank 0's ``x`` on every rank, in place (the sampled tokens the next step reads)."""
     if group.size > 1:
-        import torch.distributed as dist
-
-        dist.broadcast(x, 0)
+        group.pg.broadcast([x], _broadcast_options()).wait()
     return x
 
 
@@ -113,8 +120,14 @@ def all_gather_last(x: torch.Tensor, group: TPGroup) -> torch.Tensor:
     """Every rank's ``x`` side by side along the last dimension (the vocabulary of logits)."""
     if group.size == 1:
         return x
+    parts = [torch.empty_like(x) for _ in range(group.size)]
+    group.pg.allgather([parts], [x.contiguous()]).wait()
+    return torch.cat(parts, dim=-1)
+
+
+def _broadcast_options():
     import torch.distributed as dist
 
-    parts = [torch.empty_like(x) for _ in range(group.size)]
-    dist.all_gather(parts, x.contiguous())
-    return torch.cat(parts, dim=-1)
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    return opts

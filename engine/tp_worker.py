@@ -5,7 +5,9 @@ Lifecycle: :class:`TPWorkers` (rank 0) spawns the workers → every rank joins t
 (:func:`engine.parallel.init_tp`) → rank 0 loads its slice and sizes the KV cache, then tells
 the workers how many blocks to make (every rank must have the same) → the workers load their
 slices and build their runners → on CUDA all ranks warm up (and capture their decode graphs)
-together → per step rank 0 sends the step's host inputs (``ModelRunner.prepare``: ids,
+together → on request (a transfer endpoint is made for the engine) each worker shares its KV
+cache with rank 0 (shared memory on CPU, a CUDA IPC handle on GPUs), so rank 0's transfer layer
+moves every rank's slice of a block → per step rank 0 sends the step's host inputs (``ModelRunner.prepare``: ids,
 positions, slots, attention metadata, logit rows) to every worker and all ranks run it; the
 row-parallel layers all-reduce, the LM head gathers the vocabulary, and only rank 0 samples,
 then broadcasts the sampled tokens: with the engine one step ahead, the next step's inputs read
@@ -22,6 +24,7 @@ import logging
 import multiprocessing as mp
 import os
 import tempfile
+import threading
 from dataclasses import replace
 
 log = logging.getLogger(__name__)
@@ -50,6 +53,7 @@ def _worker(rank: int, size: int, init_method: str, config: dict, conn) -> None:
     device = rank_device(cfg, rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    group = None
     try:
         group = init_tp(rank, size, init_method, device, TIMEOUT_S)
         cmd, num_blocks = conn.recv()
@@ -72,6 +76,10 @@ def _worker(rank: int, size: int, init_method: str, config: dict, conn) -> None:
             elif cmd == "warm_up":
                 runner.warm_up(progress=False)
                 conn.send(("warm", None))
+            elif cmd == "kv_cache":  # rank 0's view of this rank's cache (moved to shared
+                if not runner.kv_storage.is_cuda:  # memory once; a CUDA IPC handle on GPUs)
+                    runner.kv_storage.share_memory_()
+                conn.send(("kv_cache", runner.kv_cache))
             else:
                 break
     except EOFError:
@@ -80,7 +88,7 @@ def _worker(rank: int, size: int, init_method: str, config: dict, conn) -> None:
         log.exception("tensor-parallel rank %d failed", rank)
         raise
     finally:
-        destroy_tp()
+        destroy_tp(group)
 
 
 class TPWorkers:
@@ -94,6 +102,8 @@ class TPWorkers:
         init_method = "file://" + os.path.join(self._dir.name, "rendezvous")
         ctx = mp.get_context("spawn")
         self.conns, self.procs = [], []
+        self._lock = threading.Lock()  # the pipes: steps (engine thread) and kv_caches()
+        self._kv_caches = None
         payload = config.model_dump()
         for rank in range(1, size):
             parent, child = ctx.Pipe()
@@ -123,16 +133,27 @@ class TPWorkers:
     def step(self, step) -> None:
         """Send a step's host inputs to every worker (its prompt-logprob owners stay here)."""
         step = replace(step, prompt=replace(step.prompt, owners=[]))
-        for conn in self.conns:
-            conn.send(("step", step))
+        with self._lock:
+            for conn in self.conns:
+                conn.send(("step", step))
 
-    def _answer(self, conn, want: str) -> None:
+    def kv_caches(self) -> list:
+        """Ranks 1..N-1's KV caches, as views in this process (asked once)."""
+        with self._lock:
+            if self._kv_caches is None:
+                for conn in self.conns:
+                    conn.send(("kv_cache", None))
+                self._kv_caches = [self._answer(conn, "kv_cache") for conn in self.conns]
+        return self._kv_caches
+
+    def _answer(self, conn, want: str):
         if not conn.poll(TIMEOUT_S):
             raise RuntimeError(f"tensor-parallel worker did not answer {want!r} within "
                                f"{TIMEOUT_S:.0f} s")
-        got, _ = conn.recv()
+        got, payload = conn.recv()
         if got != want:
             raise RuntimeError(f"tensor-parallel worker answered {got!r}, not {want!r}")
+        return payload
 
     def dead(self) -> list[int]:
         """The ranks whose process has ended."""
@@ -152,6 +173,6 @@ class TPWorkers:
             proc.join(10)
             if proc.is_alive():
                 proc.kill()
-        self.procs, self.conns = [], []
-        destroy_tp()
+        self.procs, self.conns, self._kv_caches = [], [], None
+        destroy_tp(self.group)
         self._dir.cleanup()

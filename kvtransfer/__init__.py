@@ -10,12 +10,14 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import uuid
 from typing import TYPE_CHECKING
 
 import torch
 
 from kvtransfer.backends import BACKENDS, choose_backend, default_backend
 from kvtransfer.endpoint import KVEndpoint, Transfer
+from kvtransfer.replica import ReplicaEndpoint
 from kvtransfer.types import (PROTOCOL_VERSION, EndpointInfo, KVDestination, KVLayout,
                               LayoutMismatchError, PushNotStarted, TransferError, TransferState,
                               TransferStats, TransportUnavailableError)
@@ -25,32 +27,38 @@ if TYPE_CHECKING:  # the engine does not import this package, nor this package t
 
 __all__ = [
     "BACKENDS", "PROTOCOL_VERSION", "EndpointInfo", "KVDestination", "KVEndpoint", "KVLayout",
-    "LayoutMismatchError", "PushNotStarted", "Transfer", "TransferError", "TransferState", "TransferStats",
+    "LayoutMismatchError", "PushNotStarted", "ReplicaEndpoint", "Transfer", "TransferError", "TransferState", "TransferStats",
     "TransportUnavailableError", "choose_backend", "current_node_id", "default_backend",
     "layout_of", "endpoint_for",
 ]
 
 
-def layout_of(spec: KVCacheSpec) -> KVLayout:
-    """The KV layout of an engine's cache, from :meth:`engine.LLMEngine.kv_cache_spec`."""
+def layout_of(spec: KVCacheSpec, rank: int = 0) -> KVLayout:
+    """The KV layout of one rank's cache, from :meth:`engine.LLMEngine.kv_cache_spec`."""
     return KVLayout(model=spec.model, dtype=spec.dtype, num_layers=spec.num_layers,
                     num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
-                    block_size=spec.block_size)
+                    block_size=spec.block_size, tp_size=spec.tp_size, tp_rank=rank)
 
 
 def endpoint_for(spec: KVCacheSpec, backend: str = "local", polled: bool = False,
-                 **kwargs) -> KVEndpoint:
+                 endpoint_id: str | None = None, **kwargs) -> ReplicaEndpoint:
     """Register an engine's KV cache (:meth:`engine.LLMEngine.kv_cache_spec`) as a transfer
-    endpoint. ``polled``: the owner polls the endpoint whenever a transfer is in flight (an
-    engine thread does); NIXL on CPU then runs without its progress thread, which would spin a
-    core that a small machine needs."""
+    endpoint: one per tensor-parallel rank (ids ``<id>``, ``<id>.1``, ...), driven as one.
+    ``polled``: the owner polls the endpoint whenever a transfer is in flight (an engine thread
+    does); NIXL on CPU then runs without its progress thread, which would spin a core that a
+    small machine needs."""
     if polled and backend in ("nixl", "auto") and not spec.kv_cache.is_cuda:
         kwargs.setdefault("progress_thread", False)
     kwargs.setdefault("node_id", current_node_id())
-    cache = spec.kv_cache
-    if cache.element_size() == 1:  # FP8 blocks move as bytes (every transport knows uint8)
-        cache = cache.view(torch.uint8)
-    return KVEndpoint(cache, layout_of(spec), backend, **kwargs)
+    endpoint_id = endpoint_id or uuid.uuid4().hex[:12]
+    ranks = []
+    for rank, cache in enumerate(spec.caches):
+        if cache.element_size() == 1:  # FP8 blocks move as bytes (every transport knows uint8)
+            cache = cache.view(torch.uint8)
+        ranks.append(KVEndpoint(cache, layout_of(spec, rank), backend,
+                                endpoint_id=endpoint_id if rank == 0 else f"{endpoint_id}.{rank}",
+                                **kwargs))
+    return ReplicaEndpoint(ranks)
 
 
 def current_node_id() -> str:

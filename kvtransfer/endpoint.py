@@ -28,9 +28,10 @@ import torch
 from kernels import copy_blocks
 from kvtransfer.backends import choose_backend, create_backends
 from kvtransfer.backends.base import TransportBackend
-from kvtransfer.types import (PROTOCOL_VERSION, WARM_PREFIX, EndpointInfo, KVDestination,
-                              KVLayout, TransferError, TransferState, TransferStats, advance,
-                              check_compatible, is_warm)
+from kvtransfer.types import (PROTOCOL_VERSION, WARM_PREFIX, EndpointInfo, HeadSlice,
+                              KVDestination, KVLayout, LayoutMismatchError, TransferError, TransferState,
+                              TransferStats, advance, check_compatible, is_warm, part_id,
+                              split_part)
 
 log = logging.getLogger(__name__)
 POLL_INTERVAL_S = 0.0005
@@ -52,6 +53,9 @@ class Transfer:
     on_finish: Callable[["Transfer"], None] | None = None
     peer_id: str = ""
     handle: Any = None
+    # A receive: the model's KV heads not landed yet (a tensor-parallel rank may be written by
+    # several senders, each its part of the heads).
+    missing: set[int] = field(default_factory=set)
     state: TransferState = TransferState.PENDING
     error: str | None = None
     started: float = field(default_factory=time.perf_counter)
@@ -83,7 +87,8 @@ class KVEndpoint:
         self._lock = threading.RLock()
         self._sending: dict[str, Transfer] = {}
         self._receiving: dict[str, Transfer] = {}
-        self._landed_early: set[str] = set()
+        # Landings reported before their transfer was expected: transfer id -> heads landed.
+        self._landed_early: dict[str, set[int]] = {}
         self._info: EndpointInfo | None = None
         for b in self.backends.values():
             b.landing_guard = self._landing
@@ -132,12 +137,19 @@ class KVEndpoint:
 
     # -- sender -----------------------------------------------------------------------------
     def push(self, peer: EndpointInfo, dest: KVDestination, src_block_ids: Sequence[int],
-             on_finish: Callable[[Transfer], None] | None = None) -> Transfer:
+             on_finish: Callable[[Transfer], None] | None = None,
+             heads: HeadSlice | None = None) -> Transfer:
         """Write the blocks ``dest`` lacks from ``src_block_ids`` (the request's blocks from its
-        first one) into ``dest.block_ids``. The source blocks are leased until the transfer is
-        terminal. Raises :class:`LayoutMismatchError` before moving any byte if the layouts
-        differ."""
+        first one) into ``dest.block_ids``; with ``heads``, only those KV heads (a part of a
+        tensor-parallel rank's, :class:`kvtransfer.replica.ReplicaEndpoint`). The source blocks
+        are leased until the transfer is terminal. Raises :class:`LayoutMismatchError` before
+        moving any byte if the layouts differ."""
         check_compatible(self.layout, peer.layout, PROTOCOL_VERSION, peer.protocol_version)
+        if heads is None and (self.layout.heads != peer.layout.heads or peer.ranks):
+            raise LayoutMismatchError(
+                f"KV heads differ: this rank holds heads {self.layout.heads}, the peer "
+                f"{peer.layout.heads} of {peer.layout.tp_size} rank(s); push through a "
+                "ReplicaEndpoint (kvtransfer.endpoint_for), which maps heads between ranks")
         name = self.choose(peer)
         backend, peer = self.backends[name], peer.via(name)
         skip = dest.num_present_tokens // self.layout.block_size
@@ -145,11 +157,15 @@ class KVEndpoint:
         if len(src) != len(dest.block_ids):
             raise TransferError(f"request {dest.request_id}: {len(dest.block_ids)} destination "
                                 f"blocks but {len(src)} source blocks after skipping {skip}")
-        stats = TransferStats(bytes=len(src) * self.layout.block_bytes, blocks_sent=len(src),
+        tid, per_block = dest.transfer_id, self.layout.block_bytes
+        if heads is not None:
+            first = peer.layout.heads[0] + heads.dst  # the model's heads it writes
+            tid = part_id(tid, (first, first + heads.count))
+            per_block = 2 * self.layout.num_layers * heads.count * self.layout.head_bytes
+        stats = TransferStats(bytes=len(src) * per_block, blocks_sent=len(src),
                               blocks_skipped=skip, backend=name, src_node=self.node_id,
                               dst_node=peer.node_id)
-        t = Transfer(dest.transfer_id, "send", name, src, dest.deadline, stats, on_finish,
-                     peer.endpoint_id)
+        t = Transfer(tid, "send", name, src, dest.deadline, stats, on_finish, peer.endpoint_id)
         with self._lock:
             self._sending[t.transfer_id] = t
         if dest.expired():
@@ -157,8 +173,8 @@ class KVEndpoint:
             return t
         try:
             backend.connect(peer)
-            stats.descriptors = _descriptor_count(self.layout, src, dest.block_ids)
-            t.handle = backend.start_write(peer, t.transfer_id, src, dest.block_ids)
+            stats.descriptors = _descriptor_count(self.layout, src, dest.block_ids, heads)
+            t.handle = backend.start_write(peer, t.transfer_id, src, dest.block_ids, heads)
         except Exception as exc:  # noqa: BLE001 - any transport error fails the transfer
             log.warning("push %s failed to start: %s", t.transfer_id, exc)
             self._finish(t, TransferState.FAILED, f"{type(exc).__name__}: {exc}", peer_gone=True)
@@ -168,14 +184,14 @@ class KVEndpoint:
         return t
 
     def warm(self, peer: EndpointInfo, on_finish: Callable[[Transfer], None] | None = None,
-             timeout_s: float = WARM_TIMEOUT_S) -> Transfer:
+             timeout_s: float = WARM_TIMEOUT_S, heads: HeadSlice | None = None) -> Transfer:
         """Open the link to ``peer`` before a request needs it: connect over the backend a push
         would use and write this cache's null block into the peer's, so the transport's own
         set-up (a NIXL remote agent and UCX wire-up, mapping a CUDA IPC handle, an NCCL
         communicator) is paid now. Driven like a push (``poll``); the peer ignores it."""
         dest = KVDestination(f"{WARM_PREFIX}{uuid.uuid4().hex[:8]}", peer.endpoint_id, (0,), 0,
                              time.time() + timeout_s)
-        return self.push(peer, dest, (0,), on_finish)
+        return self.push(peer, dest, (0,), on_finish, heads)
 
     # -- receiver ---------------------------------------------------------------------------
     def expect(self, dest: KVDestination,
@@ -185,18 +201,19 @@ class KVEndpoint:
                               blocks_skipped=dest.num_present_tokens // self.layout.block_size,
                               bytes=len(dest.block_ids) * self.layout.block_bytes)
         t = Transfer(dest.transfer_id, "recv", "", tuple(dest.block_ids), dest.deadline, stats,
-                     on_finish)
+                     on_finish, missing=set(range(*self.layout.heads)))
         with self._lock:
             self._receiving[t.transfer_id] = t
-            early = t.transfer_id in self._landed_early
-            self._landed_early.discard(t.transfer_id)
+            t.missing -= self._landed_early.pop(t.transfer_id, set())
+            landed = not t.missing
         t.update(TransferState.IN_FLIGHT)
-        if early:
+        if landed:
             self._finish(t, TransferState.DONE)
         return t
 
     def mark_landed(self, transfer_id: str) -> None:
-        """The control plane's word that a transfer has landed (backends without notifications)."""
+        """The control plane's word that a transfer has landed (backends without notifications):
+        every head of it."""
         self._on_landed(transfer_id)
 
     def abort(self, transfer_id: str, reason: str = "aborted") -> None:
@@ -260,16 +277,21 @@ class KVEndpoint:
         """For transports whose receiver writes the data itself: yields whether the transfer
         is still expected, holding the lock so it cannot fail (and release) meanwhile."""
         with self._lock:
-            t = self._receiving.get(transfer_id)
+            t = self._receiving.get(split_part(transfer_id)[0])
             yield t is not None and not t.state.is_terminal
 
     def _on_landed(self, transfer_id: str) -> None:
         if is_warm(transfer_id):
             return
+        transfer_id, part = split_part(transfer_id)
+        heads = set(range(*(part or self.layout.heads)))
         with self._lock:
             t = self._receiving.get(transfer_id)
             if t is None:
-                self._landed_early.add(transfer_id)
+                self._landed_early.setdefault(transfer_id, set()).update(heads)
+                return
+            t.missing -= heads
+            if t.missing:
                 return
         self._finish(t, TransferState.DONE)
 
@@ -314,6 +336,6 @@ class KVEndpoint:
             b.close()
 
 
-def _descriptor_count(layout: KVLayout, src, dst) -> int:
+def _descriptor_count(layout: KVLayout, src, dst, heads: HeadSlice | None) -> int:
     from kvtransfer.backends.base import block_runs
-    return len(layout.regions(block_runs(src, dst), 0))
+    return len(layout.regions(block_runs(src, dst), 0, heads))

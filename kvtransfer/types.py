@@ -56,11 +56,12 @@ class LayoutMismatchError(TransferError):
 @dataclass(frozen=True)
 class KVLayout:
     """How one engine's KV cache sits in memory. Two endpoints may exchange blocks only when
-    their layouts are equal (checked by :func:`check_compatible` before any bytes move).
+    their model layouts are equal (checked by :func:`check_compatible` before any bytes move).
 
     The cache is block-major in memory (blocks, layers, K/V, kv heads, block size, head dim: one
     block of all layers is contiguous); the tensor the endpoint holds is the view indexed
-    ``[layer, block, ...]``.
+    ``[layer, block, ...]``. ``num_kv_heads`` is the model's; with tensor parallelism a rank's
+    cache holds ``local_kv_heads`` of them, the ``tp_rank``-th slice of ``tp_size``.
     """
 
     model: str
@@ -69,41 +70,96 @@ class KVLayout:
     num_kv_heads: int
     head_dim: int
     block_size: int
+    tp_size: int = 1
+    tp_rank: int = 0
 
     def compat_hash(self) -> str:
-        text = "|".join(f"{k}={v}" for k, v in sorted(asdict(self).items()))
+        """The model layout's hash (a rank's place is not part of it: ranks of any TP sizes map
+        onto each other by heads)."""
+        text = "|".join(f"{k}={v}" for k, v in sorted(asdict(self).items())
+                        if k not in _RANK_FIELDS)
         return hashlib.sha256(f"v{PROTOCOL_VERSION}|{text}".encode()).hexdigest()[:16]
+
+    @property
+    def local_kv_heads(self) -> int:
+        return self.num_kv_heads // self.tp_size
+
+    @property
+    def heads(self) -> tuple[int, int]:
+        """The model's KV heads this rank holds, ``[start, stop)``."""
+        start = self.tp_rank * self.local_kv_heads
+        return start, start + self.local_kv_heads
 
     @property
     def itemsize(self) -> int:
         return {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}[self.dtype]
 
     @property
+    def head_bytes(self) -> int:
+        """One KV head of one layer's K (or V) in one block."""
+        return self.block_size * self.head_dim * self.itemsize
+
+    @property
     def block_bytes_per_layer(self) -> int:
-        return 2 * self.num_kv_heads * self.block_size * self.head_dim * self.itemsize
+        return 2 * self.local_kv_heads * self.head_bytes
 
     @property
     def block_bytes(self) -> int:
         return self.num_layers * self.block_bytes_per_layer
 
-    def regions(self, runs, side: int) -> list[tuple[int, int]]:
+    def regions(self, runs, side: int, heads: HeadSlice | None = None) -> list[tuple[int, int]]:
         """``(byte offset, length)`` from the cache's start of the contiguous regions that hold
         ``runs`` (``(src_start, dst_start, count)``, :func:`kvtransfer.backends.base.block_runs`;
         side 0: the source blocks, 1: the destination's): one region per run, every layer of
-        its blocks."""
-        return [(run[side] * self.block_bytes, run[2] * self.block_bytes) for run in runs]
+        its blocks. With ``heads`` (this side's first head and the count), one region per block,
+        layer and K/V: the heads' part of it."""
+        if heads is None:
+            return [(run[side] * self.block_bytes, run[2] * self.block_bytes) for run in runs]
+        first = heads.src if side == 0 else heads.dst
+        length, chunk = heads.count * self.head_bytes, self.local_kv_heads * self.head_bytes
+        return [(block * self.block_bytes + part * chunk + first * self.head_bytes, length)
+                for run in runs for block in range(run[side], run[side] + run[2])
+                for part in range(2 * self.num_layers)]
+
+
+_RANK_FIELDS = ("tp_size", "tp_rank")
+
+
+@dataclass(frozen=True)
+class HeadSlice:
+    """The KV heads one rank writes into another: from local head ``src`` of the sender's cache
+    to local head ``dst`` of the receiver's, ``count`` heads (of every layer, K and V)."""
+
+    src: int
+    dst: int
+    count: int
+
+
+def head_slice(sender: KVLayout, receiver: KVLayout) -> HeadSlice | None:
+    """The heads ``sender``'s rank writes into ``receiver``'s, None when they share none."""
+    (a, b), (c, d) = sender.heads, receiver.heads
+    lo, hi = max(a, c), min(b, d)
+    return HeadSlice(lo - a, lo - c, hi - lo) if lo < hi else None
 
 
 def check_compatible(local: KVLayout, peer: KVLayout, local_version: int = PROTOCOL_VERSION,
                      peer_version: int = PROTOCOL_VERSION) -> None:
-    """Raise :class:`LayoutMismatchError` naming the first field that differs."""
+    """Raise :class:`LayoutMismatchError` naming the first field that differs, or the tensor
+    parallel sizes when the heads cannot be split between them."""
     if local_version != peer_version:
         raise LayoutMismatchError(f"protocol_version: local {local_version} != peer {peer_version}")
-    if local.compat_hash() == peer.compat_hash():
-        return
-    diffs = [f"{f.name}: local {getattr(local, f.name)!r} != peer {getattr(peer, f.name)!r}"
-             for f in fields(KVLayout) if getattr(local, f.name) != getattr(peer, f.name)]
-    raise LayoutMismatchError("KV layouts differ: " + "; ".join(diffs))
+    if local.compat_hash() != peer.compat_hash():
+        diffs = [f"{f.name}: local {getattr(local, f.name)!r} != peer {getattr(peer, f.name)!r}"
+                 for f in fields(KVLayout)
+                 if f.name not in _RANK_FIELDS and getattr(local, f.name) != getattr(peer, f.name)]
+        raise LayoutMismatchError("KV layouts differ: " + "; ".join(diffs))
+    for side, layout in (("local", local), ("peer", peer)):
+        if layout.tp_size < 1 or local.num_kv_heads % layout.tp_size \
+                or not 0 <= layout.tp_rank < layout.tp_size:
+            raise LayoutMismatchError(
+                f"KV heads cannot be mapped: {local.num_kv_heads} KV heads, {side} "
+                f"tensor_parallel_size {layout.tp_size} (rank {layout.tp_rank}); local "
+                f"{local.tp_size}, peer {peer.tp_size}")
 
 
 @dataclass(frozen=True)
@@ -121,6 +177,13 @@ class EndpointInfo:
     device: str = "cpu"
     # Every backend the endpoint serves, with its connection data (``backend`` is the first).
     connections: tuple[tuple[str, bytes], ...] = ()
+    # A replica of several tensor-parallel ranks: every rank's endpoint, rank 0's first (this
+    # one is rank 0's, and names the replica).
+    ranks: tuple[EndpointInfo, ...] = ()
+
+    @property
+    def rank_infos(self) -> tuple[EndpointInfo, ...]:
+        return self.ranks or (self,)
 
     @property
     def backends(self) -> tuple[str, ...]:
@@ -141,6 +204,25 @@ WARM_PREFIX = "warm:"
 
 def is_warm(transfer_id: str) -> bool:
     return transfer_id.partition("/")[2].startswith(WARM_PREFIX)
+
+
+# A push of part of a rank's heads (tensor parallelism, ranks of different sizes) is a transfer
+# of its own, named by the receiving rank's transfer id and the model's heads it writes; the
+# receiving rank's transfer lands once its every head has landed.
+_PART = "|h"
+
+
+def part_id(transfer_id: str, heads: tuple[int, int]) -> str:
+    return f"{transfer_id}{_PART}{heads[0]}-{heads[1]}"
+
+
+def split_part(transfer_id: str) -> tuple[str, tuple[int, int] | None]:
+    """``(transfer id, the model's heads [start, stop) it wrote, or None for all)``."""
+    base, sep, heads = transfer_id.partition(_PART)
+    if not sep:
+        return base, None
+    start, _, stop = heads.partition("-")
+    return base, (int(start), int(stop))
 
 
 @dataclass(frozen=True)

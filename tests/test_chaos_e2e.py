@@ -43,8 +43,10 @@ ENGINE = {"model": "tiny", "num_blocks": 512, "max_num_seqs": 8}
 
 def _config(decode_replicas: int, disaggregated: bool = False, prefill_replicas: int = 1,
             ranks: int = 1) -> dict:
-    config = {"mode": "colocated", "engine": {**ENGINE, "tensor_parallel_size": ranks},
-              "decode": {"num_replicas": decode_replicas, "num_cpus": 0.5},
+    """``ranks``: the decode replicas' tensor-parallel size."""
+    config = {"mode": "colocated", "engine": ENGINE,
+              "decode": {"num_replicas": decode_replicas, "num_cpus": 0.5,
+                         "tensor_parallel_size": ranks},
               "router": {"request_timeout_s": 120}}
     if disaggregated:
         config |= {"mode": "disaggregated",
@@ -139,12 +141,14 @@ def test_killing_a_decode_replica_loses_no_stream(ray_cluster, expected, decode_
 
 
 def test_a_split_decode_replica_serves_and_a_dead_rank_loses_no_stream(ray_cluster, expected):
-    """A colocated replica whose model is split over 2 ranks (tensor parallelism, gloo) streams
+    """Disaggregated, a prefill replica of one rank hands over to a decode replica whose model
+    is split over 2 ranks (tensor parallelism, gloo; each rank gets its KV heads), which streams
     the tokens of one rank; killing its second rank mid-stream fails the replica's engine, Serve
-    replaces it, and every stream goes on there with exactly the undisturbed run's tokens."""
+    replaces it, every stream goes on there (prefilled again by the prefill replica) with exactly
+    the undisturbed run's tokens, and no block stays held on either side."""
     from ray.thirdparty_files import psutil
 
-    url = _deploy(1, ranks=2)
+    url = _deploy(1, disaggregated=True, ranks=2)
     try:
         threads, got, errors = _start_streams(url)
         (pid,) = _decode_pids()
@@ -155,6 +159,8 @@ def test_a_split_decode_replica_serves_and_a_dead_rank_loses_no_stream(ray_clust
         ranks[0].kill()
         _join_streams(threads, got, errors, expected)
         assert migrations(url) >= 1
+        _assert_decode_idle()
+        assert _prefill_used_blocks() == 0 and _kv_load("PrefillServer")["held_blocks"] == 0
     finally:
         shutdown_serve()
 

@@ -142,7 +142,7 @@ class SlowFake(TransportBackend):
         super().__init__("fake", torch.zeros(1, 4, 1), LAYOUT)
         self.polls = polls
 
-    def start_write(self, peer, transfer_id, src, dst):
+    def start_write(self, peer, transfer_id, src, dst, heads=None):
         return {"left": self.polls}
 
     def check_write(self, handle):

@@ -98,7 +98,7 @@ def test_a_new_decode_replica_is_warmed_and_its_first_push_finds_the_link_open(
         tokens, result = asyncio.run(run())
         assert tokens == offline and result.transfer.backend == backend
         assert first_push_was_connected == [True]
-        assert decode.endpoint._landed_early == set()  # the warming's write was ignored
+        assert not decode.endpoint.ranks[0]._landed_early  # the warming's write was ignored
         assert prefill.warmer.scan() == []  # warm once, not at every scan
     finally:
         prefill.close()

@@ -50,8 +50,8 @@ def test_one_line_configs_and_the_open_port_warning():
     assert app["engine"]["tensor_parallel_size"] == 2
     from deploy.config import BatonConfig
     assert BatonConfig(**app).engine_for("decode").tensor_parallel_size == 2
-    with pytest.raises(ValueError, match="colocated only"):
-        BatonConfig(**{**app, "mode": "disaggregated"})
+    split = BatonConfig(**{**app, "mode": "disaggregated"})  # both roles over 2 ranks
+    assert split.engine_for("prefill").tensor_parallel_size == 2
     assert config["grpc_options"]["enable_reflection"] is False
     assert "no API key" in open_without_key_warning(config)
     app["router"]["api_key"] = "k"

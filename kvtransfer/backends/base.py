@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from kvtransfer.types import EndpointInfo, KVLayout, TransferState
+from kvtransfer.types import EndpointInfo, HeadSlice, KVLayout, TransferState
 
 
 class TransportBackend(ABC):
@@ -43,9 +43,10 @@ class TransportBackend(ABC):
 
     @abstractmethod
     def start_write(self, peer: EndpointInfo, transfer_id: str, src_blocks: Sequence[int],
-                    dst_blocks: Sequence[int]) -> Any:
-        """Start writing ``src_blocks`` of the local cache into ``dst_blocks`` of the peer's;
-        returns a handle for :meth:`check_write`."""
+                    dst_blocks: Sequence[int], heads: HeadSlice | None = None) -> Any:
+        """Start writing ``src_blocks`` of the local cache into ``dst_blocks`` of the peer's
+        (with ``heads``, only those heads: tensor-parallel ranks of different sizes); returns a
+        handle for :meth:`check_write`."""
 
     @abstractmethod
     def check_write(self, handle: Any) -> TransferState:
@@ -63,6 +64,22 @@ class TransportBackend(ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release transport resources."""
+
+
+def head_view(cache: torch.Tensor, heads: HeadSlice | None, side: int) -> torch.Tensor:
+    """The part of ``cache`` (``[layer, block, K/V, head, slot, dim]`` over block-major memory)
+    that ``heads`` names on ``side`` (0: sender, 1: receiver), as ``[layer and K/V, block, head,
+    slot, dim]``: each (layer and K/V, block) chunk is contiguous, so the block-copy kernel takes
+    it as it takes a whole cache. Without ``heads``, the cache itself."""
+    if heads is None:
+        return cache
+    layers, blocks, _, _, slots, dim = cache.shape
+    st = cache.stride()
+    assert st[0] == 2 * st[2], "the cache is not block-major"
+    first = heads.src if side == 0 else heads.dst
+    return cache.as_strided((2 * layers, blocks, heads.count, slots, dim),
+                            (st[2], st[1], st[3], st[4], st[5]),
+                            cache.storage_offset() + first * st[3])
 
 
 def block_ids_tensor(ids: Sequence[int], device: torch.device) -> torch.Tensor:

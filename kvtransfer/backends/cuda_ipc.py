@@ -16,7 +16,7 @@ import torch
 from torch.multiprocessing.reductions import reduce_tensor
 
 from kernels import copy_blocks
-from kvtransfer.backends.base import TransportBackend, block_ids_tensor
+from kvtransfer.backends.base import TransportBackend, block_ids_tensor, head_view
 from kvtransfer.types import EndpointInfo, TransferError, TransferState
 
 
@@ -42,22 +42,23 @@ class CudaIpcBackend(TransportBackend):
             self._peers[peer.endpoint_id] = rebuild(*args)
 
     def start_write(self, peer: EndpointInfo, transfer_id: str, src_blocks: Sequence[int],
-                    dst_blocks: Sequence[int]):
+                    dst_blocks: Sequence[int], heads=None):
         """Returns ``(event, buffers to keep alive until the event fires)``."""
-        target = self._peers[peer.endpoint_id]
+        target = head_view(self._peers[peer.endpoint_id], heads, 1)
+        cache = head_view(self.kv_cache, heads, 0)
         dev = self.kv_cache.device
         self.stream.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(self.stream):
             src_ids = block_ids_tensor(src_blocks, dev)
             if target.device == dev:
-                copy_blocks(self.kv_cache, target, src_ids, block_ids_tensor(dst_blocks, dev))
+                copy_blocks(cache, target, src_ids, block_ids_tensor(dst_blocks, dev))
                 return _record(self.stream), ()
             # Another GPU of this node: pack here, one peer copy, unpack there (a kernel cannot
             # take a pointer into another device's memory).
             n = len(src_blocks)
-            packed = torch.empty((self.kv_cache.shape[0], n, *self.kv_cache.shape[2:]),
-                                 dtype=self.kv_cache.dtype, device=dev)
-            copy_blocks(self.kv_cache, packed, src_ids, torch.arange(n, device=dev))
+            packed = torch.empty((cache.shape[0], n, *cache.shape[2:]), dtype=cache.dtype,
+                                 device=dev)
+            copy_blocks(cache, packed, src_ids, torch.arange(n, device=dev))
         peer_stream = self._peer_streams.setdefault(target.device,
                                                     torch.cuda.Stream(device=target.device))
         peer_stream.wait_stream(self.stream)

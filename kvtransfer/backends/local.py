@@ -7,7 +7,7 @@ import threading
 from collections.abc import Sequence
 
 from kernels import copy_blocks
-from kvtransfer.backends.base import TransportBackend, block_ids_tensor as _ids
+from kvtransfer.backends.base import TransportBackend, block_ids_tensor as _ids, head_view
 from kvtransfer.types import EndpointInfo, TransferError, TransferState
 
 
@@ -45,11 +45,12 @@ class LocalBackend(TransportBackend):
         self._lock = threading.Lock()
 
     def start_write(self, peer: EndpointInfo, transfer_id: str, src_blocks: Sequence[int],
-                    dst_blocks: Sequence[int]) -> TransferState:
+                    dst_blocks: Sequence[int], heads=None) -> TransferState:
         target = self.fabric.get(peer.endpoint_id)
         if src_blocks:
             dev = self.kv_cache.device
-            copy_blocks(self.kv_cache, target.kv_cache, _ids(src_blocks, dev), _ids(dst_blocks, dev))
+            copy_blocks(head_view(self.kv_cache, heads, 0), head_view(target.kv_cache, heads, 1),
+                        _ids(src_blocks, dev), _ids(dst_blocks, dev))
         target._land(transfer_id)
         return TransferState.DONE
 

@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 
 from kernels import copy_blocks
-from kvtransfer.backends.base import TransportBackend, block_ids_tensor
-from kvtransfer.types import EndpointInfo, TransferError, TransferState, is_warm
+from kvtransfer.backends.base import TransportBackend, block_ids_tensor, head_view
+from kvtransfer.types import EndpointInfo, HeadSlice, TransferError, TransferState, is_warm
 
 log = logging.getLogger(__name__)
 TAG = 0
@@ -83,26 +83,31 @@ class NcclBackend(TransportBackend):
         self._links[peer.endpoint_id] = _Link(group, pair_store,
                                               ThreadPoolExecutor(1, "kv-nccl-send"))
 
-    def start_write(self, peer, transfer_id, src_blocks, dst_blocks) -> Future:
+    def start_write(self, peer, transfer_id, src_blocks, dst_blocks, heads=None) -> Future:
         link = self._links[peer.endpoint_id]
         return link.executor.submit(self._send, link, transfer_id, list(src_blocks),
-                                    list(dst_blocks))
+                                    list(dst_blocks), heads)
 
-    def _send(self, link: _Link, transfer_id: str, src: list[int], dst: list[int]) -> None:
-        header = json.dumps({"transfer_id": transfer_id, "dst": dst}).encode()
-        link.store.set(f"msg/{link.next_seq}", header)
+    def _send(self, link: _Link, transfer_id: str, src: list[int], dst: list[int],
+              heads: HeadSlice | None) -> None:
+        header = {"transfer_id": transfer_id, "dst": dst}
+        if heads is not None:  # the receiver writes them at its first head heads.dst
+            header["heads"] = [heads.dst, heads.count]
+        link.store.set(f"msg/{link.next_seq}", json.dumps(header).encode())
         link.next_seq += 1
         if src:
-            data = self._packed(len(src))
-            copy_blocks(self.kv_cache, data, block_ids_tensor(src, self.kv_cache.device),
+            cache = head_view(self.kv_cache, heads, 0)
+            data = self._packed(cache, len(src))
+            copy_blocks(cache, data, block_ids_tensor(src, self.kv_cache.device),
                         torch.arange(len(src), device=self.kv_cache.device))
             link.group.send([data], 1, TAG).wait(self.timeout)
 
-    def _packed(self, n: int) -> torch.Tensor:
-        """A packed buffer of ``n`` blocks (a fresh one per push: sends may overlap receives)."""
-        shape = self.kv_cache.shape
-        return torch.empty((shape[0], n, *shape[2:]), dtype=self.kv_cache.dtype,
-                           device=self.kv_cache.device)
+    @staticmethod
+    def _packed(cache: torch.Tensor, n: int) -> torch.Tensor:
+        """A packed buffer of ``n`` blocks of ``cache`` (a fresh one per push: sends may overlap
+        receives)."""
+        return torch.empty((cache.shape[0], n, *cache.shape[2:]), dtype=cache.dtype,
+                           device=cache.device)
 
     def check_write(self, handle: Future) -> TransferState:
         if not handle.done():
@@ -149,9 +154,11 @@ class NcclBackend(TransportBackend):
                 pair_store.delete_key(key)
                 seq += 1
                 tid, dst = header["transfer_id"], header["dst"]
+                heads = header.get("heads")
+                cache = head_view(self.kv_cache, heads and HeadSlice(0, *heads), 1)
                 data = None
                 if dst:
-                    data = self._packed(len(dst))
+                    data = self._packed(cache, len(dst))
                     group.recv([data], 0, TAG).wait(self.timeout)
                 with self.landing_guard(tid) as expected:
                     if not expected:
@@ -159,7 +166,7 @@ class NcclBackend(TransportBackend):
                             log.warning("kv nccl: dropped transfer %s (no longer expected)", tid)
                         continue
                     if data is not None:
-                        copy_blocks(data, self.kv_cache, torch.arange(len(dst), device=dev),
+                        copy_blocks(data, cache, torch.arange(len(dst), device=dev),
                                     block_ids_tensor(dst, dev))
                         if data.is_cuda:  # landed means readable by any stream
                             torch.cuda.current_stream(dev).synchronize()

@@ -2,7 +2,8 @@
 
 The whole KV cache is registered once (VRAM on GPUs, DRAM on CPU). ``connection_info`` is the
 agent's metadata plus the cache's base address; a sender adds the peer agent once and then writes
-each push as one descriptor list (a region per run of consecutive blocks, every layer of them:
+each push as one descriptor list (a region per run of consecutive blocks, every layer of them;
+for part of a tensor-parallel rank's heads, a region per block, layer and K/V:
 ``KVLayout.regions``). On CPU the UCX backend runs with shared memory (``UCX_TLS=sm,self`` unless
 set) and no peer error handling, the configuration that works without network devices.
 ``progress_thread`` is NIXL's own (on by default): it moves transfers on by itself but spins a
@@ -73,15 +74,17 @@ class NixlBackend(TransportBackend):
             self._peers[peer.endpoint_id] = name.decode() if isinstance(name, bytes) else name
 
     def start_write(self, peer: EndpointInfo, transfer_id: str, src_blocks: Sequence[int],
-                    dst_blocks: Sequence[int]):
+                    dst_blocks: Sequence[int], heads=None):
         if not src_blocks:  # the receiver holds everything: only tell it so
             self.agent.send_notif(self._peers[peer.endpoint_id], transfer_id.encode())
             return _NOTHING_TO_WRITE
         remote_base, remote_dev, _remote_blocks = _HEADER.unpack_from(peer.connection)
         runs = block_runs(src_blocks, dst_blocks)
         local_base = self.kv_cache.data_ptr()
-        src = [(local_base + off, n, self.device_id) for off, n in self.layout.regions(runs, 0)]
-        dst = [(remote_base + off, n, remote_dev) for off, n in self.layout.regions(runs, 1)]
+        src = [(local_base + off, n, self.device_id)
+               for off, n in self.layout.regions(runs, 0, heads)]
+        dst = [(remote_base + off, n, remote_dev)
+               for off, n in peer.layout.regions(runs, 1, heads)]
         agent = self.agent
         handle = agent.initialize_xfer("WRITE", agent.get_xfer_descs(src, self.mem_type),
                                        agent.get_xfer_descs(dst, self.mem_type),

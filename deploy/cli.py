@@ -395,8 +395,8 @@ def main(argv: list[str] | None = None) -> int:
                            help="GPUs of each replica's rank (default: a GPU each, or equal "
                                 "shares of the GPUs there are; 0 on a machine without one)")
     serve_cmd.add_argument("--tensor-parallel-size", "--tensor-parallel", type=int, default=1,
-                           help="ranks each replica's model is split over (one GPU each; "
-                                "colocated, --prefill 0, for now)")
+                           help="ranks each replica's model is split over, both roles (one "
+                                "GPU each; a config sets it per role)")
     serve_cmd.add_argument("--host", default="127.0.0.1",
                            help="HTTP address to listen on (0.0.0.0: every interface; set "
                                 "BATON_API_KEY first)")

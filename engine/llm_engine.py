@@ -141,12 +141,16 @@ class LLMEngine:
             self.tp_workers = TPWorkers(config)
             weakref.finalize(self, self.tp_workers.close)  # the workers stop with the engine
         group = self.tp_workers.group if self.tp_workers is not None else TPGroup()
-        with building(group):
-            self.model = load_model(self.source, self.device, self.dtype, seed=config.seed,
-                                    progress=config.show_progress,
-                                    quantization=config.quantization)
-            self.runner = ModelRunner(self.model, config, self.device, self.dtype,
-                                      self.max_model_len)
+        try:
+            with building(group):
+                self.model = load_model(self.source, self.device, self.dtype, seed=config.seed,
+                                        progress=config.show_progress,
+                                        quantization=config.quantization)
+                self.runner = ModelRunner(self.model, config, self.device, self.dtype,
+                                          self.max_model_len)
+        except BaseException:
+            self.shutdown()  # the other ranks stop now, not when this object is collected
+            raise
         self.tokenizer = load_tokenizer(self.source)
         self.eos_token_ids = self._eos_ids()
         self.checks = RequestChecks(self.source.name, self.vocab_size, self.max_model_len,

@@ -37,9 +37,6 @@ def load_model(source: ModelSource, device: torch.device, dtype: torch.dtype,
     a plain checkpoint's decoder projections at load; an FP8 checkpoint needs no flag
     (:mod:`engine.quantization`)."""
     scheme = resolve_scheme(source.config.quantization, quantization, source.name)
-    if scheme is not None and tp().size > 1:
-        raise ValueError("quantization: FP8 weights with tensor_parallel_size > 1 are not "
-                         "supported yet (their scales are not split across ranks)")
     with torch.device("meta"):
         model = Qwen3ForCausalLM(source.config)
     model = model.to(dtype)
@@ -152,7 +149,7 @@ def load_weights(model: Qwen3ForCausalLM, path: Path, progress: bool = False) ->
                     start = 0 if shard is None else sum(sizes[:shard])
                     count = param.shape[0] if shard is None else sizes[shard]
                     fill_shard(linear, slice(start, start + count), tensor,
-                               _scale_of(name, linear, where), name)
+                               _scale_of(name, ours, linear, where, count), name)
                 else:
                     _copy_shard(param, tensor, name)
                 filled.setdefault(ours, set()).add(shard)
@@ -188,9 +185,13 @@ def _read(f, name: str, ours: str, shard: int | None, param: torch.Tensor, model
     return part[rank * n:(rank + 1) * n]
 
 
-def _scale_of(name: str, linear, where: dict[str, Path]) -> torch.Tensor | None:
+def _scale_of(name: str, ours: str, linear, where: dict[str, Path],
+              rows: int) -> torch.Tensor | None:
     """The scale tensor stored beside an FP8 weight (None if the layer is not FP8 or the
-    checkpoint has none)."""
+    checkpoint has none); under tensor parallelism this rank's part of it, for the ``rows``
+    output rows this rank holds of the weight: per-channel scales split with the rows of a
+    column-parallel layer and stay whole for a row-parallel one; 128x128 block scales split
+    by tiles, so a rank's rows (or columns) must be whole tiles."""
     scheme = getattr(linear, "fp8_scheme", None)
     if scheme is None or not scheme.from_checkpoint:
         return None
@@ -199,7 +200,21 @@ def _scale_of(name: str, linear, where: dict[str, Path]) -> torch.Tensor | None:
     if file is None:
         return None
     with safe_open(str(file), framework="pt") as f:
-        return f.get_tensor(scale_name)
+        scale = f.get_tensor(scale_name)
+    size, rank = tp().size, tp().rank
+    if size == 1 or scale.numel() == 1:  # one rank, or one scale for the whole tensor
+        return scale
+    row_parallel = ours.endswith(_ROW_PARALLEL)
+    if scheme.block is None:
+        return scale if row_parallel else scale.reshape(-1, 1)[rank * rows:(rank + 1) * rows]
+    tile = scheme.block[1] if row_parallel else scheme.block[0]
+    n = linear.weight.shape[1] if row_parallel else rows
+    if n % tile:
+        what = "columns" if row_parallel else "rows"
+        raise ValueError(f"tensor_parallel_size: {size} gives each rank {n} {what} of {name}, "
+                         f"not a multiple of its {tile}-wide FP8 scale tiles")
+    n //= tile
+    return scale[:, rank * n:(rank + 1) * n] if row_parallel else scale[rank * n:(rank + 1) * n]
 
 
 def _shard_sizes(model: Qwen3ForCausalLM, param_name: str) -> tuple[int, ...] | None:

@@ -58,3 +58,50 @@ def test_a_size_that_does_not_divide_the_heads_is_refused_at_once():
     with pytest.raises(ValueError, match="tensor_parallel_size: 3 does not divide the "
                                          "model's attention heads"):
         LLM(str(model_path("tiny")), tensor_parallel_size=3, show_progress=False)
+
+
+BLOCK_DIMS = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=128)
+
+
+@pytest.mark.parametrize("fmt", ["qwen-block", "compressed-tensors"])
+def test_fp8_checkpoints_split_their_scales_with_their_weights(tmp_path, fmt):
+    """An FP8 checkpoint over 2 ranks gives the tokens of one rank: each rank reads its rows
+    (column-parallel) or columns (row-parallel) of the e4m3 weights and the matching part of
+    their scales (per output channel, or 128x128 tiles), dequantized at load on CPU."""
+    from tests.models import write_random_qwen3
+    from tests.test_fp8 import COMPRESSED, QWEN_FP8, _blocks, fp8_checkpoint, representable
+    from kernels.fp8 import quantize_per_channel
+
+    dims = BLOCK_DIMS if fmt == "qwen-block" else DIMS_FP8
+    plain = write_random_qwen3(tmp_path / "plain", dims, vocab_size=256,
+                               tie_word_embeddings=False, initializer_range=0.2, seed=3)
+    quantize, config = ((_blocks, QWEN_FP8) if fmt == "qwen-block"
+                        else (quantize_per_channel, COMPRESSED))
+    reference = representable(tmp_path / "ref", plain, quantize,
+                              () if fmt == "qwen-block" else ("model.layers.1.mlp.down_proj",))
+    ckpt = str(fp8_checkpoint(tmp_path / "fp8", reference, config))
+    prompts = random_prompts([5, 16, 40], vocab=256, seed=3)
+    want = _tokens(LLM(ckpt, show_progress=False), prompts)
+    llm = LLM(ckpt, tensor_parallel_size=2, show_progress=False)
+    try:
+        assert llm.engine.weights_name.startswith("fp8")
+        assert _tokens(llm, prompts) == want
+    finally:
+        llm.engine.shutdown()
+
+
+DIMS_FP8 = dict(hidden_size=128, intermediate_size=192, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+
+
+def test_fp8_tiles_a_rank_cannot_hold_whole_are_refused(tmp_path):
+    from tests.models import write_random_qwen3
+    from tests.test_fp8 import QWEN_FP8, _blocks, fp8_checkpoint, representable
+
+    plain = write_random_qwen3(tmp_path / "plain", DIMS_FP8, vocab_size=256,
+                               tie_word_embeddings=False, initializer_range=0.2, seed=3)
+    ckpt = fp8_checkpoint(tmp_path / "fp8", representable(tmp_path / "ref", plain, _blocks),
+                          QWEN_FP8)
+    with pytest.raises(ValueError, match="not a multiple of its 128-wide FP8 scale tiles"):
+        LLM(str(ckpt), tensor_parallel_size=2, show_progress=False)

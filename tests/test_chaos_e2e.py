@@ -140,15 +140,18 @@ def test_killing_a_decode_replica_loses_no_stream(ray_cluster, expected, decode_
         shutdown_serve()
 
 
-def test_a_split_decode_replica_serves_and_a_dead_rank_loses_no_stream(ray_cluster, expected):
-    """Disaggregated, a prefill replica of one rank hands over to a decode replica whose model
-    is split over 2 ranks (tensor parallelism, gloo; each rank gets its KV heads), which streams
-    the tokens of one rank; killing its second rank mid-stream fails the replica's engine, Serve
-    replaces it, every stream goes on there (prefilled again by the prefill replica) with exactly
-    the undisturbed run's tokens, and no block stays held on either side."""
+@pytest.mark.parametrize("layout", ["colocated", "disaggregated"])
+def test_a_split_decode_replica_serves_and_a_dead_rank_loses_no_stream(ray_cluster, expected,
+                                                                       layout):
+    """A decode replica whose model is split over 2 ranks (tensor parallelism, gloo), colocated
+    or handed over to by a prefill replica of one rank (each decode rank gets its KV heads),
+    streams the tokens of one rank; killing its second rank mid-stream fails the replica's
+    engine, Serve replaces it, every stream goes on there (prefilled again) with exactly the
+    undisturbed run's tokens, and no block stays held on either role."""
     from ray.thirdparty_files import psutil
 
-    url = _deploy(1, disaggregated=True, ranks=2)
+    disaggregated = layout == "disaggregated"
+    url = _deploy(1, disaggregated=disaggregated, ranks=2)
     try:
         threads, got, errors = _start_streams(url)
         (pid,) = _decode_pids()
@@ -160,7 +163,8 @@ def test_a_split_decode_replica_serves_and_a_dead_rank_loses_no_stream(ray_clust
         _join_streams(threads, got, errors, expected)
         assert migrations(url) >= 1
         _assert_decode_idle()
-        assert _prefill_used_blocks() == 0 and _kv_load("PrefillServer")["held_blocks"] == 0
+        if disaggregated:
+            assert _prefill_used_blocks() == 0 and _kv_load("PrefillServer")["held_blocks"] == 0
     finally:
         shutdown_serve()
 

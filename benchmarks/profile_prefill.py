@@ -8,7 +8,10 @@ norms, the rest.
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
+import pstats
 import statistics
 import time
 from collections import defaultdict
@@ -55,6 +58,8 @@ def main() -> None:
     ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048])
     ap.add_argument("--quantization", choices=["fp8"], default=None)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--cprofile", action="store_true",
+                    help="also the host's top functions over the reps of the first length")
     args = ap.parse_args()
     engine = LLMEngine(EngineConfig(model=args.model, device="cuda", max_num_seqs=4,
                                     max_num_batched_tokens=max(args.lengths),
@@ -81,6 +86,15 @@ def main() -> None:
                           "by_kind_ms": {k: round(v, 2) for k, v in
                                          sorted(by_kind.items(), key=lambda kv: -kv[1])},
                           "top_kernels_ms": [[k[:90], round(v, 3)] for k, v in top]}))
+        if args.cprofile and n == args.lengths[0]:
+            prof_host = cProfile.Profile()
+            prof_host.enable()
+            for rep in range(args.reps):
+                run_prompt(engine, n, 30 + rep)
+            prof_host.disable()
+            text = io.StringIO()
+            pstats.Stats(prof_host, stream=text).sort_stats("tottime").print_stats(18)
+            print(text.getvalue())
 
 
 if __name__ == "__main__":

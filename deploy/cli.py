@@ -15,7 +15,7 @@ import os
 import sys
 import time
 
-from deploy.ray_env import free_port
+from deploy.ray_env import LOOPBACK, free_port
 
 DEMO_PROMPTS = [
     "The quick brown fox",
@@ -48,15 +48,17 @@ def cmd_generate(args) -> None:
 
 
 # -- serving --------------------------------------------------------------------------------
-def _start_ray(num_cpus: int | None = None, address: str | None = None) -> None:
+def _start_ray(num_cpus: int | None = None, address: str | None = None,
+               host: str = "127.0.0.1") -> None:
     """A local Ray of this command's own (even where `ray start` runs one on this machine,
-    whose applications it must not touch), or the cluster at ``address``."""
+    whose applications it must not touch), or the cluster at ``address``; ``host``: where the
+    app's HTTP port listens."""
     import ray
 
     from deploy import ray_env
 
     if address is None:  # HAProxy ingress, Serve's throughput profile, free ports
-        ray_env.apply()
+        ray_env.apply(host)
     ray.init(address=address or "local", num_cpus=None if address else num_cpus,
              include_dashboard=False, log_to_driver=False, logging_level="ERROR")
 
@@ -256,7 +258,6 @@ def _demo_grpc(address: str, prompt, max_tokens: int, timeout: float) -> None:
               f"finish: {last.finish_reason}")
 
 
-LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 def serve_config_from_flags(args) -> dict:
@@ -334,8 +335,8 @@ def run_config(config: dict, address: str | None, timeout: float, label: str) ->
     for app in config["applications"]:
         if app["import_path"] != "deploy.app:build_app":
             raise SystemExit(f"{label}: import_path must be deploy.app:build_app")
-    _start_ray(address=address)
     http = dict(config.get("http_options") or {})
+    _start_ray(address=address, host=http.get("host") or "127.0.0.1")
     grpc_options = dict(config.get("grpc_options") or {})
     http["port"] = http.get("port") or free_port()
     grpc_options["port"] = grpc_options.get("port") or free_port()

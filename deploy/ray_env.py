@@ -95,7 +95,7 @@ def local_env() -> dict[str, str]:
                 "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": str(free_port()),
                 "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT": str(free_port())}
         binary = haproxy_binary()
-        if binary is not None:
+        if binary is not None and os.access(HAPROXY_LOOPBACK, os.X_OK):
             env |= {"BATON_HAPROXY_BINARY": binary,
                     "RAY_SERVE_HAPROXY_BINARY_PATH": str(HAPROXY_LOOPBACK)}
     return env

@@ -165,3 +165,29 @@ def test_baton_serve_tiny_streams_to_the_openai_client_and_ctrl_c_stops_it(ray_c
     with pytest.raises(OSError):  # its HTTP port is closed
         import socket
         socket.create_connection(("127.0.0.1", http), timeout=2).close()
+
+
+@pytest.mark.parametrize("host, rebound", [("127.0.0.1", True), ("0.0.0.0", False)])
+def test_haproxy_wrapper_rebinds_stats_and_metrics_only_for_a_loopback_frontend(tmp_path, host,
+                                                                               rebound):
+    """``deploy/haproxy_loopback.sh`` on a config as Ray's template writes it: the two listeners
+    without a host follow a loopback HTTP frontend; a frontend on every interface leaves the
+    file as it was; the real binary then runs with the same arguments."""
+    config = tmp_path / "haproxy.cfg"
+    text = ("frontend prometheus\n    bind :41001\n    mode http\n"
+            f"frontend http_frontend\n    bind {host}:8000\n    mode http\n"
+            "listen stats\n  bind *:41002\n  stats enable\n")
+    config.write_text(text)
+    seen = tmp_path / "args"
+    fake = tmp_path / "haproxy"
+    fake.write_text(f'#!/bin/sh\necho "$@" > {seen}\n')
+    fake.chmod(0o755)
+    run = subprocess.run([str(ray_env.HAPROXY_LOOPBACK), "-db", "-f", str(config), "-sf", "7"],
+                         env={**os.environ, "BATON_HAPROXY_BINARY": str(fake)}, timeout=30)
+    assert run.returncode == 0
+    assert seen.read_text().split() == ["-db", "-f", str(config), "-sf", "7"]
+    binds = re.findall(r"bind (\S+)", config.read_text())
+    if rebound:
+        assert binds == ["127.0.0.1:41001", "127.0.0.1:8000", "127.0.0.1:41002"]
+    else:
+        assert config.read_text() == text

@@ -2,7 +2,8 @@
 profiler over a few prompts) summed by kind: GEMMs, FP8 activation quantization, attention,
 norms, the rest.
 
-    python -m benchmarks.profile_prefill --model dummy:Qwen3-8B --lengths 1024 2048 [--quantization fp8]
+    python -m benchmarks.profile_prefill --model dummy:Qwen3-8B --lengths 1024 2048 \
+        [--quantization fp8] [--cprofile]
 """
 
 from __future__ import annotations

@@ -258,8 +258,6 @@ def _demo_grpc(address: str, prompt, max_tokens: int, timeout: float) -> None:
               f"finish: {last.finish_reason}")
 
 
-
-
 def serve_config_from_flags(args) -> dict:
     """The Serve config (as a YAML file would hold it) that ``baton serve MODEL`` runs."""
     import torch

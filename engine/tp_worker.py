@@ -7,11 +7,11 @@ the workers how many blocks to make (every rank must have the same) → the work
 slices and build their runners → on CUDA all ranks warm up (and capture their decode graphs)
 together → on request (a transfer endpoint is made for the engine) each worker shares its KV
 cache with rank 0 (shared memory on CPU, a CUDA IPC handle on GPUs), so rank 0's transfer layer
-moves every rank's slice of a block → per step rank 0 sends the step's host inputs (``ModelRunner.prepare``: ids,
-positions, slots, attention metadata, logit rows) to every worker and all ranks run it; the
-row-parallel layers all-reduce, the LM head gathers the vocabulary, and only rank 0 samples,
-then broadcasts the sampled tokens: with the engine one step ahead, the next step's inputs read
-them on every rank's device, as on rank 0's.
+moves every rank's slice of a block → per step rank 0 sends the step's host inputs
+(``ModelRunner.prepare``: ids, positions, slots, attention metadata, logit rows) to every
+worker and all ranks run it; the row-parallel layers all-reduce, the LM head gathers the
+vocabulary, and only rank 0 samples, then broadcasts the sampled tokens: with the engine one
+step ahead, the next step's inputs read them on every rank's device, as on rank 0's.
 
 The scheduler, the block tables and the sampler live on rank 0 only; a worker never decides
 anything. A worker that dies makes rank 0's next send or collective fail (collectives time out

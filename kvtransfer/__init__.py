@@ -27,7 +27,8 @@ if TYPE_CHECKING:  # the engine does not import this package, nor this package t
 
 __all__ = [
     "BACKENDS", "PROTOCOL_VERSION", "EndpointInfo", "KVDestination", "KVEndpoint", "KVLayout",
-    "LayoutMismatchError", "PushNotStarted", "ReplicaEndpoint", "Transfer", "TransferError", "TransferState", "TransferStats",
+    "LayoutMismatchError", "PushNotStarted", "ReplicaEndpoint", "Transfer", "TransferError",
+    "TransferState", "TransferStats",
     "TransportUnavailableError", "choose_backend", "current_node_id", "default_backend",
     "layout_of", "endpoint_for",
 ]

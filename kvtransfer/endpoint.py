@@ -29,9 +29,9 @@ from kernels import copy_blocks
 from kvtransfer.backends import choose_backend, create_backends
 from kvtransfer.backends.base import TransportBackend
 from kvtransfer.types import (PROTOCOL_VERSION, WARM_PREFIX, EndpointInfo, HeadSlice,
-                              KVDestination, KVLayout, LayoutMismatchError, TransferError, TransferState,
-                              TransferStats, advance, check_compatible, is_warm, part_id,
-                              split_part)
+                              KVDestination, KVLayout, LayoutMismatchError, TransferError,
+                              TransferState, TransferStats, advance, check_compatible, is_warm,
+                              part_id, split_part)
 
 log = logging.getLogger(__name__)
 POLL_INTERVAL_S = 0.0005
@@ -161,7 +161,7 @@ class KVEndpoint:
         if heads is not None:
             first = peer.layout.heads[0] + heads.dst  # the model's heads it writes
             tid = part_id(tid, (first, first + heads.count))
-            per_block = 2 * self.layout.num_layers * heads.count * self.layout.head_bytes
+            per_block = per_block * heads.count // self.layout.local_kv_heads
         stats = TransferStats(bytes=len(src) * per_block, blocks_sent=len(src),
                               blocks_skipped=skip, backend=name, src_node=self.node_id,
                               dst_node=peer.node_id)

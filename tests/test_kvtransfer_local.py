@@ -303,3 +303,37 @@ def test_a_failed_write_forgets_the_peer_but_a_deadline_does_not():
                     [2])
     assert t.state is TransferState.FAILED and "deadline" in t.error
     assert forgotten == [peer.endpoint_id]
+
+
+def _replica(fabric: LocalFabric, ranks: int, name: str):
+    """A replica endpoint of ``ranks`` ranks over LAYOUT's 2 KV heads (random caches)."""
+    from dataclasses import replace
+
+    from kvtransfer import ReplicaEndpoint
+
+    eps = []
+    for rank in range(ranks):
+        layout = replace(LAYOUT, tp_size=ranks, tp_rank=rank)
+        cache = torch.randn(8, LAYOUT.num_layers, 2, layout.local_kv_heads, LAYOUT.block_size,
+                            LAYOUT.head_dim).transpose(0, 1)
+        eps.append(KVEndpoint(cache, layout, "local", endpoint_id=f"{name}.{rank}",
+                              fabric=fabric))
+    return ReplicaEndpoint(eps)
+
+
+def test_a_split_replica_counts_its_leased_blocks_once_and_lands_only_whole():
+    """Both ranks lease the same block ids: the replica holds 3 blocks, not 6; a push from one
+    rank to two writes each receiver rank its head, and the lease lands once both have."""
+    fabric = LocalFabric()
+    sender, receiver = _replica(fabric, 1, "p"), _replica(fabric, 2, "d")
+    dest = KVDestination("r", receiver.endpoint_id, (1, 2, 3), 0, time.time() + 10)
+    landed = []
+    t = receiver.expect(dest, landed.append)
+    assert receiver.held_blocks == 3 and not t.state.is_terminal
+    pushed = sender.push(receiver.info(), dest, [4, 5, 6])
+    assert pushed.state is TransferState.DONE and pushed.stats.bytes == 3 * LAYOUT.block_bytes
+    receiver.poll()
+    assert landed == [t] and t.state is TransferState.DONE and receiver.held_blocks == 0
+    for rank, ep in enumerate(receiver.ranks):  # each rank holds its head of the sent blocks
+        assert torch.equal(ep.kv_cache[:, [1, 2, 3]],
+                           sender.kv_cache[:, [4, 5, 6], :, rank:rank + 1])

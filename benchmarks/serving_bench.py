@@ -291,6 +291,11 @@ def breakdown(records: list[dict]) -> dict[str, float]:
         if dt["prefill_called"]:
             add("decode: reserve, lease", dt["received"], dt["prefill_called"])
             add("prefill call (prefill + push)", dt["prefill_called"], dt["prefill_returned"])
+            if pt := dt.get("prefill"):  # the call's parts, as the prefill replica saw them
+                add("(of which) Serve call -> prefill", dt["prefill_called"], pt["received"])
+                add("(of which) prefill: queue, compute", pt["received"], pt["prefilled"])
+                add("(of which) prefill: push", pt["prefilled"], pt["pushed"])
+                add("(of which) answer -> decode", pt["pushed"], dt["prefill_returned"])
             add("decode: land, admit", dt["prefill_returned"], dt["first_token"])
         else:
             add("decode: queue", dt["received"], dt["queued"])

@@ -33,7 +33,6 @@ BUSY_POLL_S = 0.0005  # idle engine, a ticker's work in flight (a KV transfer)
 IDLE_WAIT_S = 0.05  # idle engine, nothing in flight: commands wake it at once anyway
 
 OutputsHook = Callable[[list[RequestOutput]], None]
-FinishedHook = Callable[[LLMEngine, RequestOutput], None]
 
 
 class AsyncEngine:
@@ -43,8 +42,7 @@ class AsyncEngine:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._on_outputs = on_outputs or self._resolve_waiters
         self._on_error = on_error
-        self._waiters: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future,
-                                       FinishedHook | None]] = {}
+        self._waiters: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self._tickers: list[Callable[[], None]] = []
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -85,15 +83,12 @@ class AsyncEngine:
             await asyncio.to_thread(self.engine.grammars.compile, params.structured_output)
 
     async def run(self, prompt: Prompt, params: SamplingParams, request_id: str,
-                  hold_blocks: bool = False, then: FinishedHook | None = None) -> RequestOutput:
+                  hold_blocks: bool = False) -> RequestOutput:
         """Run a request to its end and return its last output; a caller that goes away
-        aborts it. ``then(engine, output)`` runs on the engine thread as the step that finished
-        the request returns, before the next step (a prefill replica starts its push there
-        rather than a step later); what it raises, the caller gets. It does not run once the
-        caller has gone."""
+        aborts it."""
         loop = asyncio.get_running_loop()
         done = loop.create_future()
-        self._waiters[request_id] = (loop, done, then)
+        self._waiters[request_id] = (loop, done)
         try:
             await self.compile_grammar(params)
             await self.call(lambda e: e.add_request(prompt, params, request_id, hold_blocks))
@@ -109,13 +104,7 @@ class AsyncEngine:
     def _resolve_waiters(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
             if out.finished and (entry := self._waiters.get(out.request_id)) is not None:
-                loop, fut, then = entry
-                try:
-                    if then is not None:
-                        then(self.engine, out)
-                except Exception as exc:  # noqa: BLE001 - the caller gets it
-                    loop.call_soon_threadsafe(_set_exception, fut, exc)
-                    continue
+                loop, fut = entry
                 loop.call_soon_threadsafe(_set_result, fut, out)
 
     # -- the thread -------------------------------------------------------------------------
@@ -136,7 +125,7 @@ class AsyncEngine:
         except BaseException as exc:  # noqa: BLE001 - fail every waiter, loudly
             log.exception("engine thread died")
             self.error = exc
-            for loop, fut, _ in list(self._waiters.values()):
+            for loop, fut in list(self._waiters.values()):
                 loop.call_soon_threadsafe(_set_exception, fut, EngineDeadError(repr(exc)))
             if self._on_error is not None:
                 self._on_error(EngineDeadError(repr(exc)))

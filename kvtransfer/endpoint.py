@@ -228,23 +228,11 @@ class KVEndpoint:
         """Transfers are in flight (sending or expected)."""
         return bool(self._sending or self._receiving)
 
-    def poll(self, settle: bool = False) -> bool:
+    def poll(self) -> bool:
         """Move every transfer forward; True while some are still in flight. With none in
-        flight the transport is not asked (a receiver expects before it is written to).
-        ``settle``: first wait for the writes in flight whose transport completes on this node
-        within milliseconds (``TransportBackend.settle_write``: a CUDA IPC copy), so that they
-        end in this call (a prefill replica polls once per step: otherwise its answers wait a
-        whole step)."""
+        flight the transport is not asked (a receiver expects before it is written to)."""
         if not self.busy:
             return False
-        if settle:
-            with self._lock:
-                sending = [t for t in self._sending.values() if t.handle is not None]
-            for t in sending:
-                try:
-                    self.backends[t.backend].settle_write(t.handle)
-                except Exception:  # noqa: BLE001 - check_write reports the failure
-                    log.debug("settling %s failed", t.transfer_id, exc_info=True)
         for b in self.backends.values():
             for tid in b.poll_notifications():
                 self._on_landed(tid)

@@ -111,9 +111,9 @@ class ReplicaEndpoint:
     def busy(self) -> bool:
         return any(r.busy for r in self.ranks)
 
-    def poll(self, settle: bool = False) -> bool:
+    def poll(self) -> bool:
         for r in self.ranks:
-            r.poll(settle)
+            r.poll()
         return self.busy
 
     wait = KVEndpoint.wait

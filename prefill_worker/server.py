@@ -31,9 +31,7 @@ class PrefillServer:
         self.aengine = AsyncEngine(config)
         self.endpoint = endpoint_for(self.aengine.engine.kv_cache_spec(), backend, polled=True,
                                      **endpoint_kwargs)
-        # Settled: a push's local copy (CUDA IPC) ends in the poll after the step that started
-        # it, so the answer goes out before the next step, not after it.
-        self.aengine.add_ticker(lambda: self.endpoint.poll(settle=True))
+        self.aengine.add_ticker(self.endpoint.poll)
         self.warmer = (LinkWarmer(self.endpoint, directory, self.aengine.submit).start()
                        if directory is not None else None)
         self.metrics = self.transfers = None
@@ -69,49 +67,40 @@ class PrefillServer:
         received, t0 = time.time(), time.perf_counter()
         self.endpoint.choose(req.peer)  # no transport to this receiver: refuse before any work
         params = req.params.model_copy(update={"max_tokens": 1})
+        try:
+            first = await self.aengine.run(list(req.prompt_token_ids), params, rid,
+                                           hold_blocks=True)
+        except BaseException as exc:  # it may have finished, blocks held, just before the cancel
+            if self.aengine.error is None:
+                self.aengine.submit(lambda e: e.release_held_blocks(rid))
+            TIMELINE.info("request %s prefill: %s before its KV was pushed; %s", rid,
+                          type(exc).__name__, timeline(received=received, ended=time.time()))
+            raise
+        prefill_s, prefilled = time.perf_counter() - t0, time.time()
+        timing = PrefillTiming(received=received, prefilled=prefilled, replica=self.replica)
         loop = asyncio.get_running_loop()
         done: asyncio.Future = loop.create_future()
-        pushed: list[float] = []  # the engine thread's: when the push started (perf counter)
 
         def on_finish(t):  # engine thread, once
             self.aengine.engine.release_held_blocks(rid)
-            loop.call_soon_threadsafe(_resolve, done, t)
+            loop.call_soon_threadsafe(done.set_result, t)
 
-        def push(engine, out):
-            # The engine thread, as the step that prefilled the request returns: the push starts
-            # before the next step (a command from here would wait for that step to end).
-            pushed.append(time.perf_counter())
+        def push(engine):
             try:
-                self.endpoint.push(req.peer, req.dest, engine.held_blocks(rid), on_finish)
+                return self.endpoint.push(req.peer, req.dest, engine.held_blocks(rid), on_finish)
             except Exception:
                 engine.release_held_blocks(rid)
                 raise
 
-        def release_unless_pushed(engine):  # a push once started releases the blocks itself
-            if not pushed:
-                engine.release_held_blocks(rid)
-
-        try:
-            first = await self.aengine.run(list(req.prompt_token_ids), params, rid,
-                                           hold_blocks=True, then=push)
-        except BaseException as exc:  # it may have finished, blocks held, just before the cancel
-            if self.aengine.error is None:
-                self.aengine.submit(release_unless_pushed)
-            TIMELINE.info("request %s prefill: %s %s; %s", rid, type(exc).__name__,
-                          "after its push started" if pushed else "before its KV was pushed",
-                          timeline(received=received, ended=time.time()))
-            raise
-        prefill_s = pushed[0] - t0
-        timing = PrefillTiming(received=received, prefilled=received + prefill_s,
-                               replica=self.replica)
-        # Once started, the push runs to its end even if this caller is cancelled meanwhile;
-        # its on_finish releases the held blocks.
+        # Shielded: once asked for, the push runs even if this caller is cancelled, so the held
+        # blocks are always released by on_finish (or by push's own failure path).
+        await asyncio.shield(asyncio.wrap_future(self.aengine.submit(push)))
         transfer = await done
         st = transfer.stats
         TIMELINE.info("request %s prefill: push %s, %d prompt tokens (%d cached), %d blocks "
                       "(%d B) over %s; %s", rid, transfer.state.name.lower(), len(req.prompt_token_ids),
                       first.num_cached_tokens, st.blocks_sent, st.bytes, st.backend,
-                      timeline(received=received, prefilled=timing.prefilled, pushed=time.time()))
+                      timeline(received=received, prefilled=prefilled, pushed=time.time()))
         timing.pushed = time.time()
         if self.transfers is not None:
             if transfer.state is TransferState.DONE:
@@ -128,8 +117,3 @@ class PrefillServer:
             num_prompt_tokens=len(req.prompt_token_ids), num_cached_tokens=first.num_cached_tokens,
             stats=transfer.stats, prefill_seconds=prefill_s, timing=timing,
             first_top_logprobs=first.new_top_logprobs[0] if first.new_top_logprobs else None)
-
-
-def _resolve(fut: asyncio.Future, value) -> None:
-    if not fut.done():
-        fut.set_result(value)

@@ -52,12 +52,6 @@ class TransportBackend(ABC):
     def check_write(self, handle: Any) -> TransferState:
         """IN_FLIGHT, DONE or FAILED."""
 
-    def settle_write(self, handle: Any) -> None:  # noqa: B027 - optional hook
-        """Block until the write is over where that takes microseconds to a few milliseconds on
-        this node (a copy on a local GPU), so that a sender polling once per engine step learns
-        of it before its next step rather than after. Transports whose writes cross a network
-        (or need the peer's part, as NCCL's receive) return at once."""
-
     def release_write(self, handle: Any) -> None:  # noqa: B027 - optional hook
         """Free the handle's resources (called once the write is terminal or abandoned)."""
 

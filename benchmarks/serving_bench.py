@@ -316,6 +316,7 @@ def engine_rates(before: dict, after: dict, wall: float) -> dict:
     return {"engine_tok_s": d["output_tokens"] / d["step_seconds"] if d["step_seconds"] else 0.0,
             "step_ms": 1e3 * d["step_seconds"] / max(1, d["steps"]),
             "tokens_per_step": d["output_tokens"] / max(1, d["steps"]),
+            "steps": d["steps"], "scheduled_per_step": d["scheduled_tokens"] / max(1, d["steps"]),
             "busy": d["step_seconds"] / wall if wall > 0 else 0.0}
 
 
@@ -408,11 +409,11 @@ def start_py_spy(pid: int | None, args, name: str):
                              f"-d {args.py_spy} -p {pid} -f raw -o {out} >{out}.log 2>&1"])
 
 
-def decode_stats() -> dict:
-    """The (one) decode replica's engine counters."""
+def engine_stats(role: str = "DecodeServer") -> dict:
+    """The engine counters of the role's (one) replica."""
     from deploy.ray_env import driver_handle
 
-    return driver_handle("DecodeServer").engine_stats.remote().result()
+    return driver_handle(role).engine_stats.remote().result()
 
 
 def reset_prefix_caches(layout: str) -> None:
@@ -481,15 +482,19 @@ def serve_layout(layout, config, args, pool, prompts, offline_tokens, fresh_prom
                 spy = start_py_spy(meter.pid("decode"), args, f"{layout}-{protocol}-{n}")
                 meter.start()
                 reset_prefix_caches(layout)
-                before = decode_stats()
+                roles = ("DecodeServer",) + (("PrefillServer",) if layout != "colo" else ())
+                before = {role: engine_stats(role) for role in roles}
                 records, wall = run_point(pool, protocol, address, prompts, n, args.output_len,
                                           args.clients, args.timeout)
-                engine_row = engine_rates(before, decode_stats(), wall)
+                rates = {role: engine_rates(before[role], engine_stats(role), wall)
+                         for role in roles}
+                engine_row = rates["DecodeServer"]
                 if spy is not None:
                     spy.wait(timeout=60)
                 row = {"layout": layout, "protocol": protocol, "streams": n,
                        **summarize(records, offline_tokens[n], wall), "cpu": meter.stop(),
-                       "decode_engine": engine_row, "hops_ms": breakdown(records)}
+                       "decode_engine": engine_row, "hops_ms": breakdown(records),
+                       "prefill_engine": rates.get("PrefillServer")}
                 out["served"].append(row)
                 print(f"  {layout} {protocol} {n:4d} streams: {row['tok_s']:9.0f} tok/s, TTFT p50 "
                       f"{row['ttft_p50_ms']:.0f} ms, delay p99 {row['delay_p99_ms']:.1f} ms, "
@@ -520,6 +525,11 @@ def report(out: dict) -> None:
         if r["hops_ms"]:
             hops = ", ".join(f"{k} {v:.1f}" for k, v in r["hops_ms"].items())
             print(f"  TTFT hops (median ms), {r['layout']} {r['protocol']} {r['streams']}: {hops}")
+    for r in out["served"]:
+        if p := r.get("prefill_engine"):
+            print(f"  prefill engine, {r['layout']} {r['protocol']} {r['streams']}: "
+                  f"{p['steps']} steps of {p['scheduled_per_step']:.0f} tokens, "
+                  f"{p['step_ms']:.1f} ms each, busy {p['busy']:.2f} of the point's wall time")
     print("\nzero load (served TTFT - engine time to first token; where the time goes, ms):")
     for key, z in out.get("zero_load", {}).items():
         hops = ", ".join(f"{k} {v:.2f}" for k, v in z["hops_ms"].items())

@@ -62,20 +62,23 @@ def test_one_line_configs_and_the_open_port_warning():
     assert open_without_key_warning(config) is None
 
 
+def _listening(proc) -> set[tuple[str, int]]:
+    """(address, port) of every socket ``proc`` listens on (none if it is gone)."""
+    from ray.thirdparty_files import psutil
+
+    try:
+        return {(c.laddr.ip, c.laddr.port) for c in proc.net_connections("inet")
+                if c.status == psutil.CONN_LISTEN}
+    except psutil.Error:
+        return set()
+
+
 def _listeners(title: str) -> set[tuple[str, int]]:
     """(address, port) of every socket the processes titled ``...title...`` listen on."""
     from ray.thirdparty_files import psutil
 
-    found = set()
-    for proc in psutil.process_iter(["cmdline"]):
-        if title not in " ".join(proc.info["cmdline"] or ()):
-            continue
-        try:
-            found |= {(c.laddr.ip, c.laddr.port) for c in proc.net_connections("inet")
-                      if c.status == psutil.CONN_LISTEN}
-        except psutil.Error:
-            continue
-    return found
+    return {addr for proc in psutil.process_iter(["cmdline"])
+            if title in " ".join(proc.info["cmdline"] or ()) for addr in _listening(proc)}
 
 
 def _haproxy(port: int) -> tuple[set[tuple[str, int]], set[int]]:
@@ -86,11 +89,7 @@ def _haproxy(port: int) -> tuple[set[tuple[str, int]], set[int]]:
     for proc in psutil.process_iter(["name", "cmdline"]):
         if "haproxy" not in (proc.info["name"] or ""):
             continue
-        try:
-            found = {(c.laddr.ip, c.laddr.port) for c in proc.net_connections("inet")
-                     if c.status == psutil.CONN_LISTEN}
-        except psutil.Error:
-            continue
+        found = _listening(proc)
         if any(p == port for _, p in found):
             args = proc.info["cmdline"]
             config = Path(args[args.index("-f") + 1]).read_text()

@@ -70,7 +70,9 @@ class KVCacheSpec:
     one contiguous region), and what names its layout (``dtype`` as ``"bfloat16"``;
     ``num_kv_heads``: the model's). A tensor-parallel engine has one cache per rank, each with
     ``num_kv_heads / tp_size`` heads (rank r the r-th slice) under the same block ids:
-    ``rank_caches`` lists them, rank 0's (``kv_cache``) first."""
+    ``rank_caches`` lists them, rank 0's (``kv_cache``) first, and ``rank_handles`` how another
+    process opens each on a GPU (a worker rank's own CUDA IPC handle; None for rank 0, whose
+    cache is this process's own and shared as it is)."""
 
     kv_cache: torch.Tensor
     model: str
@@ -80,6 +82,7 @@ class KVCacheSpec:
     head_dim: int
     block_size: int
     rank_caches: tuple = ()
+    rank_handles: tuple = ()
 
     @property
     def caches(self) -> tuple:
@@ -185,13 +188,15 @@ class LLMEngine:
         With tensor parallelism every rank's cache is in it (the other ranks share theirs with
         this process the first time this is asked)."""
         cfg = self.source.config
-        ranks = () if self.tp_workers is None else \
-            (self.runner.kv_cache, *self.tp_workers.kv_caches())
+        workers = [] if self.tp_workers is None else self.tp_workers.kv_caches()
+        ranks = (self.runner.kv_cache, *(cache for cache, _ in workers)) if workers else ()
+        handles = (None, *(handle for _, handle in workers)) if workers else ()
         return KVCacheSpec(kv_cache=self.runner.kv_cache, model=self.source.model_id,
                            dtype=str(self.runner.kv_dtype).removeprefix("torch."),
                            num_layers=cfg.num_hidden_layers,
                            num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
-                           block_size=self.config.block_size, rank_caches=ranks)
+                           block_size=self.config.block_size, rank_caches=ranks,
+                           rank_handles=handles)
 
     @property
     def weights_name(self) -> str:

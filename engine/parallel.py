@@ -75,13 +75,31 @@ def init_tp(rank: int, size: int, init_method: str, device: torch.device,
     return TPGroup(rank, size, pg)
 
 
-def destroy_tp(group: TPGroup | None) -> None:
-    """Leave the group (its communicators end with it)."""
-    if group is not None and group.size > 1 and hasattr(group.pg, "shutdown"):
-        try:
-            group.pg.shutdown()
-        except Exception:  # noqa: BLE001 - best effort at shutdown
-            pass
+def destroy_tp(group: TPGroup | None, timeout_s: float = 10.0) -> bool:
+    """Leave the group (its communicators end with it); returns whether that ended within
+    ``timeout_s``. Every rank aborts its communicator at the same time (rank 0 as it tells the
+    others to stop): NCCL's abort waits for the other ranks of the node to abort too, and its
+    graceful shutdown also waits for work captured in CUDA graphs, which never completes
+    (pytorch/pytorch#115388). Seen on two H100s: rank 0 closing after its worker had been
+    stopped waited forever. The wait is bounded, so a rank that died (and will never abort)
+    costs ``timeout_s`` and leaves the communicator to the process's exit."""
+    if group is None or group.size == 1:
+        return True
+
+    def end() -> None:
+        for way in ("abort", "shutdown"):  # gloo may lack abort
+            try:
+                getattr(group.pg, way)()
+                return
+            except Exception:  # noqa: BLE001 - best effort at shutdown
+                continue
+
+    import threading
+
+    thread = threading.Thread(target=end, name="baton-tp-abort", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    return not thread.is_alive()
 
 
 def split(total: int, what: str, size: int | None = None) -> int:

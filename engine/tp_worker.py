@@ -76,10 +76,8 @@ def _worker(rank: int, size: int, init_method: str, config: dict, conn) -> None:
             elif cmd == "warm_up":
                 runner.warm_up(progress=False)
                 conn.send(("warm", None))
-            elif cmd == "kv_cache":  # rank 0's view of this rank's cache (moved to shared
-                if not runner.kv_storage.is_cuda:  # memory once; a CUDA IPC handle on GPUs)
-                    runner.kv_storage.share_memory_()
-                conn.send(("kv_cache", runner.kv_cache))
+            elif cmd == "kv_cache":
+                conn.send(("kv_cache", _shared_cache(runner)))
             else:
                 break
     except EOFError:
@@ -89,6 +87,21 @@ def _worker(rank: int, size: int, init_method: str, config: dict, conn) -> None:
         raise
     finally:
         destroy_tp(group)
+
+
+def _shared_cache(runner) -> tuple:
+    """``(cache, handle)``: this rank's KV cache as rank 0 will see it (moved to shared memory
+    once on CPU; sent as a CUDA IPC handle on GPUs) and, on GPUs, how any other process opens
+    it: a tensor that came through CUDA IPC cannot be sent on again (PyTorch refuses), so rank 0
+    hands a peer replica this rank's own handle instead (``(rebuild, args)`` pickled, as
+    ``torch.multiprocessing`` makes it)."""
+    if not runner.kv_storage.is_cuda:
+        runner.kv_storage.share_memory_()
+        return runner.kv_cache, None
+    import pickle
+
+    from torch.multiprocessing.reductions import reduce_tensor
+    return runner.kv_cache, pickle.dumps(reduce_tensor(runner.kv_cache))
 
 
 class TPWorkers:
@@ -137,8 +150,9 @@ class TPWorkers:
             for conn in self.conns:
                 conn.send(("step", step))
 
-    def kv_caches(self) -> list:
-        """Ranks 1..N-1's KV caches, as views in this process (asked once)."""
+    def kv_caches(self) -> list[tuple]:
+        """Ranks 1..N-1's KV caches as views in this process, each with the handle another
+        process opens it by (None on CPU) (asked once)."""
         with self._lock:
             if self._kv_caches is None:
                 for conn in self.conns:
@@ -169,10 +183,11 @@ class TPWorkers:
                 conn.send(("stop", None))
             except (BrokenPipeError, OSError):
                 pass
+        if not destroy_tp(self.group):  # with the workers, which leave as they stop
+            log.warning("tensor-parallel group did not end within 10 s; left to the process")
         for proc in self.procs:
             proc.join(10)
             if proc.is_alive():
                 proc.kill()
         self.procs, self.conns, self._kv_caches = [], [], None
-        destroy_tp(self.group)
         self._dir.cleanup()

@@ -39,7 +39,9 @@ if triton is not None:
 
 def copy_blocks(src: torch.Tensor, dst: torch.Tensor, src_ids: torch.Tensor,
                 dst_ids: torch.Tensor, block: int = 4096) -> None:
-    """Launch on the current stream of ``src``'s device; ids are int64 tensors on that device."""
+    """Launch on the current stream of ``src``'s device (whichever device is current: a
+    tensor-parallel replica's rank 0 moves its other ranks' caches too); ids are int64 tensors
+    on that device."""
     n = src_ids.numel()
     if n == 0:
         return
@@ -53,5 +55,6 @@ def copy_blocks(src: torch.Tensor, dst: torch.Tensor, src_ids: torch.Tensor,
         raise ValueError("copy_blocks: each (layer, block) chunk must be contiguous")
     chunk = src[0, 0].numel()
     grid = (n, src.shape[0], triton.cdiv(chunk, block))
-    _copy_blocks_kernel[grid](src, dst, src_ids, dst_ids, chunk, src.stride(0), src.stride(1),
-                              dst.stride(0), dst.stride(1), BLOCK=block)
+    with torch.cuda.device(src.device):  # Triton launches on the current device
+        _copy_blocks_kernel[grid](src, dst, src_ids, dst_ids, chunk, src.stride(0),
+                                  src.stride(1), dst.stride(0), dst.stride(1), BLOCK=block)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvtransfer.backends import BACKENDS, choose_backend, default_backend
+from kvtransfer.backends import BACKENDS, backends_for, choose_backend, default_backend
 from kvtransfer.endpoint import KVEndpoint, Transfer
 from kvtransfer.replica import ReplicaEndpoint
 from kvtransfer.types import (PROTOCOL_VERSION, EndpointInfo, KVDestination, KVLayout,
@@ -47,18 +47,22 @@ def endpoint_for(spec: KVCacheSpec, backend: str = "local", polled: bool = False
     endpoint: one per tensor-parallel rank (ids ``<id>``, ``<id>.1``, ...), driven as one.
     ``polled``: the owner polls the endpoint whenever a transfer is in flight (an engine thread
     does); NIXL on CPU then runs without its progress thread, which would spin a core that a
-    small machine needs."""
+    small machine needs. A worker rank's cache is offered to peers by its own CUDA IPC handle
+    (``spec.rank_handles``): rank 0 holds it through IPC and cannot share it on."""
     if polled and backend in ("nixl", "auto") and not spec.kv_cache.is_cuda:
         kwargs.setdefault("progress_thread", False)
     kwargs.setdefault("node_id", current_node_id())
     endpoint_id = endpoint_id or uuid.uuid4().hex[:12]
+    ipc = "cuda_ipc" in backends_for(backend, spec.kv_cache.device.type)
+    handles = spec.rank_handles or (None,) * spec.tp_size
     ranks = []
-    for rank, cache in enumerate(spec.caches):
+    for rank, (cache, handle) in enumerate(zip(spec.caches, handles)):
         if cache.element_size() == 1:  # FP8 blocks move as bytes (every transport knows uint8)
             cache = cache.view(torch.uint8)
+        own = {"ipc_handle": handle} if ipc and handle is not None else {}
         ranks.append(KVEndpoint(cache, layout_of(spec, rank), backend,
                                 endpoint_id=endpoint_id if rank == 0 else f"{endpoint_id}.{rank}",
-                                **kwargs))
+                                **own, **kwargs))
     return ReplicaEndpoint(ranks)
 
 

@@ -3,6 +3,10 @@ index: two replicas sharing one GPU, or processes that see all GPUs of the node)
 its IPC handle, and pushes are one block-copy kernel on a dedicated stream (each byte read and written once); to
 another GPU, a pack, one peer copy and an unpack on the peer's device.
 
+A tensor-parallel replica's worker ranks hold their own caches; rank 0 sees them through CUDA IPC
+and cannot share them on (PyTorch refuses to send a received CUDA tensor), so such a rank's
+endpoint is given the worker's own handle (``ipc_handle``) to offer its peers.
+
 The receiver has no notification from the transport: the sender completes a push once its copy
 event has fired, and the control plane (the prefill call returning) tells the receiver.
 """
@@ -24,22 +28,27 @@ class CudaIpcBackend(TransportBackend):
     name = "cuda_ipc"
     native_notify = False
 
-    def __init__(self, endpoint_id, kv_cache, layout):
+    def __init__(self, endpoint_id, kv_cache, layout, ipc_handle: bytes | None = None):
         if not kv_cache.is_cuda:
             raise TransferError("cuda_ipc needs the KV cache on a CUDA device")
         super().__init__(endpoint_id, kv_cache, layout)
+        self._handle = ipc_handle
         self.stream = torch.cuda.Stream(device=kv_cache.device)
         self._peer_streams: dict[torch.device, torch.cuda.Stream] = {}
         self._peers: dict[str, torch.Tensor] = {}
 
     def connection_info(self) -> bytes:
-        rebuild, args = reduce_tensor(self.kv_cache)
-        return pickle.dumps((rebuild, args))
+        if self._handle is not None:
+            return self._handle
+        return pickle.dumps(reduce_tensor(self.kv_cache))
 
     def connect(self, peer: EndpointInfo) -> None:
         if peer.endpoint_id not in self._peers:
             rebuild, args = pickle.loads(peer.connection)  # noqa: S301 - our own peers' handles
-            self._peers[peer.endpoint_id] = rebuild(*args)
+            cache = rebuild(*args)
+            if cache.dtype != self.kv_cache.dtype:  # a worker's FP8 cache, handed out as it is
+                cache = cache.view(self.kv_cache.dtype)
+            self._peers[peer.endpoint_id] = cache
 
     def start_write(self, peer: EndpointInfo, transfer_id: str, src_blocks: Sequence[int],
                     dst_blocks: Sequence[int], heads=None):

@@ -18,7 +18,13 @@ Tasks (models are ``dummy:`` specs: random weights, real shapes):
   projection path (Triton skinny matmul with and without the RMSNorm folded in, cuBLAS), next to
   batch 64: how the engine's per-shape choice was made.
 
-``--quantization fp8`` and ``--kv-cache-dtype fp8`` run every task with FP8 weights / KV cache.
+- ``allreduce`` (with ``--tensor-parallel-size`` > 1): steady decode steps at batch 1, 64 and
+  256 under the torch profiler: the NCCL kernels' share of rank 0's GPU time (the all-reduces
+  and the logits' gather, waits for the other ranks included) and the step time.
+
+``--quantization fp8`` and ``--kv-cache-dtype fp8`` run every task with FP8 weights / KV cache;
+``--tensor-parallel-size N`` splits every engine over N GPUs (the floors are then per rank: its
+slice of the weights and of the KV heads against one GPU's copy rate).
 """
 
 from __future__ import annotations
@@ -108,22 +114,32 @@ class Recorder:
 
 
 def model_bytes(engine: LLMEngine) -> tuple[int, int]:
-    """(weight bytes read by one decode step, KV bytes per context token)."""
+    """(weight bytes read by one decode step, KV bytes per context token), of rank 0: with
+    tensor parallelism its slice of both, which every rank reads at once on its own GPU."""
     model, cfg = engine.model, engine.model.config
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     if model.lm_head is not None:  # untied: the embedding is only gathered, row by row
         weights -= model.model.embed_tokens.weight.numel() * engine.dtype.itemsize
-    kv = (cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim
+    kv = (cfg.num_hidden_layers * 2 * engine.runner.num_kv_heads * cfg.head_dim
           * engine.runner.kv_dtype.itemsize)
     return weights, kv
 
 
-ENGINE_OPTIONS: dict = {}  # --quantization / --kv-cache-dtype, for every engine of the run
+ENGINE_OPTIONS: dict = {}  # --quantization / --kv-cache-dtype / --tensor-parallel-size
+_ENGINES: list = []  # made by the task running now; their other ranks stop after it
 
 
 def _engine(model: str, **kw) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=model, device="cuda", show_progress=False,
-                                  **{**ENGINE_OPTIONS, **kw}))
+    engine = LLMEngine(EngineConfig(model=model, device="cuda", show_progress=False,
+                                    **{**ENGINE_OPTIONS, **kw}))
+    _ENGINES.append(engine)
+    return engine
+
+
+def _options(engine: LLMEngine) -> dict:
+    """What every row says of its engine."""
+    return {"weights": engine.weights_name, "kv_cache": str(engine.runner.kv_dtype)[6:],
+            "tensor_parallel_size": engine.config.tensor_parallel_size}
 
 
 def onerow(model: str, batches=(1, 64)) -> dict:
@@ -176,8 +192,7 @@ def decode(model: str, ceil: dict, prompt_len: int = 128, new: int = 1024) -> di
     floor_ms = statistics.median((weights + kv_tok * s[2]) / (ceil["copy_GBps"] * 1e9) * 1e3
                                  for s in steps)
     total = sum(s[4] for s in steps)
-    return {"task": "decode", "model": model, "weights": engine.weights_name,
-            "kv_cache": str(engine.runner.kv_dtype)[6:], "prompt_len": prompt_len,
+    return {"task": "decode", "model": model, **_options(engine), "prompt_len": prompt_len,
             "ms_per_token_p50": round(ms, 3),
             "tok_s": round(len(steps) / total, 1), "floor_ms": round(floor_ms, 3),
             "pct_of_floor": round(100 * floor_ms / ms, 1), "startup_s": round(engine.startup_s, 1),
@@ -216,8 +231,7 @@ def sizes(model: str, ceil: dict, lo: int = 100, hi: int = 1024) -> dict:
         engine.add_request(_prompt(engine, a, i),
                            SamplingParams(temperature=0, max_tokens=b, ignore_eos=True))
     seconds = Recorder(engine).run()
-    return {"task": "sizes", "model": model, "weights": engine.weights_name,
-            "kv_cache": str(engine.runner.kv_dtype)[6:],
+    return {"task": "sizes", "model": model, **_options(engine),
             "weights_GB": round(weights / 1e9, 2),
             "kv_cache_tokens": engine.pool.num_usable_blocks * engine.config.block_size,
             "batch1_ms_per_token": round(ms1, 3), "batch1_floor_ms": round(floor1, 3),
@@ -256,15 +270,47 @@ def throughput(model: str, ceil: dict, n: int = 256, lo: int = 100, hi: int = 10
     dec = [s for s in rec.steps if s[0]]
     dec_s = sum(s[4] for s in dec)
     floor_s = sum((weights + kv_tok * s[2]) / (ceil["copy_GBps"] * 1e9) for s in dec)
-    return {"task": "throughput", "model": model, "weights": engine.weights_name,
-            "decode_tensor_cores": engine.runner.backend.decode_tensor_cores,
-            "kv_cache": str(engine.runner.kv_dtype)[6:], "seqs": n,
+    return {"task": "throughput", "model": model, **_options(engine),
+            "decode_tensor_cores": engine.runner.backend.decode_tensor_cores, "seqs": n,
             "kv_cache_tokens": engine.pool.num_usable_blocks * engine.config.block_size,
             "seconds": round(seconds, 1),
             "output_tok_s": round(sum(outs) / seconds, 1),
             "decode_steps": len(dec), "decode_s": round(dec_s, 2),
             "decode_pct_of_floor": round(100 * floor_s / dec_s, 1),
             "preemptions": engine.scheduler.num_preemptions}
+
+
+def allreduce(model: str, batches=(1, 64, 256), steps: int = 30) -> list[dict]:
+    """The NCCL kernels' share of rank 0's GPU time over ``steps`` steady decode steps at each
+    batch size (torch profiler; a CUDA graph's kernels are listed one by one)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = _engine(model, max_num_seqs=max(batches))
+    rows = []
+    for n in batches:
+        for i in range(n):
+            engine.add_request(_prompt(engine, 128, 500 + i),
+                               SamplingParams(temperature=0, max_tokens=2 * steps + 16,
+                                              ignore_eos=True))
+        for _ in range(8):  # every prompt prefilled: decode steps only from here
+            engine.step()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                engine.step()
+            torch.cuda.synchronize()
+        step_ms = (time.perf_counter() - t0) / steps * 1e3
+        while engine.has_unfinished_requests():
+            engine.step()
+        kernels = [(e.key, e.device_time_total) for e in prof.key_averages()]
+        total = sum(t for _, t in kernels)
+        nccl = sum(t for k, t in kernels if "nccl" in k.lower())
+        rows.append({"task": "allreduce", "model": model, **_options(engine), "batch": n,
+                     "step_ms": round(step_ms, 3), "gpu_ms_per_step": round(total / steps / 1e3, 3),
+                     "nccl_ms_per_step": round(nccl / steps / 1e3, 3),
+                     "nccl_share": round(nccl / total, 3) if total else 0.0})
+    return rows
 
 
 def prefill(model: str, ceil: dict, lengths=(1024, 2048, 8192)) -> list[dict]:
@@ -281,12 +327,11 @@ def prefill(model: str, ceil: dict, lengths=(1024, 2048, 8192)) -> list[dict]:
             times.append(Recorder(engine).run())  # the prefill step and the wait for its token
         ms = statistics.median(times[1:]) * 1e3
         attn = 2 * 2 * cfg.num_attention_heads * cfg.head_dim * n * (n + 1) / 2 \
-            * cfg.num_hidden_layers
+            * cfg.num_hidden_layers / engine.config.tensor_parallel_size  # this rank's heads
         flops = 2 * params * n + attn + 2 * cfg.hidden_size * cfg.vocab_size
         floor_ms = flops / (ceil["gemm_TFLOPs"] * 1e12) * 1e3
-        rows.append({"task": "prefill", "model": model, "weights": engine.weights_name,
-                     "tokens": n, "ms": round(ms, 2),
-                     "floor_ms": round(floor_ms, 2), "pct_of_floor": round(100 * floor_ms / ms, 1),
+        rows.append({"task": "prefill", "model": model, **_options(engine), "tokens": n,
+                     "ms": round(ms, 2), "floor_ms": round(floor_ms, 2), "pct_of_floor": round(100 * floor_ms / ms, 1),
                      "x_floor": round(ms / floor_ms, 2)})
     return rows
 
@@ -325,9 +370,11 @@ def main() -> None:
     ap.add_argument("--quantization", choices=["fp8"], default=None)
     ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
     ap.add_argument("--decode-tensor-cores", choices=["auto", "on", "off"], default="auto")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     ENGINE_OPTIONS.update(quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+                          tensor_parallel_size=args.tensor_parallel_size,
                           decode_tensor_cores={"auto": None, "on": True,
                                                "off": False}[args.decode_tensor_cores])
     ceil = ceilings()
@@ -338,6 +385,8 @@ def main() -> None:
         for r in result if isinstance(result, list) else [result]:
             rows.append(r)
             print(json.dumps(r), flush=True)
+        while _ENGINES:
+            _ENGINES.pop().shutdown()
         gc.collect()
         torch.cuda.empty_cache()
 
@@ -350,6 +399,8 @@ def main() -> None:
             emit(decode(model, ceil, prompt_len=args.decode_prompt_len))
         if "throughput" in args.tasks:
             emit(throughput(model, ceil))
+        if "allreduce" in args.tasks and args.tensor_parallel_size > 1:
+            emit(allreduce(model))
         if "hf" in args.tasks:
             emit(hf_generate(model))
     if "long" in args.tasks:

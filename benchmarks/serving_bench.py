@@ -4,6 +4,7 @@
     python -m benchmarks.serving_bench --model tiny --stub-forward ...   # CPU, forward is free
     python -m benchmarks.serving_bench --model dummy:Qwen3-0.6B --streams 1,16,64,256,512 \\
         --layouts colo,1p1d --gpus-per-role 0.5 --json results/serving.json      # GPU host
+    ... --layouts colo,1p1d,colo-tp2 --gpus-per-role 1     # two GPUs: one per role, or one split
     ... --dashboard results/dashboard.png   # also draw the Grafana dashboard from the run
 
 For each stream count the same requests (random token-id prompts, greedy, ``ignore_eos``) run
@@ -19,6 +20,10 @@ that time goes (HTTP, from the timings the app returns when asked).
 the replicas, so what is left is the cost of scheduling and of serving. ``--switch-interval``
 sets Python's GIL switch interval in the replicas (``sys.setswitchinterval``; default 5 ms), to
 measure how much the engine thread waits for the GIL.
+
+Layouts: ``colo`` (one replica that prefills and decodes), ``1p1d`` (a prefill and a decode
+replica, ``--gpus-per-role`` GPUs each), ``colo-tpN`` (one colocated replica split over N GPUs,
+compared with an offline engine split the same way).
 """
 
 from __future__ import annotations
@@ -359,6 +364,7 @@ def offline_runs(engine_kw: dict, prompts, streams: list[int], max_tokens: int,
         first.append((time.perf_counter() - t0) * 1e3)
         while engine.has_unfinished_requests():
             engine.step()
+    engine.shutdown()  # a split engine's other ranks, now
     del llm, engine
     gc.collect()
     try:
@@ -370,11 +376,21 @@ def offline_runs(engine_kw: dict, prompts, streams: list[int], max_tokens: int,
 
 
 # -- serving --------------------------------------------------------------------------------
+def layout_tp(layout: str) -> int:
+    """The ranks a layout's replica is split over (``colo-tp2``: 2; otherwise 1)."""
+    return int(layout.split("-tp", 1)[1]) if "-tp" in layout else 1
+
+
+def colocated(layout: str) -> bool:
+    return layout.split("-", 1)[0] == "colo"
+
+
 def layout_config(layout: str, engine: dict, args) -> dict:
-    if layout == "colo":
+    if colocated(layout):
+        split = {"tensor_parallel_size": layout_tp(layout)} if layout_tp(layout) > 1 else {}
         return {"mode": "colocated", "engine": engine,
                 "decode": {"num_gpus": args.colo_gpus, "num_cpus": args.role_cpus,
-                           "max_ongoing_requests": 4096, "max_queued_requests": -1},
+                           "max_ongoing_requests": 4096, "max_queued_requests": -1, **split},
                 "router": {"num_replicas": args.routers, "num_cpus": 0.25,
                            "request_timeout_s": args.timeout}}
     role = {"num_gpus": args.gpus_per_role, "num_cpus": args.role_cpus,
@@ -429,7 +445,7 @@ def reset_prefix_caches(layout: str) -> None:
     free (measured before this: gRPC, run after HTTP, got every prompt from the cache)."""
     from deploy.ray_env import driver_handle
 
-    for role in ("DecodeServer",) + (("PrefillServer",) if layout != "colo" else ()):
+    for role in ("DecodeServer",) + (("PrefillServer",) if not colocated(layout) else ()):
         driver_handle(role).reset_prefix_cache.remote().result()
 
 
@@ -439,7 +455,7 @@ def check_fits(layout: str, config: dict) -> None:
 
     roles = [config["decode"]] + ([config["prefill"]] if "prefill" in config else [])
     need = {"CPU": sum(r["num_cpus"] for r in roles) + 0.25 * config["router"]["num_replicas"],
-            "GPU": sum(r["num_gpus"] for r in roles)}
+            "GPU": sum(r["num_gpus"] * r.get("tensor_parallel_size", 1) for r in roles)}
     have = ray.cluster_resources()
     for kind, n in need.items():
         if n > have.get(kind, 0.0) + 1e-9:
@@ -487,7 +503,7 @@ def serve_layout(layout, config, args, pool, prompts, offline_tokens, fresh_prom
                 spy = start_py_spy(meter.pid("decode"), args, f"{layout}-{protocol}-{n}")
                 meter.start()
                 reset_prefix_caches(layout)
-                roles = ("DecodeServer",) + (("PrefillServer",) if layout != "colo" else ())
+                roles = ("DecodeServer",) + (("PrefillServer",) if not colocated(layout) else ())
                 before = {role: engine_stats(role) for role in roles}
                 records, wall = run_point(pool, protocol, address, prompts, n, args.output_len,
                                           args.clients, args.timeout)
@@ -509,6 +525,16 @@ def serve_layout(layout, config, args, pool, prompts, offline_tokens, fresh_prom
         serve.shutdown()
 
 
+def offline_of(out: dict, layout: str) -> tuple[dict, float]:
+    """The offline figures a layout is compared with (per stream count) and the engine's time to
+    first token alone: the engine split as the layout's replica is."""
+    tp = layout_tp(layout)
+    if tp > 1:
+        split = out["offline_split"][str(tp)]
+        return {int(k): v for k, v in split["offline"].items()}, split["engine_ttft_ms"]
+    return {int(k): v for k, v in out["offline"].items()}, out["engine_ttft_ms"]
+
+
 def report(out: dict) -> None:
     off = {int(k): v for k, v in out["offline"].items()}
     print(f"\n{out['model']}: {out['input_len']} in / {out['output_len']} out; engine time to "
@@ -516,13 +542,17 @@ def report(out: dict) -> None:
     print("offline engine: " + ", ".join(
         f"{n}: step {o['step_ms']:.2f} ms, {o['engine_tok_s']:.0f} tok/s stepping"
         for n, o in off.items()))
-    print(f"{'layout':6} {'proto':5} {'streams':>7} {'offline':>9} {'served':>9} {'%':>5} "
+    print(f"{'layout':8} {'proto':5} {'streams':>7} {'offline':>9} {'served':>9} {'%':>5} "
           f"{'TTFT p50':>9} {'p99':>7} {'delay p50':>9} {'p99':>6} {'tok/chk':>7} {'same':>5} "
           f"{'step ms':>7} {'busy':>5} cpu")
+    for tp, split in out.get("offline_split", {}).items():
+        print(f"offline engine split over {tp} ranks: " + ", ".join(
+            f"{n}: {o['tok_s']:.0f} tok/s" for n, o in split["offline"].items())
+            + f"; first token alone {split['engine_ttft_ms']:.1f} ms")
     for r in out["served"]:
-        o, e = off[r["streams"]]["tok_s"], r["decode_engine"]
+        o, e = offline_of(out, r["layout"])[0][r["streams"]]["tok_s"], r["decode_engine"]
         cpu = " ".join(f"{k} {v:.2f}" for k, v in sorted(r["cpu"].items()))
-        print(f"{r['layout']:6} {r['protocol']:5} {r['streams']:7d} {o:9.0f} {r['tok_s']:9.0f} "
+        print(f"{r['layout']:8} {r['protocol']:5} {r['streams']:7d} {o:9.0f} {r['tok_s']:9.0f} "
               f"{100 * r['tok_s'] / o:5.1f} {r['ttft_p50_ms']:9.1f} {r['ttft_p99_ms']:7.1f} "
               f"{r['delay_p50_ms']:9.1f} {r['delay_p99_ms']:6.1f} {r['tokens_per_chunk']:7.2f} "
               f"{r['same_tokens']:5.2f} {e['step_ms']:7.2f} {e['busy']:5.2f} {cpu}")
@@ -537,9 +567,10 @@ def report(out: dict) -> None:
                   f"{p['step_ms']:.1f} ms each, busy {p['busy']:.2f} of the point's wall time")
     print("\nzero load (served TTFT - engine time to first token; where the time goes, ms):")
     for key, z in out.get("zero_load", {}).items():
+        engine_ttft = offline_of(out, key.split("/")[0])[1]
         hops = ", ".join(f"{k} {v:.2f}" for k, v in z["hops_ms"].items())
         print(f"  {key:12} TTFT {z['ttft_ms']:.1f} ms, added "
-              f"{z['ttft_ms'] - out['engine_ttft_ms']:.1f} ms  [{hops}]")
+              f"{z['ttft_ms'] - engine_ttft:.1f} ms  [{hops}]")
 
 
 def main(argv=None) -> None:
@@ -627,6 +658,17 @@ def main(argv=None) -> None:
            "device": torch.cuda.get_device_name() if gpu else f"CPU ({cpus} cores)",
            "date": time.strftime("%Y-%m-%d"), "args": {k: v for k, v in vars(args).items()},
            "offline": off, "engine_ttft_ms": engine_ttft, "served": [], "marks": []}
+    layouts = args.layouts.split(",")
+    tokens_by_tp = {1: offline_tokens}
+    for tp in sorted({layout_tp(x) for x in layouts} - {1}):
+        t0 = time.time()
+        split_off, tokens_by_tp[tp], split_ttft = offline_runs(
+            {**offline_kw, "tensor_parallel_size": tp}, prompts, args.streams, args.output_len,
+            fresh_prompts(args.zero_load))
+        out.setdefault("offline_split", {})[str(tp)] = {"offline": split_off,
+                                                        "engine_ttft_ms": split_ttft}
+        print(f"offline split over {tp} ranks ({time.time() - t0:.0f}s): " + ", ".join(
+            f"{n}: {v['tok_s']:.0f} tok/s" for n, v in split_off.items()), flush=True)
 
     import ray
 
@@ -654,9 +696,9 @@ def main(argv=None) -> None:
         from benchmarks.dashboard import Recorder
         recorder = Recorder(metrics["_metrics_export_port"]).start()
     try:
-        for layout in args.layouts.split(","):
+        for layout in layouts:
             serve_layout(layout, layout_config(layout, engine, args), args, pool, prompts,
-                         offline_tokens, fresh_prompts, out)
+                         tokens_by_tp[layout_tp(layout)], fresh_prompts, out)
     finally:
         pool.shutdown(cancel_futures=True)
         if recorder is not None:

@@ -192,13 +192,21 @@ class PeerGone(ConnectionError):
 class Peer:
     """The parent's handle on a role server in a child process (``info``: its endpoint)."""
 
-    def __init__(self, role: str, config: EngineConfig, backend: str):
+    def __init__(self, role: str, config: EngineConfig, backend: str, start_s: float = 300):
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_serve, args=(role, config, backend, child), daemon=True)
+        # A split engine spawns its other ranks, which a daemon process may not do.
+        daemon = config.tensor_parallel_size == 1
+        self.proc = ctx.Process(target=_serve, args=(role, config, backend, child), daemon=daemon)
         self.proc.start()
-        if not self.conn.poll(120):
-            raise TimeoutError("child role server did not start")
+        end = time.monotonic() + start_s
+        while not self.conn.poll(0.5):
+            if not self.proc.is_alive():
+                raise PeerGone(f"child role server exited with {self.proc.exitcode} while "
+                               "starting")
+            if time.monotonic() > end:
+                self.kill()
+                raise TimeoutError("child role server did not start")
         self.info = self.conn.recv()
         self._lock = threading.Lock()
 

@@ -33,8 +33,8 @@ from contracts.metrics import EngineMetrics, TransferMetrics, replica_id
 from engine.async_engine import AsyncEngine
 from engine.errors import BadRequest
 from engine.sampling_params import SamplingParams
-from kvtransfer import (KVDestination, Transfer, TransferError, TransferState,
-                        TransportUnavailableError, endpoint_for)
+from kvtransfer import (KVDestination, LayoutMismatchError, Transfer, TransferError,
+                        TransferState, TransportUnavailableError, endpoint_for)
 from kvtransfer.directory import PeerDirectory, Publisher
 
 log = serve_logger(__name__)
@@ -48,10 +48,16 @@ def prefill_unavailable(exc: BaseException) -> bool:
     of it has ended, for example one rank's part of a tensor-parallel hand-over). In each case
     nothing can still write into our blocks (a refused push never started; a dead writer writes
     no more; an answered push is over), so the decode replica can release the lease and
-    prefill the request itself at once."""
+    prefill the request itself at once.
+
+    Not a :class:`LayoutMismatchError`: the two roles disagree on the KV layout, a configuration
+    error that would make every request prefill here without a word; the request fails, loudly
+    and counted, instead."""
     from ray.exceptions import RayActorError
     from ray.serve.exceptions import BackPressureError
 
+    if isinstance(exc, LayoutMismatchError):
+        return False
     return isinstance(exc, (BackPressureError, RayActorError, TransferError))
 
 
@@ -205,6 +211,10 @@ class DecodeServer:
                              rid, type(exc).__name__)
                 self._release(h, "prefill unavailable")  # before the local prefill is queued
                 return None
+            if isinstance(exc, LayoutMismatchError):
+                log.error("request %s: the prefill replica refused this replica's KV layout "
+                          "(a configuration error: both roles must serve the same model, dtype, "
+                          "KV cache dtype and block size): %s", rid, exc)
             raise exc
         result = h.call.result()
         timing.prefill_returned, timing.prefill = time.time(), result.timing

@@ -74,6 +74,11 @@ class TransferConfig(_Strict):
     warm_links: bool = True
 
 
+# The engine settings that make up a KV block's layout (kvtransfer.KVLayout): two roles that
+# differ in one of them cannot hand blocks over.
+KV_LAYOUT_FIELDS = ("model", "dtype", "kv_cache_dtype", "block_size")
+
+
 class BatonConfig(_Strict):
     mode: Literal["disaggregated", "colocated"] = "disaggregated"
     engine: EngineConfig = Field(default_factory=EngineConfig)
@@ -84,13 +89,20 @@ class BatonConfig(_Strict):
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
 
     @model_validator(mode="after")
-    def _check_tp(self) -> "BatonConfig":
+    def _check_roles(self) -> "BatonConfig":
         for role in ("prefill", "decode") if self.mode == "disaggregated" else ("decode",):
             ranks = self.engine_for(role).tensor_parallel_size
             gpus = getattr(self, role).num_gpus
             if ranks > 1 and gpus and gpus != 1:
                 raise ValueError(f"{role}.num_gpus: {gpus} per rank; a split model needs one "
                                  "whole GPU per rank")
+        if self.mode == "disaggregated":  # the KV they hand over must mean the same on both
+            prefill, decode = self.engine_for("prefill"), self.engine_for("decode")
+            differ = [f"{f}: prefill {getattr(prefill, f)!r}, decode {getattr(decode, f)!r}"
+                      for f in KV_LAYOUT_FIELDS if getattr(prefill, f) != getattr(decode, f)]
+            if differ:
+                raise ValueError("the prefill and decode roles must agree on the KV layout "
+                                 "they hand over; " + "; ".join(differ))
         return self
 
     def engine_for(self, role: Literal["prefill", "decode"]) -> EngineConfig:

@@ -23,7 +23,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Protocol
 
-from kvtransfer.types import EndpointInfo, TransferState, TransportUnavailableError
+from kvtransfer.types import (EndpointInfo, LayoutMismatchError, TransferState,
+                              TransportUnavailableError)
 
 log = logging.getLogger(__name__)
 TTL_S = 30.0
@@ -165,7 +166,7 @@ class Publisher(_Periodic):
 @dataclass
 class LinkState:
     backend: str = ""
-    state: str = "warming"  # warming | warm | failed | unavailable
+    state: str = "warming"  # warming | warm | failed | unavailable | mismatch
     seconds: float = 0.0
     error: str | None = None
     since: float = 0.0
@@ -180,9 +181,13 @@ class LinkWarmer(_Periodic):
     """
 
     def __init__(self, endpoint, directory: PeerDirectory, submit: Callable[..., Future],
-                 interval_s: float = SCAN_INTERVAL_S):
+                 interval_s: float = SCAN_INTERVAL_S,
+                 on_mismatch: Callable[[EndpointInfo], None] | None = None):
+        """``on_mismatch(peer)``: a listed receiver's KV layout is not this endpoint's (it is
+        never warmed; the owner counts it)."""
         super().__init__("kv-link-warmer", interval_s)
         self.endpoint, self.directory, self.submit = endpoint, directory, submit
+        self.on_mismatch = on_mismatch
         self.links: dict[str, LinkState] = {}
         self._lock = threading.Lock()
 
@@ -202,13 +207,23 @@ class LinkWarmer(_Periodic):
             pid = peer.endpoint_id
             with self._lock:
                 link = self.links.get(pid)
-                if link is not None and (link.state in ("warm", "warming", "unavailable")
+                if link is not None and (link.state in ("warm", "warming", "unavailable",
+                                                        "mismatch")
                                          or now - link.since < RETRY_S):
                     continue
                 try:
                     backend = self.endpoint.choose(peer)
+                    self.endpoint.plan(peer)  # the KV layouts, before anything moves
                 except TransportUnavailableError as exc:  # cuda_ipc across nodes, say
                     self.links[pid] = LinkState(state="unavailable", error=str(exc), since=now)
+                    continue
+                except LayoutMismatchError as exc:  # a configuration error: said once, loudly
+                    self.links[pid] = LinkState(state="mismatch", error=str(exc), since=now)
+                    log.error("KV link to %s (node %s) refused: its KV layout is not this "
+                              "replica's (both roles must serve the same model, dtype, KV cache "
+                              "dtype and block size): %s", pid, peer.node_id, exc)
+                    if self.on_mismatch is not None:
+                        self.on_mismatch(peer)
                     continue
                 self.links[pid] = LinkState(backend=backend, since=now)
             self.submit(self._warm_on_engine_thread(peer))

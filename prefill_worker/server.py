@@ -32,14 +32,15 @@ class PrefillServer:
         self.endpoint = endpoint_for(self.aengine.engine.kv_cache_spec(), backend, polled=True,
                                      **endpoint_kwargs)
         self.aengine.add_ticker(self.endpoint.poll)
-        self.warmer = (LinkWarmer(self.endpoint, directory, self.aengine.submit).start()
-                       if directory is not None else None)
         self.metrics = self.transfers = None
         self.replica = replica_id()
         if self.replica:  # a Serve replica: its own series, through Ray's metrics system
             self.metrics = EngineMetrics(self.aengine.engine, extra=lambda: {
                 "kv_blocks_held_by_transfers": self.endpoint.held_blocks}).start()
             self.transfers = TransferMetrics("sent")
+        self.warmer = (LinkWarmer(self.endpoint, directory, self.aengine.submit,
+                                  on_mismatch=self._count_mismatch).start()
+                       if directory is not None else None)
 
     def close(self) -> None:
         """At shutdown (Serve calls the deployment's ``__del__`` once it has drained): stop the
@@ -51,6 +52,10 @@ class PrefillServer:
             self.metrics.stop()
         self.aengine.shutdown()
         self.endpoint.close()
+
+    def _count_mismatch(self, _peer: EndpointInfo) -> None:
+        if self.transfers is not None:
+            self.transfers.failed("LayoutMismatchError")
 
     def info(self) -> EndpointInfo:
         return self.endpoint.info()
@@ -65,7 +70,13 @@ class PrefillServer:
     async def prefill(self, req: PrefillRequest) -> PrefillResult:
         rid = req.dest.request_id
         received, t0 = time.time(), time.perf_counter()
-        self.endpoint.choose(req.peer)  # no transport to this receiver: refuse before any work
+        try:  # no transport to this receiver, or another KV layout: refuse before any work
+            self.endpoint.choose(req.peer)
+            self.endpoint.plan(req.peer)
+        except TransferError as exc:
+            if self.transfers is not None:
+                self.transfers.failed(type(exc).__name__)
+            raise
         params = req.params.model_copy(update={"max_tokens": 1})
         try:
             first = await self.aengine.run(list(req.prompt_token_ids), params, rid,

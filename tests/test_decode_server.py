@@ -16,7 +16,7 @@ from contracts import GenerateRequest, TokenSink
 from contracts.messages import TIMELINE
 from decode_worker.server import DecodeServer
 from engine import LLM, EngineConfig, SamplingParams
-from kvtransfer import PushNotStarted, TransportUnavailableError
+from kvtransfer import LayoutMismatchError, PushNotStarted, TransportUnavailableError
 from kvtransfer.backends.local import LocalFabric
 from prefill_worker.server import PrefillServer
 from tests.models import random_prompts
@@ -125,6 +125,32 @@ def test_a_prefill_that_never_answers_is_replaced_at_the_deadline(roles, offline
         await sink.close()
 
     asyncio.run(main())
+
+
+def test_a_kv_layout_mismatch_is_refused_loudly_not_prefilled_here(caplog):
+    """Roles that disagree on the KV layout (a block size here) are misconfigured: the prefill
+    replica refuses before computing anything, and the decode replica fails the request (an
+    error in its log) instead of prefilling it, and every later one, itself without a word."""
+    fabric = LocalFabric()
+    prefill = PrefillServer(CONFIG.model_copy(update={"block_size": 32}), "local", fabric=fabric)
+    decode = DecodeServer(CONFIG, "local", PrefillHandle(prefill), 2.0, fabric=fabric)
+
+    async def main():
+        sink = TokenSink()
+        with pytest.raises(LayoutMismatchError, match="block_size"):
+            await generate(decode, sink, PROMPTS[1], "r", GREEDY)
+        assert prefill.aengine.engine.stats.prompt_tokens == 0  # refused before any work
+        assert decode.aengine.engine.stats.prompt_tokens == len(PROMPTS[1])  # reserved only
+        await until_idle(prefill, decode)
+        await sink.close()
+
+    try:
+        with caplog.at_level(logging.ERROR, logger="ray.serve"):
+            asyncio.run(main())
+        assert any("configuration error" in r.getMessage() for r in caplog.records)
+    finally:
+        prefill.close()
+        decode.close()
 
 
 def test_a_failing_transfer_is_an_error_not_a_fallback(roles):

@@ -12,7 +12,7 @@ from contracts import TokenSink
 from decode_worker.server import DecodeServer
 from engine import LLM, EngineConfig, SamplingParams
 from kvtransfer.backends.local import LocalFabric
-from kvtransfer.directory import DictStore, PeerDirectory
+from kvtransfer.directory import DictStore, LinkWarmer, PeerDirectory
 from kvtransfer.types import EndpointInfo, KVLayout
 from prefill_worker.server import PrefillServer
 from tests.models import random_prompts
@@ -119,3 +119,31 @@ def test_a_listed_peer_that_is_gone_is_a_failed_link_not_a_stuck_one():
         assert prefill.endpoint.held_blocks == 0
     finally:
         prefill.close()
+
+
+def test_a_listed_peer_of_another_kv_layout_is_refused_once_and_counted(caplog):
+    """A decode replica whose KV layout is not the prefill replica's is a configuration error:
+    its link is marked ``mismatch`` at once (an error in the log, the owner's counter called),
+    never warmed nor tried again, and nothing is held."""
+    directory = PeerDirectory("app", DictStore())
+    fabric = LocalFabric()
+    other = DecodeServer(CONFIG.model_copy(update={"block_size": 32}), "local",
+                         PrefillHandle(None), 10.0, fabric=fabric)
+    directory.publish(other.endpoint.info())
+    prefill = PrefillServer(CONFIG, "local", fabric=fabric)
+    counted = []
+    warmer = LinkWarmer(prefill.endpoint, directory, prefill.aengine.submit,
+                        on_mismatch=counted.append)
+    try:
+        import logging
+        with caplog.at_level(logging.ERROR, logger="kvtransfer.directory"):
+            assert warmer.scan() == []
+        pid = other.endpoint.endpoint_id
+        assert warmer.summary()[pid]["state"] == "mismatch"
+        assert [p.endpoint_id for p in counted] == [pid]
+        assert any("block_size" in r.getMessage() for r in caplog.records)
+        assert warmer.scan() == [] and len(counted) == 1  # said once, not at every scan
+        assert prefill.endpoint.held_blocks == 0
+    finally:
+        prefill.close()
+        other.close()

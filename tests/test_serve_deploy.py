@@ -41,6 +41,18 @@ def test_bad_config_is_refused_at_build_time():
         build_app({"engine": {"bogus": 1}})
 
 
+def test_roles_that_disagree_on_the_kv_layout_are_refused_at_build_time():
+    """A per-role engine setting that changes the KV layout is a configuration error (it would
+    make every hand-over fail), refused by name; a colocated app has nothing to hand over."""
+    from deploy.app import build_app
+    with pytest.raises(ValueError, match="kv_cache_dtype: prefill 'auto', decode 'fp8'"):
+        build_app({"decode": {"engine": {"kv_cache_dtype": "fp8"}}})
+    with pytest.raises(ValueError, match="block_size: prefill 32, decode 16"):
+        BatonConfig(prefill={"engine": {"block_size": 32}})
+    BatonConfig(mode="colocated", decode={"engine": {"kv_cache_dtype": "fp8"}})
+    BatonConfig(prefill={"engine": {"max_num_seqs": 8}})  # not part of the layout
+
+
 @pytest.mark.e2e
 def test_serve_deploy_on_ray_start(tmp_path):
     gcs, dash, http, grpc_port = (ray_env.free_port() for _ in range(4))

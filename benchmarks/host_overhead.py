@@ -45,10 +45,10 @@ def measure(batch: int, steps: int, prompt_len: int) -> dict[str, float]:
         tokens = engine.sampler(logits[: len(due)], due).tokens.tolist()
         t.append(time.perf_counter())
         for seq, token in zip(due, tokens):
-            engine._append_token(seq, token, None)
+            engine.updater.append(seq, token)
         t.append(time.perf_counter())
         for seq, token in zip(due, tokens):
-            engine._output(seq, [token])
+            engine.updater.output(seq, [token], None)
         t.append(time.perf_counter())
         for name, a, b in zip(PHASES, t, t[1:]):
             totals[name] += b - a

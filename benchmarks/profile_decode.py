@@ -69,8 +69,8 @@ def main() -> None:
         tokens = engine.sampler(logits, due).tokens.tolist()
         t4 = time.perf_counter()
         for seq, tok in zip(due, tokens):
-            engine._append_token(seq, tok, None)
-            engine._output(seq, [tok], None)
+            engine.updater.append(seq, tok)
+            engine.updater.output(seq, [tok], None)
         t5 = time.perf_counter()
         for k, a, b in zip(phases, (t0, t1, t2, t3, t4), (t1, t2, t3, t4, t5)):
             phases[k].append((b - a) * 1e3)

@@ -7,7 +7,8 @@ import torch or the kernels.
 
 from importlib import import_module
 
-_WHERE = {"LLM": "engine.llm", "LLMEngine": "engine.llm_engine", "KVCacheSpec": "engine.llm_engine",
+_WHERE = {"LLM": "engine.llm", "LLMEngine": "engine.llm_engine", "KVCacheSpec": "engine.kv_layout",
+          "KVLayout": "engine.kv_layout",
           "EngineConfig": "engine.config", "Completion": "engine.outputs",
           "OutputCollector": "engine.outputs", "RequestOutput": "engine.outputs",
           "SamplingParams": "engine.sampling_params"}

@@ -44,10 +44,8 @@ def _worker(rank: int, size: int, init_method: str, config: dict, conn) -> None:
     import torch
 
     from engine.config import EngineConfig
-    from engine.llm_engine import engine_shape
-    from engine.loader import load_model
-    from engine.model_runner import ModelRunner
-    from engine.parallel import broadcast, building, destroy_tp, init_tp
+    from engine.parallel import broadcast, destroy_tp, init_tp
+    from engine.worker import build_rank
 
     cfg = EngineConfig(**config)
     device = rank_device(cfg, rank)
@@ -58,12 +56,7 @@ def _worker(rank: int, size: int, init_method: str, config: dict, conn) -> None:
         group = init_tp(rank, size, init_method, device, TIMEOUT_S)
         cmd, num_blocks = conn.recv()
         assert cmd == "build", cmd
-        cfg = cfg.model_copy(update={"num_blocks": num_blocks})
-        source, _, dtype, max_model_len = engine_shape(cfg, device)
-        with building(group):
-            model = load_model(source, device, dtype, seed=cfg.seed,
-                               quantization=cfg.quantization)
-            runner = ModelRunner(model, cfg, device, dtype, max_model_len)
+        runner = build_rank(cfg.model_copy(update={"num_blocks": num_blocks}), device, group)
         conn.send(("ready", runner.num_blocks))
         tokens = None  # the previous step's sampled tokens (rank 0 broadcasts them)
         while True:

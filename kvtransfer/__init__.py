@@ -30,15 +30,8 @@ __all__ = [
     "LayoutMismatchError", "PushNotStarted", "ReplicaEndpoint", "Transfer", "TransferError",
     "TransferState", "TransferStats",
     "TransportUnavailableError", "choose_backend", "current_node_id", "default_backend",
-    "layout_of", "endpoint_for",
+    "endpoint_for",
 ]
-
-
-def layout_of(spec: KVCacheSpec, rank: int = 0) -> KVLayout:
-    """The KV layout of one rank's cache, from :meth:`engine.LLMEngine.kv_cache_spec`."""
-    return KVLayout(model=spec.model, dtype=spec.dtype, num_layers=spec.num_layers,
-                    num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
-                    block_size=spec.block_size, tp_size=spec.tp_size, tp_rank=rank)
 
 
 def endpoint_for(spec: KVCacheSpec, backend: str = "local", polled: bool = False,
@@ -48,19 +41,19 @@ def endpoint_for(spec: KVCacheSpec, backend: str = "local", polled: bool = False
     ``polled``: the owner polls the endpoint whenever a transfer is in flight (an engine thread
     does); NIXL on CPU then runs without its progress thread, which would spin a core that a
     small machine needs. A worker rank's cache is offered to peers by its own CUDA IPC handle
-    (``spec.rank_handles``): rank 0 holds it through IPC and cannot share it on."""
+    (``spec.handles``): rank 0 holds it through IPC and cannot share it on."""
     if polled and backend in ("nixl", "auto") and not spec.kv_cache.is_cuda:
         kwargs.setdefault("progress_thread", False)
     kwargs.setdefault("node_id", current_node_id())
     endpoint_id = endpoint_id or uuid.uuid4().hex[:12]
     ipc = "cuda_ipc" in backends_for(backend, spec.kv_cache.device.type)
-    handles = spec.rank_handles or (None,) * spec.tp_size
+    handles = spec.handles or (None,) * spec.tp_size
     ranks = []
     for rank, (cache, handle) in enumerate(zip(spec.caches, handles)):
         if cache.element_size() == 1:  # FP8 blocks move as bytes (every transport knows uint8)
             cache = cache.view(torch.uint8)
         own = {"ipc_handle": handle} if ipc and handle is not None else {}
-        ranks.append(KVEndpoint(cache, layout_of(spec, rank), backend,
+        ranks.append(KVEndpoint(cache, spec.rank_layout(rank), backend,
                                 endpoint_id=endpoint_id if rank == 0 else f"{endpoint_id}.{rank}",
                                 **own, **kwargs))
     return ReplicaEndpoint(ranks)

@@ -9,9 +9,10 @@ prefill replica learns where to write from :class:`KVDestination`, and every han
 from __future__ import annotations
 
 import enum
-import hashlib
 import time
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import dataclass, fields, replace
+
+from engine.kv_layout import RANK_FIELDS, KVLayout  # the engine's layout, checked here
 
 PROTOCOL_VERSION = 1
 
@@ -53,76 +54,6 @@ class LayoutMismatchError(TransferError):
     """The two endpoints' KV layouts (or protocol versions) differ; no bytes were moved."""
 
 
-@dataclass(frozen=True)
-class KVLayout:
-    """How one engine's KV cache sits in memory. Two endpoints may exchange blocks only when
-    their model layouts are equal (checked by :func:`check_compatible` before any bytes move).
-
-    The cache is block-major in memory (blocks, layers, K/V, kv heads, block size, head dim: one
-    block of all layers is contiguous); the tensor the endpoint holds is the view indexed
-    ``[layer, block, ...]``. ``num_kv_heads`` is the model's; with tensor parallelism a rank's
-    cache holds ``local_kv_heads`` of them, the ``tp_rank``-th slice of ``tp_size``.
-    """
-
-    model: str
-    dtype: str
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    block_size: int
-    tp_size: int = 1
-    tp_rank: int = 0
-
-    def compat_hash(self) -> str:
-        """The model layout's hash (a rank's place is not part of it: ranks of any TP sizes map
-        onto each other by heads)."""
-        text = "|".join(f"{k}={v}" for k, v in sorted(asdict(self).items())
-                        if k not in _RANK_FIELDS)
-        return hashlib.sha256(f"v{PROTOCOL_VERSION}|{text}".encode()).hexdigest()[:16]
-
-    @property
-    def local_kv_heads(self) -> int:
-        return self.num_kv_heads // self.tp_size
-
-    @property
-    def heads(self) -> tuple[int, int]:
-        """The model's KV heads this rank holds, ``[start, stop)``."""
-        start = self.tp_rank * self.local_kv_heads
-        return start, start + self.local_kv_heads
-
-    @property
-    def itemsize(self) -> int:
-        return {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}[self.dtype]
-
-    @property
-    def head_bytes(self) -> int:
-        """One KV head of one layer's K (or V) in one block."""
-        return self.block_size * self.head_dim * self.itemsize
-
-    @property
-    def block_bytes_per_layer(self) -> int:
-        return 2 * self.local_kv_heads * self.head_bytes
-
-    @property
-    def block_bytes(self) -> int:
-        return self.num_layers * self.block_bytes_per_layer
-
-    def regions(self, runs, side: int, heads: HeadSlice | None = None) -> list[tuple[int, int]]:
-        """``(byte offset, length)`` from the cache's start of the contiguous regions that hold
-        ``runs`` (``(src_start, dst_start, count)``, :func:`kvtransfer.backends.base.block_runs`;
-        side 0: the source blocks, 1: the destination's): one region per run, every layer of
-        its blocks. With ``heads`` (this side's first head and the count), one region per block,
-        layer and K/V: the heads' part of it."""
-        if heads is None:
-            return [(run[side] * self.block_bytes, run[2] * self.block_bytes) for run in runs]
-        first = heads.src if side == 0 else heads.dst
-        length, chunk = heads.count * self.head_bytes, self.local_kv_heads * self.head_bytes
-        return [(block * self.block_bytes + part * chunk + first * self.head_bytes, length)
-                for run in runs for block in range(run[side], run[side] + run[2])
-                for part in range(2 * self.num_layers)]
-
-
-_RANK_FIELDS = ("tp_size", "tp_rank")
 
 
 @dataclass(frozen=True)
@@ -151,7 +82,7 @@ def check_compatible(local: KVLayout, peer: KVLayout, local_version: int = PROTO
     if local.compat_hash() != peer.compat_hash():
         diffs = [f"{f.name}: local {getattr(local, f.name)!r} != peer {getattr(peer, f.name)!r}"
                  for f in fields(KVLayout)
-                 if f.name not in _RANK_FIELDS and getattr(local, f.name) != getattr(peer, f.name)]
+                 if f.name not in RANK_FIELDS and getattr(local, f.name) != getattr(peer, f.name)]
         raise LayoutMismatchError("KV layouts differ: " + "; ".join(diffs))
     for side, layout in (("local", local), ("peer", peer)):
         if layout.tp_size < 1 or local.num_kv_heads % layout.tp_size \

@@ -194,7 +194,7 @@ def test_fp8_round_trips_and_references():
 def test_fp8_kv_cache_halves_block_bytes_and_keeps_prefix_hits_exact():
     fp32 = LLM("tiny", kv_cache_memory_gb=0.01)
     fp8 = LLM("tiny", kv_cache_memory_gb=0.01, kv_cache_dtype="fp8")
-    assert fp8.engine.kv_cache_spec().dtype == "float8_e4m3fn"
+    assert fp8.engine.kv_cache_spec().layout.dtype == "float8_e4m3fn"
     assert fp8.engine.runner.kv_cache.dtype == FP8
     assert fp8.engine.runner.block_bytes * 4 == fp32.engine.runner.block_bytes
     assert fp8.engine.runner.num_blocks // 4 == fp32.engine.runner.num_blocks  # same memory

@@ -53,6 +53,50 @@ def test_each_folder_imports_only_what_the_design_allows(folder):
     assert not broken, f"{folder} may import {sorted(allowed)}; these import more: {broken}"
 
 
+def module_imports(path: Path) -> set[str]:
+    """The project modules ``path`` imports when it runs (dotted names, as written)."""
+    tree = ast.parse(path.read_text(), str(path))
+    skipped = {id(n) for node in ast.walk(tree)
+               if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+               for child in node.body for n in ast.walk(child)}
+    names = set()
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return {n for n in names if n.split(".")[0] in PROJECT}
+
+
+def test_no_import_circle():
+    """No module imports, directly or through others, a module that imports it back (lazy
+    imports inside functions count: they hide a circle, they do not remove it)."""
+    modules = {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p
+               for folder in MAY_IMPORT for p in (ROOT / folder).rglob("*.py")}
+    graph = {name: {m for m in module_imports(path) if m in modules and m != name}
+             for name, path in modules.items()}
+    for name, deps in graph.items():  # a package's __init__ is not a circle with its modules
+        graph[name] = {d for d in deps if not name.startswith(d + ".")}
+    circles, state = [], {}
+
+    def visit(node, stack):
+        state[node] = "open"
+        for dep in sorted(graph[node]):
+            if state.get(dep) == "open":
+                circles.append(stack[stack.index(dep):] + [dep])
+            elif dep not in state:
+                visit(dep, stack + [dep])
+        state[node] = "done"
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [name])
+    assert not circles, f"import circles: {circles}"
+
+
 def test_the_checker_sees_lazy_imports_and_skips_annotations(tmp_path):
     module = tmp_path / "m.py"
     module.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import deploy\n"

@@ -42,7 +42,7 @@ def test_bfloat16_cast_on_load(checkpoint):
     llm = LLM(str(checkpoint), dtype="bfloat16")
     assert next(llm.engine.model.parameters()).dtype == torch.bfloat16
     spec = llm.engine.kv_cache_spec()
-    assert spec.kv_cache.dtype == torch.bfloat16 and spec.dtype == "bfloat16"
+    assert spec.kv_cache.dtype == torch.bfloat16 and spec.layout.dtype == "bfloat16"
     assert len(llm.generate(random_prompts([5]), GREEDY)[0].token_ids) == 8
 
 

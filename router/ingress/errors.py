@@ -18,7 +18,8 @@ from dataclasses import dataclass
 import grpc
 from pydantic import ValidationError
 
-from engine.errors import BadRequest
+from contracts.token_channel import TokenChannelLost
+from engine.errors import BadRequest, EngineDeadError
 
 log = logging.getLogger("ray.serve.baton.errors")
 MAX_MESSAGE_CHARS = 400
@@ -67,6 +68,14 @@ def root_cause(exc: BaseException) -> BaseException:
     return exc
 
 
+def replica_lost(exc: BaseException) -> bool:
+    """The decode replica that ran a request is gone (or its channel or engine is): the request
+    can go on elsewhere. Any other error is the request's own."""
+    from ray.exceptions import RayActorError
+
+    return isinstance(exc, (RayActorError, TokenChannelLost, EngineDeadError))
+
+
 def validation_message(errors: list[dict]) -> str:
     """pydantic's errors of a request as one line: ``field: what is wrong; ...``."""
     parts = []
@@ -85,8 +94,6 @@ def _short(text: str) -> str:
 def describe(exc: BaseException, request_id: str) -> Failure:
     """The answer to a request that failed with ``exc``."""
     from ray.serve.exceptions import BackPressureError
-
-    from router.ingress.streams import replica_lost
 
     cause = root_cause(exc)
     if isinstance(cause, BackPressureError):  # a bounded queue is full: come back shortly

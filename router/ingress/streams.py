@@ -36,23 +36,15 @@ from dataclasses import dataclass, field
 from contracts.messages import GenerateRequest, GenerateResult, TokenDelta, serve_logger
 from contracts.token_channel import TokenChannelLost, TokenSink
 from engine.sampling_params import SamplingParams
-from engine.errors import BadRequest, EngineDeadError
+from engine.errors import BadRequest
 from engine.detokenizer import IncrementalDetokenizer
 from engine.outputs import append_tokens
-from router.ingress.errors import NotStarted, RequestTimeout
+from router.ingress.errors import NotStarted, RequestTimeout, replica_lost
 
 log = serve_logger(__name__)
 
 MAX_MIGRATIONS = 32  # moves of one request; the deadline bounds them too
 MIGRATION_BACKOFF_S = (0.05, 0.2, 0.5, 1.0)  # then 1 s: Serve learns of a death in about that
-
-
-def replica_lost(exc: BaseException) -> bool:
-    """The decode replica that ran a request is gone (or its channel or engine is): the request
-    can go on elsewhere. Any other error is the request's own."""
-    from ray.exceptions import RayActorError
-
-    return isinstance(exc, (RayActorError, TokenChannelLost, EngineDeadError))
 
 
 @dataclass

@@ -6,9 +6,9 @@ metrics port, which Prometheus scrapes through the service-discovery file Ray wr
 (``docs/serving.md``, "Metrics"). Outside a replica (tests driving a role server directly)
 nothing is recorded.
 
-- :class:`EngineMetrics` (decode and prefill replicas): a daemon thread reads the engine's
-  counters and gauges once a second and reports what changed, so the engine's step loop only
-  appends a step's duration and batch size to a bounded queue.
+- :class:`EngineMetrics` (decode and prefill replicas): a daemon thread reads the snapshot the
+  engine thread publishes after each step (:mod:`engine.snapshot`) once a second and reports
+  what changed; it never touches the engine.
 - :class:`TransferMetrics` (both sides of a hand-over): bytes, blocks sent and skipped, hand-over
   time, failures by kind.
 - The ingress's are in :mod:`router.ingress.metrics` (also served on its own ``/metrics``).
@@ -47,22 +47,16 @@ def _serve_metrics():
     return metrics
 
 
-def engine_info(engine) -> dict[str, str]:
-    """The model, compute dtype, weights (``fp8 (...)`` or the dtype) and KV cache dtype."""
-    return {"model": engine.source.model_id, "dtype": str(engine.dtype).removeprefix("torch."),
-            "weights": engine.weights_name,
-            "kv_cache_dtype": str(engine.runner.kv_dtype).removeprefix("torch.")}
-
-
 class EngineMetrics:
     """An engine's state, reported every ``interval_s`` (vLLM's engine metrics, ``baton_``
-    names; ``docs/serving.md`` lists the mapping). ``extra`` adds role gauges (blocks held by
-    transfers)."""
+    names; ``docs/serving.md`` lists the mapping), from its ``feed``
+    (``engine.snapshot.StatsFeed``); ``info``: what it runs (``AsyncEngine.info``). ``extra``
+    adds role gauges (blocks held by transfers)."""
 
-    def __init__(self, engine, interval_s: float = 1.0,
+    def __init__(self, feed, info: dict[str, str], interval_s: float = 1.0,
                  extra: Callable[[], dict[str, float]] | None = None):
         m = _serve_metrics()
-        self.engine, self.interval_s, self.extra = engine, interval_s, extra
+        self.feed, self.interval_s, self.extra = feed, interval_s, extra
         g = {name: m.Gauge(f"baton_{name}", doc) for name, doc in (
             ("num_requests_running", "Requests in the running batch"),
             ("num_requests_waiting", "Requests waiting to be scheduled"),
@@ -91,7 +85,7 @@ class EngineMetrics:
         # What the replica runs, as vLLM's cache_config_info: a constant 1 with the facts as tags.
         self.info = m.Gauge("baton_engine_info", "What this engine runs (value 1; see the tags)",
                             tag_keys=("model", "dtype", "weights", "kv_cache_dtype"))
-        self.info_tags = engine_info(engine)
+        self.info_tags = info
         self._last: dict = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="engine-metrics", daemon=True)
@@ -111,35 +105,30 @@ class EngineMetrics:
                 log.exception("engine metrics")
 
     def collect(self) -> None:
-        e = self.engine
-        pool, sched, stats = e.pool, e.scheduler, e.stats
-        used, free = pool.num_used_blocks, pool.num_free_blocks
-        values = {"num_requests_running": len(sched.running),
-                  "num_requests_waiting": len(sched.waiting),
-                  "num_requests_transferring": len(sched.transferring),
-                  "kv_cache_usage": used / (used + free) if used + free else 0.0,
-                  "kv_blocks_used": used, "kv_blocks_free": free}
+        snap = self.feed.latest
+        values = {"num_requests_running": snap.running, "num_requests_waiting": snap.waiting,
+                  "num_requests_transferring": snap.transferring,
+                  "kv_cache_usage": snap.kv_cache_usage, "kv_blocks_used": snap.kv_blocks_used,
+                  "kv_blocks_free": snap.kv_blocks_free}
         values.update(self.extra() if self.extra is not None else {})
         self.info.set(1, tags=self.info_tags)  # re-set: Ray exports a gauge set since its last report
         for name, value in values.items():
             if name in self.gauges:
                 self.gauges[name].set(value)
+        stats = snap.stats
         totals = {"prompt_tokens": stats.prompt_tokens,
                   "generation_tokens": stats.output_tokens,
-                  "prefix_cache_queries": pool.query_tokens,
-                  "prefix_cache_hits": pool.hit_tokens,
-                  "num_preemptions": sched.num_preemptions,
+                  "prefix_cache_queries": snap.prefix_cache_queries,
+                  "prefix_cache_hits": snap.prefix_cache_hits,
+                  "num_preemptions": snap.num_preemptions,
                   "engine_steps": stats.steps}
         for name, total in totals.items():
             self._rise(self.counters[name], name, total)
-        for reason, total in list(sched.finished_by_reason.items()):
+        for reason, total in snap.finished_by_reason.items():
             self._rise(self.finished, ("finished", reason), total, {"finish_reason": reason})
-        queued = sched.queue_times
-        while queued:
-            self.queue_time.observe(queued.popleft())
-        samples = e.step_samples
-        while samples:
-            seconds, size = samples.popleft()
+        for queued in self.feed.drain(self.feed.queue_times):
+            self.queue_time.observe(queued)
+        for seconds, size in self.feed.drain(self.feed.step_samples):
             self.step_time.observe(seconds)
             self.batch_size.observe(size)
 

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict
-
 from ray import serve
 
 from contracts.messages import GenerateRequest
+from contracts.role import RoleDeployment
 from decode_worker.server import DecodeServer
 from engine import EngineConfig
 from kvtransfer.directory import PeerDirectory
@@ -14,7 +13,7 @@ from kvtransfer.directory import PeerDirectory
 
 @serve.deployment(name="DecodeServer", ray_actor_options={"num_cpus": 0.5},
                   max_ongoing_requests=256, health_check_period_s=10)
-class DecodeDeployment:
+class DecodeDeployment(RoleDeployment):
     def __init__(self, engine: dict, backend: str, prefill=None,
                  transfer_timeout_s: float = 30.0, warm_links: bool = True):
         directory = (PeerDirectory(serve.get_replica_context().app_name)
@@ -28,27 +27,8 @@ class DecodeDeployment:
         The call itself returns nothing; it raises when the server fails."""
         await self.server.generate(req)
 
-    async def kv_load(self) -> dict:
-        return self.server.kv_load()
-
-    async def reset_prefix_cache(self) -> int:
-        """Forget the prefix cache's free blocks (benchmarks replaying prompts)."""
-        return await self.server.aengine.call(lambda engine: engine.reset_prefix_cache())
-
-    async def engine_stats(self) -> dict:
-        """The engine's step counters (:class:`engine.llm_engine.EngineStats`)."""
-        return asdict(self.server.aengine.engine.stats)
-
     def record_routing_stats(self) -> dict:
         """Read by the decode request router (least KV load first)."""
         load = self.server.kv_load()
         total = load["used_blocks"] + load["free_blocks"]
         return {"kv_used_fraction": load["used_blocks"] / total if total else 0.0}
-
-    def __del__(self):
-        server = getattr(self, "server", None)
-        if server is not None:
-            server.close()
-
-    def check_health(self) -> None:
-        self.server.aengine.check()  # the engine thread, and every rank of a split model

@@ -30,6 +30,7 @@ from contracts.messages import (TIMELINE, DecodeTiming, GenerateRequest, Generat
                                 timeline)
 from contracts.token_channel import TokenPublisher
 from contracts.metrics import EngineMetrics, TransferMetrics, replica_id
+from contracts.role import load_report
 from engine.async_engine import AsyncEngine
 from engine.errors import BadRequest
 from engine.sampling_params import SamplingParams
@@ -101,7 +102,7 @@ class DecodeServer:
         self.metrics = self.transfers = None
         self.replica = replica_id()
         if self.replica:  # a Serve replica: its own series, through Ray's metrics system
-            self.metrics = EngineMetrics(self.aengine.engine, extra=lambda: {
+            self.metrics = EngineMetrics(self.aengine.feed, self.aengine.info, extra=lambda: {
                 "kv_blocks_held_by_transfers": self.held_blocks}).start()
             self.transfers = TransferMetrics("received") if prefill is not None else None
 
@@ -122,12 +123,7 @@ class DecodeServer:
         return self.endpoint.held_blocks if self.endpoint is not None else 0
 
     def kv_load(self) -> dict:
-        pool = self.aengine.engine.pool
-        return {"used_blocks": pool.num_used_blocks, "free_blocks": pool.num_free_blocks,
-                "held_blocks": self.held_blocks, "hit_rate": pool.hit_rate,
-                "endpoint_id": self.endpoint.endpoint_id if self.endpoint else None,
-                "node_id": self.endpoint.node_id if self.endpoint else None,
-                "output_tokens": self.aengine.engine.stats.output_tokens}
+        return load_report(self.aengine, self.endpoint)
 
     async def generate(self, req: GenerateRequest) -> GenerateResult:
         """Run the request to its end; its tokens, then its :class:`GenerateResult`, go to

@@ -4,7 +4,10 @@ Queues: coroutines post commands (add a request, abort, any call on the engine) 
 thread runs them between steps → after each step it hands the whole list of outputs to
 ``on_outputs``, once, on the engine thread (a serving role packs them into one message there);
 without a hook, outputs resolve the waiters of :meth:`AsyncEngine.run`. If the thread dies,
-every waiter fails and ``on_error`` is told. Only the engine thread touches the engine.
+every waiter fails and ``on_error`` is told. Only the engine thread touches the engine: after
+each step (and each turn that ran commands) it publishes a snapshot in ``feed``
+(:mod:`engine.snapshot`), which is all that other threads read of it; ``info`` holds what the
+engine runs (fixed at start).
 Tickers (for example a KV endpoint's ``poll``) run on the engine thread once per loop turn and
 return whether they have work in flight: an idle engine then polls every ``BUSY_POLL_S``, and
 otherwise sleeps until a command wakes it.
@@ -27,6 +30,7 @@ from engine.errors import EngineDeadError
 from engine.llm_engine import LLMEngine, Prompt
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.snapshot import StatsFeed
 
 log = logging.getLogger(__name__)
 BUSY_POLL_S = 0.0005  # idle engine, a ticker's work in flight (a KV transfer)
@@ -39,6 +43,9 @@ class AsyncEngine:
     def __init__(self, config: EngineConfig, on_outputs: OutputsHook | None = None,
                  on_error: Callable[[BaseException], None] | None = None):
         self.engine = LLMEngine(config)
+        self.info = engine_info(self.engine)
+        self.grammars = self.engine.processor  # compiles grammars (thread-safe, cached)
+        self.feed = StatsFeed(self.engine)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._on_outputs = on_outputs or self._resolve_waiters
         self._on_error = on_error
@@ -80,7 +87,7 @@ class AsyncEngine:
         which compiles it again when the request is added, finds it in its cache instead of
         stalling every running request for the compile (xgrammar releases the GIL)."""
         if params.structured_output is not None:
-            await asyncio.to_thread(self.engine.grammars.compile, params.structured_output)
+            await asyncio.to_thread(self.grammars.compile_grammar, params.structured_output)
 
     async def run(self, prompt: Prompt, params: SamplingParams, request_id: str,
                   hold_blocks: bool = False) -> RequestOutput:
@@ -111,31 +118,37 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
-                self._drain()
+                ran = self._drain()
                 busy = False
                 for tick in self._tickers:
                     busy |= bool(tick())
                 if self.engine.has_unfinished_requests():
                     outputs = self.engine.step()
+                    self.feed.publish(self.engine)
                     if outputs:
                         self._on_outputs(outputs)
                 else:
+                    if ran:
+                        self.feed.publish(self.engine)
                     self._wake.wait(BUSY_POLL_S if busy else IDLE_WAIT_S)
                     self._wake.clear()
         except BaseException as exc:  # noqa: BLE001 - fail every waiter, loudly
             log.exception("engine thread died")
             self.error = exc
+            if self._on_error is not None:  # told before any waiter learns of it
+                self._on_error(EngineDeadError(repr(exc)))
             for loop, fut in list(self._waiters.values()):
                 loop.call_soon_threadsafe(_set_exception, fut, EngineDeadError(repr(exc)))
-            if self._on_error is not None:
-                self._on_error(EngineDeadError(repr(exc)))
 
-    def _drain(self) -> None:
+    def _drain(self) -> bool:
+        """Run the commands posted so far; whether there were any."""
+        ran = False
         while True:
             try:
                 fn, fut = self._commands.get_nowait()
             except queue.Empty:
-                return
+                return ran
+            ran = True
             if not fut.set_running_or_notify_cancel():
                 continue
             try:
@@ -155,6 +168,13 @@ class AsyncEngine:
         self._wake.set()
         self._thread.join(timeout=5)
         self.engine.shutdown()
+
+
+def engine_info(engine: LLMEngine) -> dict[str, str]:
+    """The model, compute dtype, weights (``fp8 (...)`` or the dtype) and KV cache dtype."""
+    return {"model": engine.source.model_id, "dtype": str(engine.dtype).removeprefix("torch."),
+            "weights": engine.weights_name,
+            "kv_cache_dtype": str(engine.runner.kv_dtype).removeprefix("torch.")}
 
 
 def freeze_startup_heap() -> None:

@@ -8,8 +8,8 @@ matcher of a structured output. Nothing here touches the scheduler or the device
 
 from __future__ import annotations
 
-import functools
 import json
+import threading
 from collections.abc import Sequence as Seq
 
 from engine.errors import BadRequest
@@ -30,17 +30,23 @@ class InputProcessor:
         self.eos_token_ids = eos_token_ids(source, self.tokenizer)
         self.checks = RequestChecks(source.name, self.vocab_size, max_model_len,
                                     self.tokenizer is not None)
+        self._grammars: Grammars | None = None
+        self._grammars_lock = threading.Lock()
 
     @property
     def vocab_size(self) -> int:
         return self.source.config.vocab_size
 
-    @functools.cached_property
+    @property
     def grammars(self) -> Grammars:
-        """The model's structured-output compiler (made at the first request that needs it)."""
+        """The model's structured-output compiler (made at the first request that needs it, by
+        whichever thread asks first)."""
         if self.tokenizer is None:
             raise BadRequest(f"structured output: model {self.source.name!r} has no tokenizer")
-        return Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids)
+            return self._grammars
 
     def tokenize(self, prompt: Prompt, usable_blocks: int) -> list[int]:
         if isinstance(prompt, str):
@@ -57,6 +63,11 @@ class InputProcessor:
         if blocks > usable_blocks:
             raise BadRequest(f"prompt: {len(ids)} tokens need {blocks} KV blocks; the cache has "
                              f"{usable_blocks}")
+
+    def compile_grammar(self, so) -> None:
+        """Compile a structured output into the cache (any thread: the compiler and its cache
+        are thread-safe; a bad spec raises ``BadRequest``)."""
+        self.grammars.compile(so)
 
     def validate_params(self, params: SamplingParams) -> None:
         """The shared checks, and a structured output compiles for the tokenizer (cached by

@@ -15,6 +15,7 @@ import time
 from contracts.messages import (TIMELINE, PrefillRequest, PrefillResult, PrefillTiming,
                                timeline)
 from contracts.metrics import EngineMetrics, TransferMetrics, replica_id
+from contracts.role import load_report
 from engine.async_engine import AsyncEngine
 from kvtransfer import (EndpointInfo, PushNotStarted, TransferError, TransferState,
                         endpoint_for)
@@ -35,7 +36,7 @@ class PrefillServer:
         self.metrics = self.transfers = None
         self.replica = replica_id()
         if self.replica:  # a Serve replica: its own series, through Ray's metrics system
-            self.metrics = EngineMetrics(self.aengine.engine, extra=lambda: {
+            self.metrics = EngineMetrics(self.aengine.feed, self.aengine.info, extra=lambda: {
                 "kv_blocks_held_by_transfers": self.endpoint.held_blocks}).start()
             self.transfers = TransferMetrics("sent")
         self.warmer = (LinkWarmer(self.endpoint, directory, self.aengine.submit,
@@ -61,10 +62,7 @@ class PrefillServer:
         return self.endpoint.info()
 
     def kv_load(self) -> dict:
-        pool = self.aengine.engine.pool
-        return {"used_blocks": pool.num_used_blocks, "free_blocks": pool.num_free_blocks,
-                "held_blocks": self.endpoint.held_blocks, "endpoint_id": self.endpoint.endpoint_id,
-                "node_id": self.endpoint.node_id,
+        return {**load_report(self.aengine, self.endpoint),
                 "links": self.warmer.summary() if self.warmer is not None else {}}
 
     async def prefill(self, req: PrefillRequest) -> PrefillResult:

@@ -127,3 +127,28 @@ def test_tickers_and_the_outputs_hook_run_on_the_engine_thread():
         mine = [out for step in seen for out in step if out[0] == rid]
         assert sum(len(toks) for _, toks, _ in mine) == GREEDY.max_tokens
         assert [f for *_, f in mine] == [False] * (len(mine) - 1) + [True]
+
+
+def test_other_threads_read_the_snapshot_the_engine_thread_publishes(aengine, offline):
+    """After its steps the engine thread publishes what others may know (counts, counters,
+    finish reasons) and hands over the step and queue-time samples; the engine's own queues
+    are left empty, so no reader drains them from another thread."""
+    feed = aengine.feed
+    assert feed.latest.stats.steps == 0 and feed.latest.kv_blocks_free > 0
+
+    async def main():
+        return await asyncio.gather(*(aengine.run(p, GREEDY, f"r{i}")
+                                      for i, p in enumerate(PROMPTS)))
+
+    asyncio.run(main())
+    tokens = sum(len(o) for o in offline)
+    snap = feed.latest
+    assert snap.stats.output_tokens == tokens and snap.finished_by_reason == {"length": 4}
+    assert snap.running == snap.waiting == snap.kv_blocks_used == 0
+    assert snap.stats.prompt_tokens == sum(len(p) for p in PROMPTS)
+    steps = feed.drain(feed.step_samples)
+    assert len(steps) == snap.stats.steps
+    assert sum(t for t, _ in steps) == pytest.approx(snap.stats.step_seconds)
+    assert len(feed.drain(feed.queue_times)) == len(PROMPTS)
+    assert not aengine.engine.step_samples and not aengine.engine.scheduler.queue_times
+    assert feed.drain(feed.step_samples) == []  # taken once

@@ -1,0 +1,80 @@
+"""What other threads may know of an engine: a snapshot the engine thread publishes after each
+step, as vLLM v1 sends its scheduler stats with each step's outputs.
+
+The engine's own objects (scheduler, block pool, sequences) are touched by the engine thread
+only. After every step (and every turn that ran commands) that thread publishes an immutable
+:class:`EngineSnapshot` in a :class:`StatsFeed` and moves the step-time and queue-time samples
+taken since into the feed's queues; a metrics thread, a load report or a benchmark reads the
+feed, never the engine.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field, replace
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    running: int = 0  # sequences in the running batch
+    waiting: int = 0
+    transferring: int = 0  # decode role: awaiting pushed KV
+    kv_blocks_used: int = 0
+    kv_blocks_free: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+    finished_by_reason: dict[str, int] = field(default_factory=dict)
+    stats: object = None  # engine.llm_engine.EngineStats, a copy
+
+    @property
+    def kv_cache_usage(self) -> float:
+        total = self.kv_blocks_used + self.kv_blocks_free
+        return self.kv_blocks_used / total if total else 0.0
+
+    @property
+    def hit_rate(self) -> float:
+        q = self.prefix_cache_queries
+        return self.prefix_cache_hits / q if q else 0.0
+
+
+def snapshot_of(engine) -> EngineSnapshot:
+    """``engine``'s state now (engine thread only)."""
+    sched, pool = engine.scheduler, engine.pool
+    return EngineSnapshot(
+        running=len(sched.running), waiting=len(sched.waiting),
+        transferring=len(sched.transferring), kv_blocks_used=pool.num_used_blocks,
+        kv_blocks_free=pool.num_free_blocks, prefix_cache_queries=pool.query_tokens,
+        prefix_cache_hits=pool.hit_tokens, num_preemptions=sched.num_preemptions,
+        finished_by_reason=dict(sched.finished_by_reason), stats=replace(engine.stats))
+
+
+class StatsFeed:
+    """The latest snapshot, and the samples handed over with it (bounded: unread samples are
+    dropped, never piled up). Written by the engine thread, read by any."""
+
+    def __init__(self, engine):
+        self.latest = snapshot_of(engine)
+        self.step_samples: deque[tuple[float, int]] = deque(maxlen=4096)  # (seconds, sequences)
+        self.queue_times: deque[float] = deque(maxlen=4096)  # arrival to first scheduling
+
+    def publish(self, engine) -> None:
+        """Engine thread: the state after a step, and the samples taken since the last."""
+        self.latest = snapshot_of(engine)
+        _move(engine.step_samples, self.step_samples)
+        _move(engine.scheduler.queue_times, self.queue_times)
+
+    @staticmethod
+    def drain(samples: deque) -> list:
+        """Take every sample queued so far (any thread)."""
+        taken = []
+        while True:
+            try:
+                taken.append(samples.popleft())
+            except IndexError:
+                return taken
+
+
+def _move(source: deque, sink: deque) -> None:
+    while source:
+        sink.append(source.popleft())

@@ -12,11 +12,12 @@ its last tokens on the same connection (the Serve call returns nothing). In colo
 blocks cannot be reserved right now, or when the prefill replica refuses the call (its queue is
 full) or is gone, the request is prefilled here.
 
-Each hand-over has one owner, a :class:`HandOver` kept by request id from the reservation to the
-admission; :meth:`DecodeServer.abort` works wherever the request is and is harmless twice. A
-request abandoned while a prefill replica may still be writing into its blocks (one-sided
-transports) keeps them fenced until that replica answers or the lease ends, so a late write can
-never land in blocks another request has been given.
+Each hand-over is one state machine, :class:`~decode_worker.handover.HandOver`, advanced on the
+engine thread (:mod:`decode_worker.handover`); this side keeps, per request, that machine's
+future and the prefill call it is waiting for. :meth:`DecodeServer.abort` works wherever the
+request is and is harmless twice. A request abandoned while a prefill replica may still be
+writing into its blocks (one-sided transports) keeps them fenced until that replica answers or
+the lease ends, so a late write can never land in blocks another request has been given.
 """
 
 from __future__ import annotations
@@ -34,8 +35,9 @@ from contracts.role import load_report
 from engine.async_engine import AsyncEngine
 from engine.errors import BadRequest
 from engine.sampling_params import SamplingParams
+from decode_worker.handover import HandOvers, State
 from kvtransfer import (KVDestination, LayoutMismatchError, Transfer, TransferError,
-                        TransferState, TransportUnavailableError, endpoint_for)
+                        TransportUnavailableError, endpoint_for)
 from kvtransfer.directory import PeerDirectory, Publisher
 
 log = serve_logger(__name__)
@@ -62,22 +64,6 @@ def prefill_unavailable(exc: BaseException) -> bool:
     return isinstance(exc, (BackPressureError, RayActorError, TransferError))
 
 
-class HandOver:
-    """One request's hand-over on the decode side, from reservation to admission. ``transfer``
-    and ``abandoned`` are touched on the engine thread only; ``landed`` resolves (on the event
-    loop) with the transfer once it is terminal; ``call`` is the prefill call, once made."""
-
-    __slots__ = ("request_id", "dest", "transfer", "landed", "call", "abandoned")
-
-    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop):
-        self.request_id = request_id
-        self.dest: KVDestination | None = None
-        self.transfer: Transfer | None = None
-        self.landed: asyncio.Future = loop.create_future()
-        self.call: asyncio.Future | None = None
-        self.abandoned = False
-
-
 class DecodeServer:
     """Engine in the decode role; ``prefill`` is the prefill deployment's handle (or None for
     colocated mode)."""
@@ -91,11 +77,12 @@ class DecodeServer:
                                    on_error=self.publisher.fail_all)
         self.prefill = prefill
         self.timeout_s = transfer_timeout_s
-        self.endpoint = None
-        self._handovers: dict[str, HandOver] = {}
+        self.endpoint = self.handovers = None
+        self._calls: dict[str, tuple] = {}  # request id -> (its hand-over, its prefill call)
         if prefill is not None:
             self.endpoint = endpoint_for(self.aengine.engine.kv_cache_spec(), backend, polled=True,
                                          **endpoint_kwargs)
+            self.handovers = HandOvers(self.endpoint, self.publisher.publish)
             self.aengine.add_ticker(self.endpoint.poll)
         self.listing = (Publisher(directory, self.endpoint.info()).start()
                         if directory is not None and self.endpoint is not None else None)
@@ -177,152 +164,118 @@ class DecodeServer:
         None when no blocks could be reserved right now, or when the prefill replica could not
         deliver and the request is to be prefilled here."""
         rid = req.request_id
-        dest = await self.reserve(prompt, req.params, rid)
-        if dest is None:
+        h = await self._reserve(prompt, req.params, rid)
+        if h is None:
             return None
-        h = self._handovers[rid]
         timing.prefill_called = time.time()
-        h.call = asyncio.ensure_future(self.prefill.prefill.remote(  # a Serve response
-            PrefillRequest(tuple(prompt), req.params, dest, self.endpoint.info())))
-        # The call's answer carries the first token; the lease may land before it (the
-        # transport's notification) or fail before it (its deadline: a frozen or slow prefill
-        # replica). A cancel here leaves the call running: the caller's abort decides about it.
-        await asyncio.wait({h.call, h.landed}, return_when=asyncio.FIRST_COMPLETED)
-        if not h.call.done() and h.landed.result().state is TransferState.DONE:
-            await asyncio.wait({h.call})
-        if not h.call.done():  # the lease failed: it released the reservation, and the
-            h.call.cancel()  # writer has stopped (it gives up at the deadline, before us)
-            self._handovers.pop(rid, None)
+        call = asyncio.ensure_future(self.prefill.prefill.remote(  # a Serve response
+            PrefillRequest(tuple(prompt), req.params, h.dest, self.endpoint.info())))
+        self._calls[rid] = (h, call)
+        # The call's answer carries the first token; the lease may end before it (its
+        # deadline: a frozen or slow prefill replica). A cancel here leaves the call running:
+        # the caller's abort decides about it.
+        await asyncio.wait({call, h.outcome}, return_when=asyncio.FIRST_COMPLETED)
+        if not call.done():  # released (its deadline) while the call runs: the writer has
+            call.cancel()  # stopped, it gives up at the deadline, before us
+            self._calls.pop(rid, None)
             self._count_failure("deadline")
             log.warning("request %s: no KV from the prefill replica by the deadline (%s); "
-                        "prefilling here", rid, h.landed.result().error)
+                        "prefilling here", rid, h.reason)
             return None
-        if (exc := h.call.exception()) is not None:
-            self._count_failure(type(exc).__name__)
-            if prefill_unavailable(exc):
-                if isinstance(exc, TransportUnavailableError):
-                    log.warning("request %s: %s; prefilling here", rid, exc)
-                else:
-                    log.info("request %s: prefill replica unavailable (%s); prefilling here",
-                             rid, type(exc).__name__)
-                self._release(h, "prefill unavailable")  # before the local prefill is queued
-                return None
-            if isinstance(exc, LayoutMismatchError):
-                log.error("request %s: the prefill replica refused this replica's KV layout "
-                          "(a configuration error: both roles must serve the same model, dtype, "
-                          "KV cache dtype and block size): %s", rid, exc)
-            raise exc
-        result = h.call.result()
+        if (exc := call.exception()) is not None:
+            return self._call_failed(rid, exc)
+        self._calls.pop(rid, None)
+        result = call.result()
         timing.prefill_returned, timing.prefill = time.time(), result.timing
-        await self.admit(result, timing)
+
+        def answered(engine):
+            timing.queued = time.time()
+            self.handovers.answered(engine, rid, result)
+
+        await self.aengine.call(answered)
+        if (await h.outcome).state is not State.ADMITTED:
+            raise TransferError(f"KV of {rid} did not land: {h.reason}")
         if self.transfers is not None:
             self.transfers.record(result.stats)
         return result
+
+    def _call_failed(self, rid: str, exc: BaseException) -> None:
+        """The prefill call raised: the lease ends (nothing can still write). A replica that
+        could not deliver means a local prefill (None); anything else fails the request."""
+        self._calls.pop(rid, None)
+        self._count_failure(type(exc).__name__)
+        self.aengine.submit(lambda e: self.handovers.call_ended(e, rid, "prefill failed"))
+        if prefill_unavailable(exc):  # the release is queued before the local prefill
+            if isinstance(exc, TransportUnavailableError):
+                log.warning("request %s: %s; prefilling here", rid, exc)
+            else:
+                log.info("request %s: prefill replica unavailable (%s); prefilling here", rid,
+                         type(exc).__name__)
+            return None
+        if isinstance(exc, LayoutMismatchError):
+            log.error("request %s: the prefill replica refused this replica's KV layout (a "
+                      "configuration error: both roles must serve the same model, dtype, KV "
+                      "cache dtype and block size): %s", rid, exc)
+        raise exc
 
     def _count_failure(self, kind: str) -> None:
         if self.transfers is not None:
             self.transfers.failed(kind)
 
-    # -- the hand-over, step by step ---------------------------------------------------------
+    # -- the hand-over's verbs, for the roles' tests and tools --------------------------------
+    async def _reserve(self, prompt: list[int], params: SamplingParams, request_id: str,
+                       timeout_s: float | None = None):
+        deadline = time.time() + (self.timeout_s if timeout_s is None else timeout_s)
+        loop = asyncio.get_running_loop()
+        try:
+            return await self.aengine.call(lambda e: self.handovers.reserve(
+                e, prompt, params, request_id, deadline, loop))
+        except BaseException:
+            self.abort(request_id)  # the command may still run: the abort is queued after it
+            raise
+
     async def reserve(self, prompt: list[int], params: SamplingParams, request_id: str,
                       timeout_s: float | None = None) -> KVDestination | None:
         """Reserve blocks for the part of ``prompt`` the local prefix cache lacks and lease
         them to the KV endpoint until ``timeout_s`` (the server's transfer timeout by default),
-        in one engine command: blocks are never reserved without their lease. None when blocks
-        or sequence slots are short right now."""
-        if request_id in self._handovers:
-            raise ValueError(f"request_id: {request_id!r} is already in use")
-        h = self._handovers[request_id] = HandOver(request_id, asyncio.get_running_loop())
-        deadline = time.time() + (self.timeout_s if timeout_s is None else timeout_s)
-
-        def on_finish(t: Transfer) -> None:  # engine thread, once
-            if t.state is TransferState.FAILED or h.abandoned:
-                self.aengine.engine.abort_request(request_id)
-            h.landed.get_loop().call_soon_threadsafe(_resolve, h.landed, t)
-
-        def reserve_and_lease(engine) -> KVDestination | None:
-            reserved = engine.reserve(prompt, params, request_id)
-            if reserved is None:
-                return None
-            _, blocks, present = reserved
-            h.dest = KVDestination(request_id=request_id, endpoint_id=self.endpoint.endpoint_id,
-                                   block_ids=tuple(blocks), num_present_tokens=present,
-                                   deadline=deadline)
-            h.transfer = self.endpoint.expect(h.dest, on_finish)
-            return h.dest
-
-        try:
-            dest = await self.aengine.call(reserve_and_lease)
-        except BaseException:
-            self.abort(request_id)  # the command may still run: the abort is queued after it
-            raise
-        if dest is None:
-            self._handovers.pop(request_id, None)
-        return dest
+        in one engine command. None when blocks or sequence slots are short right now."""
+        h = await self._reserve(prompt, params, request_id, timeout_s)
+        if h is None:
+            return None
+        self._calls[request_id] = (h, None)
+        return h.dest
 
     async def landed(self, request_id: str) -> Transfer:
-        """The request's transfer, once it has landed or failed."""
-        return await self._handovers[request_id].landed
-
-    async def admit(self, result: PrefillResult, timing: DecodeTiming | None = None) -> None:
-        """The prefill replica has pushed ``result.request_id``'s KV: wait for it to land, then
-        admit the request into the running batch with the prefill's first token (published
-        before any later step's tokens). Raises :class:`TransferError` if the KV did not land."""
-        h = self._handovers[result.request_id]
-        if not self.endpoint.native_notify(result.stats.backend):  # the answer is its word
-            await self.aengine.call(lambda e: self.endpoint.mark_landed(h.dest.transfer_id))
-        t = await h.landed
-        if t.state is not TransferState.DONE:
-            raise TransferError(f"KV of {result.request_id} did not land: {t.error}")
-
-        def admit(engine):
-            if timing is not None:
-                timing.queued = time.time()
-            self.publisher.publish([engine.admit(result.request_id, result.first_token,
-                                                 result.first_logprob,
-                                                 result.first_top_logprobs)])
-
-        await self.aengine.call(admit)
-        self._handovers.pop(result.request_id, None)
+        """The request's lease, once its hand-over has ended (admitted or released)."""
+        h, _ = self._calls[request_id]
+        return (await h.outcome).transfer
 
     def abort(self, request_id: str) -> None:
         """Stop the request wherever it is (reserving, leased, landing, decoding); harmless
         twice. A hand-over whose prefill call is still running on a one-sided transport keeps
         its blocks fenced until the prefill replica answers (its push is then over) or the
         lease ends; everything else is released at once."""
-        h = self._handovers.pop(request_id, None)
-        if h is None:
+        if self.handovers is None:
             self.aengine.abort(request_id)
             return
-        fenced = (h.call is not None and not h.call.done()
-                  and not self.endpoint.receiver_writes)
-        if self.aengine.error is None:
-            self.aengine.submit(lambda e: self._abandon(e, h, fenced))
-        if fenced:
-            asyncio.ensure_future(self._release_after_answer(h))
+        h, call = self._calls.pop(request_id, (None, None))
+        if self.aengine.error is not None:
+            return
+        running = call is not None and not call.done()
+        self.aengine.submit(lambda e: self.handovers.abandon(e, request_id, running))
+        if running:
+            asyncio.ensure_future(self._end_when_answered(h, call))
 
-    def _abandon(self, engine, h: HandOver, fenced: bool) -> None:  # engine thread
-        h.abandoned = True
-        t = h.transfer
-        if t is None or t.state.is_terminal:  # nothing reserved, or landed (maybe admitted)
-            engine.abort_request(h.request_id)
-        elif not fenced:  # on_finish aborts the request and so frees its blocks
-            self.endpoint.abort(t.transfer_id, "request aborted")
-
-    def _release(self, h: HandOver, reason: str) -> None:
-        """End the lease now (no writer can still write): on_finish frees the blocks."""
-        self._handovers.pop(h.request_id, None)
-        if self.aengine.error is None:
-            self.aengine.submit(lambda e: self.endpoint.abort(h.dest.transfer_id, reason))
-
-    async def _release_after_answer(self, h: HandOver) -> None:
-        """An abandoned hand-over: once the prefill call has answered (its push is over, landed
-        or failed) end the lease; if the lease ends first (its deadline), drop the call."""
-        await asyncio.wait({h.call, h.landed}, return_when=asyncio.FIRST_COMPLETED)
-        if not h.landed.done():
-            self._release(h, "request aborted; its prefill has answered")
-        else:
-            h.call.cancel()
+    async def _end_when_answered(self, h, call: asyncio.Future) -> None:
+        """An abandoned hand-over's call, still running: once it has answered (its push is
+        over, landed or failed) the fenced lease ends; if the lease ends first (its deadline),
+        the call is dropped."""
+        await asyncio.wait({call, h.outcome}, return_when=asyncio.FIRST_COMPLETED)
+        if h.outcome.done():
+            call.cancel()
+        elif self.aengine.error is None:
+            self.aengine.submit(lambda e: self.handovers.call_ended(
+                e, h.request_id, "request aborted; its prefill has answered"))
 
 
 def _log_timeline(rid: str, outcome: str | None, timing: DecodeTiming,
@@ -340,8 +293,3 @@ def _log_timeline(rid: str, outcome: str | None, timing: DecodeTiming,
                   timeline(received=timing.received, prefill_called=timing.prefill_called,
                            prefill_returned=timing.prefill_returned, queued=timing.queued,
                            first_token=timing.first_token, finished=timing.finished))
-
-
-def _resolve(fut: asyncio.Future, value) -> None:
-    if not fut.done():
-        fut.set_result(value)

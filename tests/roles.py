@@ -110,7 +110,7 @@ def capture_landed_kv(decode) -> dict:
     admit = engine.admit
 
     def copy_then_admit(rid, *args):
-        h = decode._handovers.get(rid)
+        h = decode.handovers.get(rid)
         if h is not None:
             captured[rid] = decode.endpoint.kv_cache[:, list(h.dest.block_ids)].cpu().clone()
         return admit(rid, *args)

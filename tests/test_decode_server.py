@@ -109,6 +109,42 @@ def test_unavailable_prefill_falls_back_to_a_local_prefill(roles, offline, failu
     asyncio.run(main())
 
 
+class DiesAfterPushing(PrefillHandle):
+    """A prefill replica that pushes the KV (it lands) and dies before its answer comes."""
+
+    def remote(self, req):
+        self.calls += 1
+
+        async def call():
+            await self.server.prefill(req)
+            await asyncio.sleep(0.2)  # the decode replica's poll has seen the KV land
+            raise ActorDiedError()
+        return asyncio.ensure_future(call())
+
+
+def test_a_prefill_replica_that_dies_after_its_kv_landed_is_replaced_at_once(offline):
+    """The KV is there but the first token never comes: the lease is released at once and the
+    request prefilled here, with the offline tokens; nothing stays reserved or leased."""
+    fabric = LocalFabric()
+    prefill = PrefillServer(CONFIG, "local", fabric=fabric)
+    handle = DiesAfterPushing(prefill)
+    decode = DecodeServer(CONFIG, "local", handle, 30.0, fabric=fabric)
+
+    async def main():
+        sink = TokenSink()
+        tokens, result = await asyncio.wait_for(
+            generate(decode, sink, PROMPTS[1], "r", GREEDY), 10)
+        assert handle.calls == 1 and result.transfer is None and tokens == offline[1]
+        await until_idle(prefill, decode)
+        await sink.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        prefill.close()
+        decode.close()
+
+
 def test_a_prefill_that_never_answers_is_replaced_at_the_deadline(roles, offline):
     """A frozen prefill replica: the KV lease fails at its deadline (2 s here) and the decode
     replica prefills the request itself; nothing waits longer, nothing leaks."""

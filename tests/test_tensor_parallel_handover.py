@@ -102,7 +102,7 @@ def _capture_every_rank(prefill, decode):
         return push(peer, dest, src_block_ids, on_finish)
 
     def copy_then_admit(rid, *args):
-        h = decode._handovers.get(rid)
+        h = decode.handovers.get(rid)
         if h is not None:
             ids = list(h.dest.block_ids)
             landed[rid] = [r.kv_cache[:, ids].clone() for r in decode.endpoint.ranks]

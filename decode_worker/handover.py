@@ -1,0 +1,167 @@
+"""A request's hand-over on the decode side: one state machine, advanced on the engine thread.
+
+The states only move forward (as vLLM v1's ``WAITING_FOR_REMOTE_KVS`` is one status of the
+request, owned by its scheduler):
+
+- ``LEASED``: blocks for the part of the prompt the local prefix cache lacks are reserved in the
+  engine (``Scheduler.transferring``) and leased to the KV endpoint until a deadline; the
+  prefill call is under way.
+- ``LANDED``: every byte has landed (the transport's notification, or the prefill replica's
+  answer where the transport has none); the first token is still to come.
+- ``ADMITTED`` (terminal): the request joined the running batch with the prefill replica's first
+  token, which is published at once.
+- ``RELEASED`` (terminal): the lease ended without admission (the deadline passed, the push
+  failed, the prefill replica could not deliver, or the request was abandoned) and the reserved
+  blocks are free again.
+
+Events, every one on the engine thread: the lease's end (the endpoint's ``on_finish``, from its
+poll), the prefill call's answer (:meth:`HandOvers.answered`), the end of a call that delivered
+nothing (:meth:`HandOvers.call_ended`: nothing can still write), and abandonment
+(:meth:`HandOvers.abandon`). A hand-over abandoned while a one-sided push may still write into
+its blocks keeps them fenced until its call has ended or its lease's deadline has passed, so a
+late write never lands in blocks another request has been given.
+
+The event loop holds one future per hand-over (``HandOver.outcome``), resolved once, with the
+hand-over itself, when it reaches a terminal state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+from collections.abc import Callable
+
+from contracts.messages import PrefillResult
+from engine.outputs import RequestOutput
+from kvtransfer import KVDestination, Transfer, TransferState
+
+
+class State(enum.IntEnum):
+    LEASED = 0
+    LANDED = 1
+    ADMITTED = 2
+    RELEASED = 3
+
+    @property
+    def is_terminal(self) -> bool:
+        return self >= State.ADMITTED
+
+
+class HandOver:
+    """One request's hand-over. Every field but ``outcome`` is the engine thread's."""
+
+    __slots__ = ("request_id", "dest", "state", "transfer", "answer", "abandoned", "reason",
+                 "outcome", "_loop")
+
+    def __init__(self, request_id: str, dest: KVDestination, loop: asyncio.AbstractEventLoop):
+        self.request_id, self.dest = request_id, dest
+        self.state = State.LEASED
+        self.transfer: Transfer | None = None  # the lease
+        self.answer: PrefillResult | None = None  # the prefill replica's, once it came
+        self.abandoned = False
+        self.reason: str | None = None  # why it was released
+        self.outcome: asyncio.Future = loop.create_future()
+        self._loop = loop
+
+    def _end(self, state: State, reason: str | None = None) -> None:
+        self.state, self.reason = state, reason
+        self._loop.call_soon_threadsafe(_resolve, self.outcome, self)
+
+
+class HandOvers:
+    """A decode replica's hand-overs in flight, by request id. Engine thread only: the event
+    loop reaches it through engine commands (``AsyncEngine.call``/``submit``)."""
+
+    def __init__(self, endpoint, publish: Callable[[list[RequestOutput]], None]):
+        self.endpoint, self.publish = endpoint, publish
+        self._live: dict[str, HandOver] = {}
+
+    def get(self, request_id: str) -> HandOver | None:
+        return self._live.get(request_id)
+
+    def reserve(self, engine, prompt: list[int], params, request_id: str, deadline: float,
+                loop: asyncio.AbstractEventLoop) -> HandOver | None:
+        """Reserve the blocks the local prefix cache lacks and lease them until ``deadline``,
+        in one command: blocks are never reserved without their lease. None when blocks or
+        sequence slots are short right now (nothing is taken)."""
+        if request_id in self._live:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        reserved = engine.reserve(prompt, params, request_id)
+        if reserved is None:
+            return None
+        _, blocks, present = reserved
+        dest = KVDestination(request_id=request_id, endpoint_id=self.endpoint.endpoint_id,
+                             block_ids=tuple(blocks), num_present_tokens=present,
+                             deadline=deadline)
+        h = self._live[request_id] = HandOver(request_id, dest, loop)
+        h.transfer = self.endpoint.expect(dest, lambda t: self._lease_ended(engine, h, t))
+        return h
+
+    def answered(self, engine, request_id: str, result: PrefillResult) -> None:
+        """The prefill replica pushed the KV and sampled the first token."""
+        h = self._live.get(request_id)
+        if h is None or h.state.is_terminal:
+            return
+        h.answer = result
+        if h.abandoned:  # its push is over: nothing can write any more
+            self._end_lease(engine, h, "request aborted; its prefill has answered")
+        elif h.state is State.LANDED:
+            self._admit(engine, h)
+        elif not self.endpoint.native_notify(result.stats.backend):  # the answer is its word
+            self.endpoint.mark_landed(h.dest.transfer_id)
+
+    def call_ended(self, engine, request_id: str, reason: str) -> None:
+        """The prefill call ended without delivering (refused, its replica gone, its push failed
+        or never started, or it was dropped): nothing can still write, the lease ends now."""
+        h = self._live.get(request_id)
+        if h is None or h.state.is_terminal:
+            return
+        self._end_lease(engine, h, reason)
+
+    def abandon(self, engine, request_id: str, call_running: bool) -> None:
+        """The request is no longer wanted, wherever it is (harmless twice). A hand-over whose
+        prefill call is still running (the event loop's word) on a one-sided transport stays
+        fenced: released when the call ends (:meth:`call_ended`) or the lease's deadline
+        passes. Any other is released now, and a request already admitted is aborted."""
+        h = self._live.get(request_id)
+        if h is None:
+            engine.abort_request(request_id)
+            return
+        h.abandoned = True
+        if h.state is State.LEASED and call_running and not self.endpoint.receiver_writes:
+            return
+        self._end_lease(engine, h, "request aborted")
+
+    # -- the lease's end and the two terminal states -----------------------------------------
+    def _end_lease(self, engine, h: HandOver, reason: str) -> None:
+        """Release now: a lease still running is aborted (its end releases), a landed one has
+        nothing left to wait for."""
+        if h.state is State.LEASED:
+            self.endpoint.abort(h.dest.transfer_id, reason)
+        else:
+            self._release(engine, h, reason)
+
+    def _lease_ended(self, engine, h: HandOver, t: Transfer) -> None:  # once per lease
+        if t.state is not TransferState.DONE or h.abandoned:
+            self._release(engine, h, t.error or "request aborted")
+        elif h.answer is not None:
+            self._admit(engine, h)
+        else:
+            h.state = State.LANDED
+
+    def _admit(self, engine, h: HandOver) -> None:
+        r = h.answer
+        out = engine.admit(h.request_id, r.first_token, r.first_logprob, r.first_top_logprobs)
+        del self._live[h.request_id]
+        h._end(State.ADMITTED)
+        self.publish([out])  # the first token, before any later step's
+
+    def _release(self, engine, h: HandOver, reason: str) -> None:
+        engine.abort_request(h.request_id)  # its reserved blocks go back to the pool
+        self._live.pop(h.request_id, None)
+        h._end(State.RELEASED, reason)
+
+
+def _resolve(fut: asyncio.Future, value) -> None:
+    if not fut.done():
+        fut.set_result(value)

@@ -1,0 +1,207 @@
+"""The decode side's hand-over state machine (``decode_worker.handover``), every path, against a
+stand-in engine and KV endpoint: landed before or after the answer (with and without the
+transport's own notification), a failed push, the deadline, the prefill replica gone, and an
+abort in every state, on one-sided and receiver-writes transports. Each path ends exactly once,
+with the engine's blocks either admitted or released, and the event loop's future resolved."""
+
+import asyncio
+
+import pytest
+
+from contracts.messages import PrefillResult
+from decode_worker.handover import HandOvers, State
+from engine.outputs import RequestOutput
+from kvtransfer import TransferState, TransferStats
+from kvtransfer.endpoint import Transfer
+
+
+class Engine:
+    """What the machine asks of the engine: reserve, admit, abort."""
+
+    def __init__(self, room: bool = True):
+        self.room = room
+        self.admitted: list[tuple[str, int]] = []
+        self.aborted: list[str] = []
+
+    def reserve(self, prompt, params, rid):
+        return (rid, [5, 6, 7], 16) if self.room else None
+
+    def admit(self, rid, token, logprob=None, top=None):
+        self.admitted.append((rid, token))
+        return RequestOutput(rid, [token])
+
+    def abort_request(self, rid):
+        self.aborted.append(rid)
+
+
+class Endpoint:
+    """A receiving KV endpoint: leases end by ``land`` (notification), ``mark_landed`` (the
+    answer's word), ``expire`` (deadline) or ``abort``."""
+
+    endpoint_id = "decode-0"
+
+    def __init__(self, notify: bool = True, receiver_writes: bool = False):
+        self.notify, self.receiver_writes = notify, receiver_writes
+        self.leases: dict[str, Transfer] = {}
+
+    def expect(self, dest, on_finish):
+        t = Transfer(dest.transfer_id, "recv", "", tuple(dest.block_ids), dest.deadline,
+                     TransferStats(), on_finish)
+        t.update(TransferState.IN_FLIGHT)
+        self.leases[dest.transfer_id] = t
+        return t
+
+    def native_notify(self, backend):
+        return self.notify
+
+    def land(self, tid):
+        self.leases[tid].update(TransferState.DONE)
+
+    mark_landed = land
+
+    def expire(self, tid):
+        self.leases[tid].update(TransferState.FAILED, "deadline passed")
+
+    def abort(self, tid, reason="aborted"):
+        self.leases[tid].update(TransferState.FAILED, reason)
+
+
+def answer(rid: str, token: int = 42) -> PrefillResult:
+    return PrefillResult(request_id=rid, first_token=token, first_logprob=None,
+                         num_prompt_tokens=40, num_cached_tokens=0,
+                         stats=TransferStats(backend="nixl"), prefill_seconds=0.01)
+
+
+def run(scenario, notify=True, receiver_writes=False, room=True):
+    """``scenario(machine, engine, endpoint, handover)`` on a fresh machine, inside a loop."""
+    engine, endpoint = Engine(room), Endpoint(notify, receiver_writes)
+    published = []
+    machine = HandOvers(endpoint, published.extend)
+
+    async def main():
+        h = machine.reserve(engine, [1] * 40, None, "r", 1e12, asyncio.get_running_loop())
+        if h is None:
+            return None
+        assert h.state is State.LEASED and machine.get("r") is h
+        result = scenario(machine, engine, endpoint, h)
+        if h.state.is_terminal:
+            assert await asyncio.wait_for(h.outcome, 1) is h
+            assert machine.get("r") is None  # ended once, and forgotten
+        return result
+
+    return asyncio.run(main()), engine, endpoint, published
+
+
+def test_no_room_reserves_nothing():
+    result, engine, endpoint, _ = run(lambda *a: None, room=False)
+    assert result is None and not endpoint.leases and not engine.aborted
+
+
+@pytest.mark.parametrize("order", ["landed-then-answered", "answered-then-landed"])
+def test_landed_and_answered_in_either_order_admit_once(order):
+    def scenario(machine, engine, endpoint, h):
+        steps = [lambda: endpoint.land(h.dest.transfer_id),
+                 lambda: machine.answered(engine, "r", answer("r"))]
+        if order == "answered-then-landed":
+            steps.reverse()
+        steps[0]()
+        assert h.state is (State.LANDED if order == "landed-then-answered" else State.LEASED)
+        steps[1]()
+        assert h.state is State.ADMITTED
+
+    _, engine, _, published = run(scenario)
+    assert engine.admitted == [("r", 42)] and not engine.aborted
+    assert [o.new_token_ids for o in published] == [[42]]  # the first token, published once
+
+
+def test_a_transport_without_notifications_lands_on_the_answer():
+    def scenario(machine, engine, endpoint, h):
+        machine.answered(engine, "r", answer("r"))  # mark_landed, then admitted at once
+        assert h.state is State.ADMITTED
+
+    _, engine, _, _ = run(scenario, notify=False)
+    assert engine.admitted == [("r", 42)]
+
+
+@pytest.mark.parametrize("how", ["deadline", "push failed", "replica gone"])
+def test_a_lease_that_ends_without_the_kv_releases_the_blocks(how):
+    def scenario(machine, engine, endpoint, h):
+        if how == "deadline":
+            endpoint.expire(h.dest.transfer_id)
+        else:  # the call raised: a failed push, or a dead replica; nothing can write any more
+            machine.call_ended(engine, "r", how)
+        assert h.state is State.RELEASED
+        machine.answered(engine, "r", answer("r"))  # a late answer changes nothing
+        machine.call_ended(engine, "r", "again")
+
+    _, engine, _, published = run(scenario)
+    assert engine.aborted == ["r"] and not engine.admitted and not published
+
+
+def test_the_prefill_replica_gone_after_the_kv_landed_releases_too():
+    def scenario(machine, engine, endpoint, h):
+        endpoint.land(h.dest.transfer_id)
+        machine.call_ended(engine, "r", "replica gone")  # no first token will come
+        assert h.state is State.RELEASED and h.reason == "replica gone"
+
+    _, engine, _, _ = run(scenario)
+    assert engine.aborted == ["r"] and not engine.admitted
+
+
+@pytest.mark.parametrize("receiver_writes", [False, True])
+def test_abandoned_while_the_call_writes(receiver_writes):
+    """One-sided: fenced until the call ends (its push is over); a transport whose receiver
+    copies the data itself: released at once."""
+    def scenario(machine, engine, endpoint, h):
+        machine.abandon(engine, "r", call_running=True)
+        if receiver_writes:
+            assert h.state is State.RELEASED
+            return
+        assert h.state is State.LEASED and not engine.aborted  # fenced
+        endpoint.land(h.dest.transfer_id)  # its write landed after all: still not admitted
+        assert h.state is State.RELEASED
+
+    _, engine, _, published = run(scenario, receiver_writes=receiver_writes)
+    assert engine.aborted == ["r"] and not engine.admitted and not published
+
+
+@pytest.mark.parametrize("end", ["answered", "call ended", "deadline"])
+def test_a_fenced_lease_ends_with_its_call_or_its_deadline(end):
+    def scenario(machine, engine, endpoint, h):
+        machine.abandon(engine, "r", call_running=True)
+        if end == "answered":
+            machine.answered(engine, "r", answer("r"))
+        elif end == "call ended":
+            machine.call_ended(engine, "r", "request aborted; its prefill has answered")
+        else:
+            endpoint.expire(h.dest.transfer_id)
+        assert h.state is State.RELEASED
+
+    _, engine, _, published = run(scenario)
+    assert engine.aborted == ["r"] and not engine.admitted and not published
+
+
+@pytest.mark.parametrize("state", ["leased, no call", "landed", "admitted"])
+def test_abandoned_elsewhere_is_released_or_aborted_at_once_and_harmless_twice(state):
+    def scenario(machine, engine, endpoint, h):
+        if state != "leased, no call":
+            endpoint.land(h.dest.transfer_id)
+        if state == "admitted":
+            machine.answered(engine, "r", answer("r"))
+        machine.abandon(engine, "r", call_running=False)
+        machine.abandon(engine, "r", call_running=False)
+        assert h.state is (State.ADMITTED if state == "admitted" else State.RELEASED)
+
+    _, engine, _, _ = run(scenario)
+    # released: its blocks freed once, then the second abandon finds nothing but the engine's
+    # own (finished) request; admitted: the running request aborted, twice harmlessly
+    assert engine.aborted == ["r", "r"]
+    assert engine.admitted == ([("r", 42)] if state == "admitted" else [])
+
+
+def test_one_request_id_at_a_time():
+    def scenario(machine, engine, endpoint, h):
+        with pytest.raises(ValueError, match="already in use"):
+            machine.reserve(engine, [1] * 40, None, "r", 1e12, asyncio.get_running_loop())
+
+    run(scenario)

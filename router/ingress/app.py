@@ -7,8 +7,9 @@ gRPC messages, each carrying every token that arrived since the previous one. Ba
 in OpenAI's error format (gRPC: INVALID_ARGUMENT); a request that cannot be served in time ends
 with an error, never a silent hang.
 
-The deployment is the request service (:mod:`.service`) with its two adapters,
-:mod:`.http` and :mod:`.grpc_api`, which only translate.
+The deployment holds the request service (:mod:`.service`) and its two adapters, :mod:`.http`
+and :mod:`.grpc_api`, which only translate; it declares the routes and RPC methods (Serve finds
+them on this class) and hands each to its adapter.
 """
 
 import os
@@ -47,19 +48,20 @@ def bind_direct_grpc(host: str) -> None:
 
 @serve.deployment(name="Router", ray_actor_options={"num_cpus": 0.25}, max_ongoing_requests=1024)
 @serve.ingress(app)
-class Router(HttpAdapter, GrpcAdapter, RequestService):
+class Router:
     def __init__(self, decode, model: str, served_name: str, max_model_len: int | None,
                  config: dict | None = None, engine: dict | None = None):
         if host := os.environ.get("BATON_GRPC_HOST"):
             bind_direct_grpc(host)
-        RequestService.__init__(self, decode, model, served_name, max_model_len, config, engine)
-        self.configure_http()
-        warn_if_open_without_key(self.api_key)
+        self.service = RequestService(decode, model, served_name, max_model_len, config, engine)
+        self.http = HttpAdapter(self.service)
+        self.grpc = GrpcAdapter(self.service)
+        warn_if_open_without_key(self.service.api_key)
 
-    # The HTTP routes, declared here (see HttpAdapter), each handled by the adapter.
+    # The HTTP routes (FastAPI through Serve binds ``self`` on this class's methods only).
     @app.get("/health")
     async def health(self):
-        return await self.http_health()
+        return await self.http.health()
 
     @app.get("/livez")
     async def livez(self):
@@ -68,28 +70,39 @@ class Router(HttpAdapter, GrpcAdapter, RequestService):
 
     @app.get("/v1/models")
     async def models(self):
-        return await self.http_models()
+        return await self.http.models()
 
     @app.get("/v1/models/{model_id:path}")
     async def model(self, model_id: str):
-        return await self.http_model(model_id)
+        return await self.http.model(model_id)
 
     @app.get("/metrics")
     async def metrics_endpoint(self):
-        return await self.http_metrics()
+        return await self.http.metrics()
 
     @app.post("/tokenize")
     async def tokenize(self, body: TokenizeRequest):
-        return await self.http_tokenize(body)
+        return await self.http.tokenize(body)
 
     @app.post("/detokenize")
     async def detokenize(self, body: DetokenizeRequest):
-        return await self.http_detokenize(body)
+        return await self.http.detokenize(body)
 
     @app.post("/v1/completions")
     async def completions(self, body: CompletionRequest):
-        return await self.http_completions(body)
+        return await self.http.completions(body)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest):
-        return await self.http_chat(body)
+        return await self.http.chat(body)
+
+    # The gRPC methods, by RPC name (``proto/baton.proto``).
+    async def Generate(self, request, grpc_context):
+        return await self.grpc.generate(request, grpc_context)
+
+    async def GenerateStream(self, request, grpc_context):
+        async for message in self.grpc.generate_stream(request, grpc_context):
+            yield message
+
+    async def Health(self, request, grpc_context=None):
+        return await self.grpc.health(request, grpc_context)

@@ -2,7 +2,9 @@
 same request model as HTTP's ``/v1/completions`` (:class:`~router.ingress.protocol.
 CompletionRequest`), so every option and every check exists once and both protocols give the
 same errors (``INVALID_ARGUMENT`` for HTTP's 400, ``NOT_FOUND`` for its 404, ...); the service's
-chunks become ``GenerateResponse`` messages.
+chunks become ``GenerateResponse`` messages (one builder, :func:`chunk_message`, for the streamed
+messages and the parts of a whole answer). The adapter holds the request service and only
+translates.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from engine.errors import BadRequest
 from router.ingress.door import authorized
 from router.ingress.errors import describe, log_failure
 from router.ingress.protocol import CompletionRequest
+from router.ingress.service import RequestService
 from router.ingress.streams import Chunk, RequestStream
 
 
@@ -87,43 +90,84 @@ def _grpc_prompt(msg, stream: RequestStream) -> None:
         for _, alts in rest)
 
 
-class GrpcAdapter:
-    """The gRPC methods of the ingress deployment (a mixin over :class:`RequestService`; Serve
-    calls them by RPC name)."""
+def _grpc_final(msg, stream: RequestStream) -> None:
+    msg.finish_reason = stream.finish_reason or ""
+    msg.usage.CopyFrom(baton_pb2.Usage(prompt_tokens=stream.num_prompt_tokens,
+                                       completion_tokens=len(stream.token_ids),
+                                       cached_tokens=stream.num_cached_tokens))
+    t = stream.timing
+    msg.ttft_s = t.first_token - t.received if t.first_token else 0.0
 
-    async def _grpc_inputs(self, req):
+
+def chunk_message(request, index: int, chunk: Chunk, stream: RequestStream,
+                  first: bool) -> baton_pb2.GenerateResponse:
+    """Sequence ``index``'s chunk as a message: its tokens, text and logprobs; with its first
+    chunk the prompt logprobs, with its last the finish reason, usage and time to first token."""
+    msg = baton_pb2.GenerateResponse(request_id=request.request_id or stream.request_id,
+                                     token_ids=chunk.token_ids, text=chunk.text,
+                                     logprobs=chunk.logprobs or [],
+                                     top_logprobs=_grpc_top(chunk),
+                                     produced_at=chunk.produced_at, index=index)
+    if first:
+        _grpc_prompt(msg, stream)
+    if chunk.finished:
+        _grpc_final(msg, stream)
+    return msg
+
+
+def _append(whole: baton_pb2.GenerateResponse, part: baton_pb2.GenerateResponse) -> None:
+    """A sequence's whole answer, one chunk's message longer."""
+    whole.token_ids.extend(part.token_ids)
+    whole.text += part.text
+    whole.logprobs.extend(part.logprobs)
+    whole.top_logprobs.extend(part.top_logprobs)
+    if part.HasField("usage"):  # its last chunk
+        whole.finish_reason, whole.ttft_s = part.finish_reason, part.ttft_s
+        whole.usage.CopyFrom(part.usage)
+
+
+class GrpcAdapter:
+    """The gRPC methods of the ingress, over its request service (the deployment class declares
+    them by RPC name, :mod:`.app`, and calls these)."""
+
+    def __init__(self, service: RequestService):
+        self.service = service
+
+    async def _inputs(self, req):
         """The request's prompt ids and parameters, read as HTTP reads a completion's body."""
         if isinstance(req, Unparsed):  # proto.servicer: the message did not parse
             raise BadRequest(req.reason)
         body = completion_request(req)
-        self.check_model(body.model)
-        batch, params, _ = await self.checked_inputs(self._completion_inputs, body)
+        self.service.check_model(body.model)
+        batch, params, _ = await self.service.checked_inputs(self.service.completion_inputs,
+                                                             body)
         return batch[0], params
 
-    def _grpc_authorized(self, grpc_context) -> bool:
+    def _authorized(self, grpc_context) -> bool:
         """With an API key set, a call must carry the metadata ``authorization: Bearer <key>``;
         otherwise UNAUTHENTICATED."""
-        if self.api_key and not authorized(
-                dict(grpc_context.invocation_metadata()).get("authorization"), self.api_key):
+        key = self.service.api_key
+        if key and not authorized(dict(grpc_context.invocation_metadata()).get("authorization"),
+                                  key):
             _grpc_status(grpc_context, grpc.StatusCode.UNAUTHENTICATED, "invalid or missing "
                          "API key: send the metadata 'authorization: Bearer <key>'")
             return False
         return True
 
-    async def _grpc_chunks(self, req, grpc_context):
+    async def _chunks(self, req, grpc_context):
         """(index, chunk, stream) of one gRPC request's ``n`` sequences, as they come. A failure
         sets the call's status (a bad request: INVALID_ARGUMENT; overload: RESOURCE_EXHAUSTED,
         the retry hint in the details, as Serve's gRPC path drops trailing metadata) and ends
         the iteration. Every call is counted by its status."""
         code = grpc.StatusCode.CANCELLED  # unless it ends here: the client went away
         try:
-            if not self._grpc_authorized(grpc_context):
+            if not self._authorized(grpc_context):
                 code = grpc_context.code()
                 return
             rid = f"grpc-{uuid.uuid4().hex}"  # the client's request_id is echoed, never a key
             try:
-                ids, params = await self._grpc_inputs(req)
-                feed = self._feed([ids], params, rid)
+                ids, params = await self._inputs(req)
+                feed = self.service.feed([ids], params, rid)
                 try:
                     async for index, chunk in feed:
                         yield index, chunk, feed.streams[index]
@@ -136,33 +180,20 @@ class GrpcAdapter:
                 _grpc_status(grpc_context, failure.code, failure.message)
                 code = failure.code
         finally:
-            self.metrics.count_grpc(code)
+            self.service.metrics.count_grpc(code)
 
-    @staticmethod
-    def _grpc_final(msg, stream: RequestStream) -> None:
-        msg.finish_reason = stream.finish_reason or ""
-        msg.usage.CopyFrom(baton_pb2.Usage(prompt_tokens=stream.num_prompt_tokens,
-                                           completion_tokens=len(stream.token_ids),
-                                           cached_tokens=stream.num_cached_tokens))
-        t = stream.timing
-        msg.ttft_s = t.first_token - t.received if t.first_token else 0.0
-
-    async def Generate(self, request, grpc_context: RayServegRPCContext):
+    async def generate(self, request, grpc_context: RayServegRPCContext):
         """The whole answer; with ``n`` > 1 every sequence in ``choices`` (and sequence 0 in the
         top-level fields)."""
         answers: dict[int, baton_pb2.GenerateResponse] = {}
-        async for index, chunk, stream in self._grpc_chunks(request, grpc_context):
+        async for index, chunk, stream in self._chunks(request, grpc_context):
+            part = chunk_message(request, index, chunk, stream, index not in answers)
             if index not in answers:
                 answers[index] = baton_pb2.GenerateResponse(index=index)
-                _grpc_prompt(answers[index], stream)
-            resp = answers[index]
-            resp.request_id = request.request_id or stream.request_id
-            resp.token_ids.extend(chunk.token_ids)
-            resp.text += chunk.text
-            resp.logprobs.extend(chunk.logprobs or [])
-            resp.top_logprobs.extend(_grpc_top(chunk))
-            if chunk.finished:
-                self._grpc_final(resp, stream)
+                answers[index].prompt_logprobs.extend(part.prompt_logprobs)
+                answers[index].prompt_top_logprobs.extend(part.prompt_top_logprobs)
+            answers[index].request_id = part.request_id
+            _append(answers[index], part)
         if not answers:
             return baton_pb2.GenerateResponse()
         choices = [answers[i] for i in sorted(answers)]
@@ -173,34 +204,26 @@ class GrpcAdapter:
             first.request_id = request.request_id or choices[0].request_id.rsplit("-", 1)[0]
         return first
 
-    async def GenerateStream(self, request, grpc_context: RayServegRPCContext):
+    async def generate_stream(self, request, grpc_context: RayServegRPCContext):
         sent, started = False, set()
-        async for index, chunk, stream in self._grpc_chunks(request, grpc_context):
-            msg = baton_pb2.GenerateResponse(request_id=request.request_id or stream.request_id,
-                                             token_ids=chunk.token_ids, text=chunk.text,
-                                             logprobs=chunk.logprobs or [],
-                                             top_logprobs=_grpc_top(chunk),
-                                             produced_at=chunk.produced_at, index=index)
-            if index not in started:
-                started.add(index)
-                _grpc_prompt(msg, stream)
-            if chunk.finished:
-                self._grpc_final(msg, stream)
+        async for index, chunk, stream in self._chunks(request, grpc_context):
+            yield chunk_message(request, index, chunk, stream, index not in started)
+            started.add(index)
             sent = True
-            yield msg
         if not sent and grpc_context.code() not in (None, grpc.StatusCode.OK) \
                 and os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") != "1":
             # Serve's Python proxy (no HAProxy in front) carries a stream's status only with a
             # message or an exception: raise, with the status already set on the context.
             raise RuntimeError(grpc_context.details())
 
-    async def Health(self, request, grpc_context: RayServegRPCContext = None):
+    async def health(self, request, grpc_context: RayServegRPCContext = None):
         """As ``/health``: ``ok`` when a decode replica answers, ``unavailable`` (and the status
         UNAVAILABLE) when none does."""
-        if await self.ready():
-            return baton_pb2.HealthResponse(status="ok", model=self.served_name)
+        served = self.service.served_name
+        if await self.service.ready():
+            return baton_pb2.HealthResponse(status="ok", model=served)
         if grpc_context is not None:
             grpc_context.set_code(grpc.StatusCode.UNAVAILABLE)
             grpc_context.set_details("no decode replica answers yet (starting, or being "
                                      "replaced)")
-        return baton_pb2.HealthResponse(status="unavailable", model=self.served_name)
+        return baton_pb2.HealthResponse(status="unavailable", model=served)

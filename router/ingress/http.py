@@ -1,6 +1,8 @@
 """The OpenAI-compatible HTTP adapter of the ingress (FastAPI through Serve): the wire's JSON to
 the request service's inputs, its chunks to SSE events or a JSON body, its errors to OpenAI's
-error format. Validation and the request's life are the service's (:mod:`.service`).
+error format. Validation and the request's life are the service's (:mod:`.service`); the
+adapter holds one and only translates. A request's choices are written by one builder per
+request kind (:class:`TextChoices`, :class:`ChatChoices`), whole or streamed.
 """
 
 
@@ -20,7 +22,7 @@ from router.ingress.door import APIKeyMiddleware, BodyLimitMiddleware, StatusCou
 from router.ingress.errors import UnknownModel, describe, log_failure, validation_message
 from router.ingress.protocol import (ChatCompletionRequest, CompletionRequest,
                                      DetokenizeRequest, TokenizeRequest)
-from router.ingress.service import Merged, timing_of, usage_of
+from router.ingress.service import Merged, RequestService, timing_of, usage_of
 from router.ingress.streams import Chunk, RequestStream
 
 app = FastAPI(title="Baton")
@@ -114,21 +116,149 @@ def _message(text: str, parsing: tuple[bool, bool]) -> dict:
     return message
 
 
+class Choices:
+    """How one request's choices are written: :meth:`whole` for a JSON answer, :meth:`delta`
+    for each streamed chunk of sequence ``index`` (streaming runs ``n`` sequences per prompt,
+    so sequence ``index`` is choice ``index``). The prompt logprobs go with a choice's first
+    part."""
+
+    kind = ""  # the answer's ``object``
+
+    def __init__(self, service: RequestService, body, params: SamplingParams, echo):
+        self.texts = service.texts
+        self.body, self.params, self.echo = body, params, echo
+        self.shown = params.logprobs is not None
+        self.started: set[int] = set()  # streamed sequences that have sent a part
+
+    def _choice(self, index: int, finish_reason, token_ids, stream: RequestStream,
+                first: bool) -> dict:
+        choice = {"index": index, "finish_reason": finish_reason, "token_ids": token_ids}
+        if first and self.body.prompt_logprobs is not None and stream.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = self.texts.prompt_field(stream.prompt_token_ids,
+                                                                stream.prompt_logprobs)
+        return choice
+
+    def _first(self, index: int) -> bool:
+        first = index not in self.started
+        self.started.add(index)
+        return first
+
+    def opening(self, index: int) -> dict | None:
+        """A part to send before sequence ``index``'s first (chat: the assistant's role)."""
+        return None
+
+
+class TextChoices(Choices):
+    """``/v1/completions``: the text (behind the echoed prompt), completions logprobs."""
+
+    kind = TEXT
+
+    def __init__(self, service, body, params, echo):
+        super().__init__(service, body, params, echo)
+        self.offsets: dict[int, int] = {}  # a streamed sequence's text offset so far
+
+    def whole(self, index: int, stream: RequestStream, prompt: int, text: str) -> dict:
+        head = self.echo[prompt] if self.echo else ""
+        choice = self._choice(index, stream.finish_reason, stream.token_ids, stream, True)
+        lp = None
+        if self.shown:
+            lp, _ = self.texts.completion(stream.token_ids, stream.logprobs,
+                                          stream.top_logprobs, len(head))
+            if self.echo:
+                lp = self._with_prompt(lp, stream)
+        choice["text"] = head + text
+        choice["logprobs"] = lp
+        return choice
+
+    def delta(self, index: int, chunk: Chunk, stream: RequestStream) -> dict:
+        first = self._first(index)
+        choice = self._choice(index, chunk.finish_reason, chunk.token_ids, stream, first)
+        head = self.echo[index // self.params.n] if self.echo else ""
+        lp = None
+        if self.shown and chunk.token_ids:
+            offset = self.offsets.get(index, len(head))
+            lp, self.offsets[index] = self.texts.completion(
+                chunk.token_ids, chunk.logprobs, chunk.top_logprobs, offset)
+            if self.echo and first:
+                lp = self._with_prompt(lp, stream)
+        choice["text"] = (head if first else "") + chunk.text
+        choice["logprobs"] = lp
+        return choice
+
+    def _with_prompt(self, lp: dict, stream: RequestStream) -> dict:
+        """A completion's logprobs object behind its echoed prompt's."""
+        if stream.prompt_logprobs is None:
+            return lp
+        head, _ = self.texts.echoed(stream.prompt_token_ids, stream.prompt_logprobs,
+                                    bool(self.params.logprobs))
+        top = head["top_logprobs"] + lp["top_logprobs"] if head["top_logprobs"] is not None \
+            else None
+        return {key: head[key] + lp[key] for key in ("tokens", "token_logprobs", "text_offset")} \
+            | {"top_logprobs": top}
+
+
+class ChatChoices(Choices):
+    """``/v1/chat/completions``: the message (reasoning apart, tool calls parsed; streamed, as
+    they are generated), chat logprobs."""
+
+    kind = CHAT
+
+    def __init__(self, service, body, params, echo):
+        super().__init__(service, body, params, echo)
+        self.parsing = service.reasoning_parser == "qwen3", body.tool_mode != "none"
+        self.splitters: dict[int, StreamSplitter] = {}
+
+    def _logprobs(self, part) -> dict | None:
+        return self.texts.chat(part.token_ids, part.logprobs, part.top_logprobs) \
+            if self.shown else None
+
+    def whole(self, index: int, stream: RequestStream, prompt: int, text: str) -> dict:
+        choice = self._choice(index, stream.finish_reason, stream.token_ids, stream, True)
+        choice["message"] = _message(text, self.parsing)
+        if choice["message"].get("tool_calls") and stream.finish_reason == "stop":
+            choice["finish_reason"] = "tool_calls"
+        choice["logprobs"] = self._logprobs(stream)
+        return choice
+
+    def opening(self, index: int) -> dict | None:
+        if index in self.started:
+            return None
+        return {"index": index, "finish_reason": None, "token_ids": [],
+                "delta": {"role": "assistant", "content": ""}, "logprobs": None}
+
+    def delta(self, index: int, chunk: Chunk, stream: RequestStream) -> dict:
+        choice = self._choice(index, chunk.finish_reason, chunk.token_ids, stream,
+                              self._first(index))
+        splitter = self.splitters.setdefault(index, StreamSplitter(*self.parsing))
+        parts = splitter.feed(chunk.text) + (splitter.finish() if chunk.finished else [])
+        delta = {}
+        for part, text in parts:
+            delta[part] = delta.get(part, "") + text
+        if calls := splitter.take_calls():  # as they are generated
+            delta["tool_calls"] = calls
+        if splitter.tool_calls and chunk.finish_reason == "stop":
+            choice["finish_reason"] = "tool_calls"
+        choice["delta"] = delta or {"content": ""}
+        choice["logprobs"] = self._logprobs(chunk) if chunk.token_ids else None
+        return choice
+
+
 class HttpAdapter:
-    """What the HTTP routes of the ingress deployment do (a mixin over :class:`RequestService`;
-    the routes themselves are declared on the deployment class, :mod:`.app`: FastAPI's
-    class-based views through Serve bind ``self`` only on methods of that class)."""
+    """What the HTTP routes of the ingress deployment do, over its request service (the routes
+    themselves are declared on the deployment class, :mod:`.app`: FastAPI's class-based views
+    through Serve bind ``self`` only on methods of that class)."""
 
-    def configure_http(self) -> None:
-        """The door's settings for this replica (the middlewares read them per request)."""
-        APIKeyMiddleware.key = self.api_key
-        BodyLimitMiddleware.max_bytes = self.max_request_bytes
-        StatusCountMiddleware.count = self.metrics.count_http
+    def __init__(self, service: RequestService):
+        self.service = service
+        # The door's settings for this replica (the middlewares read them per request).
+        APIKeyMiddleware.key = service.api_key
+        BodyLimitMiddleware.max_bytes = service.max_request_bytes
+        StatusCountMiddleware.count = service.metrics.count_http
 
-    async def http_health(self):
+    async def health(self):
         """Ready: 200 once a decode replica answers (so the app can serve a request), else 503
         (Serve still starting or replacing them). ``/livez`` is this replica alone."""
-        if await self.ready():
+        if await self.service.ready():
             return {"status": "ok"}
         return JSONResponse(status_code=503, content={"status": "unavailable", "message":
                             "no decode replica answers yet (starting, or being replaced)"})
@@ -136,93 +266,78 @@ class HttpAdapter:
     def _unknown_model(self, name: str | None) -> JSONResponse | None:
         """A 404 for a model this app does not serve (as OpenAI and vLLM answer)."""
         try:
-            self.check_model(name)
+            self.service.check_model(name)
         except UnknownModel as exc:
             return JSONResponse(status_code=404, content={"error": {
                 "message": str(exc), "type": "not_found_error", "param": "model",
                 "code": "model_not_found"}})
         return None
 
-    async def http_models(self):
-        return {"object": "list", "data": [self.model_card()]}
+    async def models(self):
+        return {"object": "list", "data": [self.service.model_card()]}
 
-    async def http_model(self, model_id: str):
-        return self._unknown_model(model_id) or self.model_card()
+    async def model(self, model_id: str):
+        return self._unknown_model(model_id) or self.service.model_card()
 
-    async def http_metrics(self):
-        return Response(self.metrics.render(), media_type="text/plain; version=0.0.4")
+    async def metrics(self):
+        return Response(self.service.metrics.render(), media_type="text/plain; version=0.0.4")
 
-    async def http_tokenize(self, body: TokenizeRequest):
+    async def tokenize(self, body: TokenizeRequest):
         """Token ids of a text or of chat messages, as the completions would see them."""
+        svc = self.service
         if (missing := self._unknown_model(body.model)) is not None:
             return missing
-        if self.prompts is None:
-            return error_response(400, f"model {self.served_name!r} has no tokenizer")
+        if svc.prompts is None:
+            return error_response(400, f"model {svc.served_name!r} has no tokenizer")
         try:
             if body.prompt is not None:
-                ids = await self.prompts.encode(body.prompt)
+                ids = await svc.prompts.encode(body.prompt)
             else:
-                ids = await self.prompts.render_chat(
+                ids = await svc.prompts.render_chat(
                     [m.for_template() for m in body.messages], body.add_generation_prompt)
         except ValueError as exc:
             return error_for(exc, "tokenize")
-        return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids}
+        return {"count": len(ids), "max_model_len": svc.max_model_len, "tokens": ids}
 
-    async def http_detokenize(self, body: DetokenizeRequest):
+    async def detokenize(self, body: DetokenizeRequest):
+        svc = self.service
         if (missing := self._unknown_model(body.model)) is not None:
             return missing
-        if self.tokenizer is None:
-            return error_response(400, f"model {self.served_name!r} has no tokenizer")
+        if svc.tokenizer is None:
+            return error_response(400, f"model {svc.served_name!r} has no tokenizer")
         try:
-            self.checks.in_vocabulary(body.tokens, "tokens")
-            return {"prompt": self.tokenizer.decode(body.tokens)}
+            svc.checks.in_vocabulary(body.tokens, "tokens")
+            return {"prompt": svc.tokenizer.decode(body.tokens)}
         except ValueError as exc:
             return error_for(exc, "detokenize")
 
-    async def http_completions(self, body: CompletionRequest):
-        return await self._generate(body, TEXT, self._completion_inputs)
+    async def completions(self, body: CompletionRequest):
+        return await self._generate(body, TextChoices, self.service.completion_inputs)
 
-    async def http_chat(self, body: ChatCompletionRequest):
-        return await self._generate(body, CHAT, self._chat_inputs)
+    async def chat(self, body: ChatCompletionRequest):
+        return await self._generate(body, ChatChoices, self.service.chat_inputs)
 
-    async def _chat_inputs(self, body: ChatCompletionRequest):
-        """One prompt, the messages through the chat template; a forced tool call's grammar."""
-        ids = await self.chat_ids(body)
-        params = body.sampling_params(self.default_max_tokens, body.logprobs_asked)
-        if (calls := body.tool_grammar()) is not None:  # required / a named function
-            params = params.model_copy(update={"structured_output": calls})
-        return [ids], params, None
-
-    async def _generate(self, body, kind: str, inputs):
+    async def _generate(self, body, choices: type[Choices], inputs):
         """What both endpoints share. ``inputs(body)`` gives ``(batch, params, echo)``:
         ``batch`` the prompts' token ids, each prompt getting ``n`` choices (``index`` =
         prompt × n + choice) from ``n`` sequences, or the best ``n`` of ``best_of``; ``echo``
         each prompt's text, to put before its completions (or None). A bad request is a 400
         before any replica sees it; then an SSE stream or a whole answer."""
-        rid = f"{'chatcmpl' if kind == CHAT else 'cmpl'}-{uuid.uuid4().hex}"
+        rid = f"{'chatcmpl' if choices is ChatChoices else 'cmpl'}-{uuid.uuid4().hex}"
         if (missing := self._unknown_model(body.model)) is not None:
             return missing
         try:
-            batch, params, echo = await self.checked_inputs(inputs, body)
+            batch, params, echo = await self.service.checked_inputs(inputs, body)
         except ValueError as exc:
             return error_for(exc, rid)
+        build = choices(self.service, body, params, echo)
         if body.stream:
-            return DeferredStreamingResponse(self._sse(batch, params, rid, kind, body, echo),
+            return DeferredStreamingResponse(self._sse(batch, params, rid, build),
                                              media_type="text/event-stream")
-        return await self._complete(batch, params, rid, kind, body, echo)
+        return await self._complete(batch, params, rid, build)
 
-    def _parsing(self, body) -> tuple[bool, bool]:
-        """(reasoning, tools): what a chat answer's text is split into."""
-        return self.reasoning_parser == "qwen3", body.tool_mode != "none"
-
-    def _logprobs(self, chat: bool, chunk_or_stream, offset: int = 0) -> tuple[dict, int]:
-        c = chunk_or_stream
-        if chat:
-            return self.texts.chat(c.token_ids, c.logprobs, c.top_logprobs), offset
-        return self.texts.completion(c.token_ids, c.logprobs, c.top_logprobs, offset)
-
-    async def _complete(self, batch, params, rid, kind: str, body, echo=None):
-        feed = self._feed(batch, params, rid)
+    async def _complete(self, batch, params: SamplingParams, rid: str, build: Choices):
+        feed = self.service.feed(batch, params, rid)
         texts = [[] for _ in feed.items]
         try:
             async for index, chunk in feed:
@@ -231,112 +346,41 @@ class HttpAdapter:
             return error_for(exc, rid)
         finally:
             await feed.aclose()
-        chat = kind == CHAT
-        parsing = self._parsing(body) if chat else None
-        k, shown = params.num_sequences, params.logprobs is not None
+        k = params.num_sequences
         choices = []
         for p in range(len(batch)):
             group = feed.streams[p * k:(p + 1) * k]
             picked = best_indices(params, [sum(s.logprobs or ()) for s in group])
-            for j, g in enumerate(picked):
-                stream, text = group[g], "".join(texts[p * k + g])
-                choice = {"index": p * params.n + j, "finish_reason": stream.finish_reason,
-                          "token_ids": stream.token_ids}
-                head = echo[p] if echo else ""
-                lp = self._logprobs(chat, stream, len(head))[0] if shown else None
-                if echo and shown:  # the echoed prompt's tokens first, with their logprobs
-                    lp = self._with_prompt(lp, stream, params)
-                if body.prompt_logprobs is not None and stream.prompt_logprobs is not None:
-                    choice["prompt_logprobs"] = self.texts.prompt_field(
-                        stream.prompt_token_ids, stream.prompt_logprobs)
-                if chat:
-                    choice["message"] = _message(text, parsing)
-                    if choice["message"].get("tool_calls") and stream.finish_reason == "stop":
-                        choice["finish_reason"] = "tool_calls"
-                else:
-                    choice["text"] = head + text
-                choice["logprobs"] = lp
-                choices.append(choice)
-        usage = self._usage(feed, params, body.include_timing)
-        return {"id": rid, "object": kind, "created": int(time.time()), "model": self.served_name,
-                "choices": choices, "usage": usage}
-
-    def _with_prompt(self, lp: dict, stream: RequestStream, params: SamplingParams) -> dict:
-        """A completion's logprobs object behind its echoed prompt's."""
-        if stream.prompt_logprobs is None:
-            return lp
-        head, _ = self.texts.echoed(stream.prompt_token_ids, stream.prompt_logprobs,
-                                    bool(params.logprobs))
-        top = head["top_logprobs"] + lp["top_logprobs"] if head["top_logprobs"] is not None \
-            else None
-        return {key: head[key] + lp[key] for key in ("tokens", "token_logprobs", "text_offset")} \
-            | {"top_logprobs": top}
+            choices += [build.whole(p * params.n + j, group[g], p, "".join(texts[p * k + g]))
+                        for j, g in enumerate(picked)]
+        return {"id": rid, "object": build.kind, "created": int(time.time()),
+                "model": self.service.served_name, "choices": choices,
+                "usage": self._usage(feed, params, build.body.include_timing)}
 
     def _usage(self, feed: Merged, params: SamplingParams, timed: bool) -> dict:
         """The answer's usage, with the request's timeline when asked (one sequence only)."""
         usage = usage_of(feed.streams, feed.results, params.num_sequences)
         if timed and len(feed.streams) == 1:
-            usage["timing"] = timing_of(feed.streams[0], feed.results[0], self.replica)
+            usage["timing"] = timing_of(feed.streams[0], feed.results[0], self.service.replica)
         return usage
 
-    async def _sse(self, batch, params, rid, kind: str, body, echo=None) -> AsyncIterator[str]:
-        created = int(time.time())
-        chat = kind == CHAT
-        options = body.stream_options
+    async def _sse(self, batch, params: SamplingParams, rid: str,
+                   build: Choices) -> AsyncIterator[str]:
+        options = build.body.stream_options
         timed = options is not None and options.include_timing
-        head = {"id": rid, "object": f"{kind}.chunk" if chat else kind, "created": created,
-                "model": self.served_name}
-        feed = self._feed(batch, params, rid)  # streaming: best_of is n, so sequence i is choice i
-        shown, n = params.logprobs is not None, params.n
-        started: set[int] = set()
-        offsets = [len(echo[i // n]) if echo else 0 for i in range(len(feed.items))]
-        splitters = [StreamSplitter(*self._parsing(body)) for _ in feed.items] if chat else []
-
-        def event(index: int, chunk: Chunk) -> str:
-            choice = {"index": index, "finish_reason": chunk.finish_reason,
-                      "token_ids": chunk.token_ids}
-            lp = None
-            first = index not in started
-            if shown and chunk.token_ids:
-                lp, offsets[index] = self._logprobs(chat, chunk, offsets[index])
-                if echo and first and not chat:
-                    lp = self._with_prompt(lp, feed.streams[index], params)
-            if first and body.prompt_logprobs is not None and \
-                    feed.streams[index].prompt_logprobs is not None:
-                choice["prompt_logprobs"] = self.texts.prompt_field(
-                    feed.streams[index].prompt_token_ids, feed.streams[index].prompt_logprobs)
-            if chat:
-                splitter = splitters[index]
-                parts = splitter.feed(chunk.text) + (splitter.finish() if chunk.finished else [])
-                delta = {}
-                for part, text in parts:
-                    delta[part] = delta.get(part, "") + text
-                if calls := splitter.take_calls():  # as they are generated
-                    delta["tool_calls"] = calls
-                if splitter.tool_calls and chunk.finish_reason == "stop":
-                    choice["finish_reason"] = "tool_calls"
-                choice["delta"] = delta or {"content": ""}
-            else:
-                text = chunk.text
-                if echo and index not in started:
-                    text = echo[index // n] + text
-                choice["text"] = text
-            choice["logprobs"] = lp
-            started.add(index)
-            obj = {**head, "choices": [choice]}
-            if timed:
-                obj["produced_at"] = chunk.produced_at
-            return _event(obj)
-
+        head = {"id": rid, "object": f"{build.kind}.chunk" if build.kind == CHAT else build.kind,
+                "created": int(time.time()), "model": self.service.served_name}
+        feed = self.service.feed(batch, params, rid)  # streaming: best_of is n
         sent = False
         try:
             async for index, chunk in feed:
-                if chat and index not in started:
-                    yield _event({**head, "choices": [{
-                        "index": index, "finish_reason": None, "token_ids": [],
-                        "delta": {"role": "assistant", "content": ""}, "logprobs": None}]})
+                if (opening := build.opening(index)) is not None:
+                    yield _event({**head, "choices": [opening]})
                 sent = True
-                yield event(index, chunk)
+                obj = {**head, "choices": [build.delta(index, chunk, feed.streams[index])]}
+                if timed:
+                    obj["produced_at"] = chunk.produced_at
+                yield _event(obj)
         except Exception as exc:  # noqa: BLE001 - before the first chunk: a real status code
             if not sent:
                 raise Refused(error_for(exc, rid)) from exc

@@ -112,7 +112,7 @@ class Merged:
     once all have ended; ``aclose`` stops what still runs (a client that left, a failed
     batch)."""
 
-    def __init__(self, router: "RequestService", items: list[tuple[list[int], SamplingParams]],
+    def __init__(self, router: RequestService, items: list[tuple[list[int], SamplingParams]],
                  rids: list[str]):
         self.router, self.items, self.rids = router, items, rids
         self.streams: list[RequestStream] = []
@@ -183,7 +183,9 @@ def warn_if_open_without_key(api_key: str | None) -> None:
 
 
 class RequestService:
-    """One ingress replica's requests, whichever protocol they came in by."""
+    """One ingress replica's requests, whichever protocol they came in by. The protocol adapters
+    hold one (:class:`~router.ingress.http.HttpAdapter`, :class:`~router.ingress.grpc_api.
+    GrpcAdapter`) and only translate."""
 
     def __init__(self, decode, model: str, served_name: str, max_model_len: int | None,
                  config: dict | None = None, engine: dict | None = None):
@@ -300,7 +302,7 @@ class RequestService:
             raise UnknownModel(f"model {name!r} does not exist; this server serves "
                                f"{self.served_name!r}")
 
-    async def _completion_inputs(self, body: CompletionRequest):
+    async def completion_inputs(self, body: CompletionRequest):
         """One prompt or a batch (text or ids), ``best_of``; with ``echo``, each prompt's text."""
         prompts = body.prompts()
         batch = [await self.prompt_ids(p) for p in prompts]
@@ -308,6 +310,14 @@ class RequestService:
         echo = [p if isinstance(p, str) else self._text(ids)
                 for p, ids in zip(prompts, batch)] if body.echo else None
         return batch, params, echo
+
+    async def chat_inputs(self, body: ChatCompletionRequest):
+        """One prompt, the messages through the chat template; a forced tool call's grammar."""
+        ids = await self.chat_ids(body)
+        params = body.sampling_params(self.default_max_tokens, body.logprobs_asked)
+        if (calls := body.tool_grammar()) is not None:  # required / a named function
+            params = params.model_copy(update={"structured_output": calls})
+        return [ids], params, None
 
     def _text(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
@@ -327,7 +337,7 @@ class RequestService:
             self.checks.fits(len(ids), params)
         return batch, params, echo
 
-    def _feed(self, batch, params: SamplingParams, rid: str) -> Merged:
+    def feed(self, batch, params: SamplingParams, rid: str) -> Merged:
         """Every sequence of the request, prompt by prompt (``num_sequences`` each), merged;
         one sequence keeps the request's id, several get ``<id>-<i>``."""
         children = fan_out(params)

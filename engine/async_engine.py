@@ -117,6 +117,7 @@ class AsyncEngine:
     # -- the thread -------------------------------------------------------------------------
     def _run(self) -> None:
         try:
+            was_busy = False
             while not self._stop.is_set():
                 ran = self._drain()
                 busy = False
@@ -128,10 +129,13 @@ class AsyncEngine:
                     if outputs:
                         self._on_outputs(outputs)
                 else:
-                    if ran:
+                    # Commands and tickers change the engine too (a finished transfer gives
+                    # its blocks back): published after any turn that ran them.
+                    if ran or busy or was_busy:
                         self.feed.publish(self.engine)
                     self._wake.wait(BUSY_POLL_S if busy else IDLE_WAIT_S)
                     self._wake.clear()
+                was_busy = busy
         except BaseException as exc:  # noqa: BLE001 - fail every waiter, loudly
             log.exception("engine thread died")
             self.error = exc

@@ -152,3 +152,31 @@ def test_other_threads_read_the_snapshot_the_engine_thread_publishes(aengine, of
     assert len(feed.drain(feed.queue_times)) == len(PROMPTS)
     assert not aengine.engine.step_samples and not aengine.engine.scheduler.queue_times
     assert feed.drain(feed.step_samples) == []  # taken once
+
+
+def test_the_snapshot_follows_what_tickers_change(aengine):
+    """A ticker's work changes the engine outside any step (a finished push gives its held
+    blocks back): the snapshot shows it once that work is done, not only after the next step."""
+    state = {"ticks": 0, "release": False}
+
+    def ticker() -> bool:  # a transfer in flight for a few turns, then done: blocks released
+        if not state["release"]:
+            return False
+        state["ticks"] += 1
+        if state["ticks"] < 5:
+            return True
+        aengine.engine.release_held_blocks("held")
+        state["release"] = False
+        return False
+
+    aengine.add_ticker(ticker)
+
+    async def main():
+        await aengine.run(PROMPTS[2], GREEDY.model_copy(update={"max_tokens": 1}), "held",
+                          hold_blocks=True)
+        await _until(lambda: aengine.feed.latest.kv_blocks_used > 0)
+        state["release"] = True
+        await _until(lambda: aengine.feed.latest.kv_blocks_used == 0)
+
+    asyncio.run(main())
+    assert state["ticks"] == 5

@@ -600,6 +600,9 @@ def main(argv=None) -> None:
     p.add_argument("--clients", type=int, default=None, help="client processes")
     p.add_argument("--zero-load", type=int, default=8, help="single requests for zero-load TTFT")
     p.add_argument("--stub-forward", action="store_true")
+    p.add_argument("--plain-ray", action="store_true",
+                   help="start Ray without Baton's settings (Serve's Python proxy, no "
+                        "throughput profile), as on a Ray the user started")
     p.add_argument("--switch-interval", type=float, default=None)
     p.add_argument("--no-gc-freeze", action="store_true",
                    help="leave the replicas' start-up heap to the garbage collector")
@@ -673,7 +676,12 @@ def main(argv=None) -> None:
     import ray
 
     from deploy import ray_env
-    out["ray_env"] = ray_env.apply()
+    if args.plain_ray:  # as a user's own `ray start` would: none of Baton's settings
+        for key in (*ray_env.serve_env(), *ray_env.local_env(), "BATON_GRPC_HOST"):
+            os.environ.pop(key, None)
+        out["ray_env"] = {}
+    else:
+        out["ray_env"] = ray_env.apply()
     path = os.pathsep.join(p for p in (HERE, os.environ.get("PYTHONPATH", "")) if p)
     env_vars = {"PYTHONPATH": path}  # replicas import the checkout
     if args.stub_forward:

@@ -4,10 +4,12 @@ Router → DecodeServer (→ PrefillServer in disaggregated mode)."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from ray.serve import Application
 
+from deploy import ray_env
 from deploy.config import BatonConfig, RoleConfig
 
 
@@ -39,6 +41,7 @@ def build_app(args: dict[str, Any] | BatonConfig | None = None) -> Application:
     from router.ingress.app import Router
 
     cfg = args if isinstance(args, BatonConfig) else BatonConfig(**(args or {}))
+    ray_env.warn_if_unconfigured(logging.getLogger("ray.serve"))
     backend = cfg.transfer.backend  # auto: chosen per replica pair at each push
     prefill = None
     if cfg.mode == "disaggregated":

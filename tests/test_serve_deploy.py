@@ -174,3 +174,28 @@ def test_cluster_configs_install_baton_and_start_ray(name):
                 setting = f'{key}="{value}" ' if " " in value else f"{key}={value} "
                 assert any(setting in c.split("ray start")[0]
                            for c in cluster[commands] if "ray start" in c), (key, commands)
+
+
+def test_build_app_says_once_what_an_unconfigured_ray_lacks(monkeypatch, caplog):
+    """On a Ray started without Baton's settings the app still builds, and the builder says so
+    once, naming each missing variable and how to start Ray with it; with them, nothing."""
+    import logging
+
+    from deploy import app as app_module
+
+    for key in ray_env.serve_env():
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setattr(ray_env, "_WARNED", [])
+    with caplog.at_level(logging.WARNING, logger="ray.serve"):
+        app_module.build_app({"mode": "colocated"})
+        app_module.build_app({"mode": "colocated"})
+    said = [r.getMessage() for r in caplog.records if "serving settings" in r.getMessage()]
+    assert len(said) == 1
+    assert "RAY_SERVE_THROUGHPUT_OPTIMIZED=1" in said[0] and "ray start --head" in said[0]
+    monkeypatch.setattr(ray_env, "_WARNED", [])
+    for key, value in ray_env.serve_env().items():
+        monkeypatch.setenv(key, value)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="ray.serve"):
+        app_module.build_app({"mode": "colocated"})
+    assert not [r for r in caplog.records if "serving settings" in r.getMessage()]

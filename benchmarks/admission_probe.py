@@ -19,6 +19,8 @@ from pathlib import Path
 
 import yaml
 
+from loadtests import sse
+
 
 def _first_token(url: str, body: dict, timeout: float) -> tuple[int, float]:
     import requests
@@ -28,8 +30,8 @@ def _first_token(url: str, body: dict, timeout: float) -> tuple[int, float]:
                        timeout=timeout) as resp:
         if resp.status_code != 200:
             return resp.status_code, time.monotonic() - t0
-        for line in resp.iter_lines():
-            if line.startswith(b"data: {") and json.loads(line[6:]).get("choices"):
+        for event in sse.events(resp.iter_lines()):
+            if event.get("choices"):
                 return 200, time.monotonic() - t0
     return resp.status_code, time.monotonic() - t0
 

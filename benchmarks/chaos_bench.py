@@ -23,6 +23,8 @@ import time
 
 import requests
 
+from loadtests import sse
+
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -58,17 +60,12 @@ def stream(url: str, prompt: list[int], max_tokens: int, rec: dict, timeout: flo
         if resp.status_code != 200:
             rec["error"] = f"HTTP {resp.status_code}: {resp.text[:200]}"
             return
-        for line in resp.iter_lines():
-            if not line.startswith(b"data: {"):
-                continue
-            event = json.loads(line[6:])
-            if "error" in event:
-                rec["error"] = str(event["error"])[:200]
-            for choice in event.get("choices", []):
-                n = len(choice.get("token_ids") or [])
-                if n:
-                    rec["tokens"] += n
-                    rec["times"].append(time.perf_counter())
+        for event in sse.events(resp.iter_lines()):
+            if (error := sse.failure(event)) is not None:
+                rec["error"] = error[:200]
+            if n := len(sse.token_ids(event)):
+                rec["tokens"] += n
+                rec["times"].append(time.perf_counter())
     except Exception as exc:  # noqa: BLE001 - reported
         rec["error"] = repr(exc)[:200]
 
@@ -102,7 +99,7 @@ def main() -> None:
     from deploy import ray_env
     from deploy.app import build_app
     from deploy.cli import wait_ready
-    from engine.loader import resolve_model
+    from engine.model_source import resolve_model
 
     gpu = torch.cuda.is_available()
     share = args.gpus_per_role if args.gpus_per_role is not None else \

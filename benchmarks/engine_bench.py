@@ -339,7 +339,7 @@ def prefill(model: str, ceil: dict, lengths=(1024, 2048, 8192)) -> list[dict]:
 def hf_generate(model: str, prompt_len: int = 128, new: int = 128) -> dict:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from engine.loader import resolve_model
+    from engine.model_source import resolve_model
     shape = resolve_model(model).config
     config = Qwen3Config(
         vocab_size=shape.vocab_size, hidden_size=shape.hidden_size,

@@ -95,7 +95,8 @@ def formats(model: str = "dummy:Qwen3-0.6B") -> list[dict]:
     checkpoints of their dequantized weights; compare each pair."""
     from safetensors.torch import save_file
 
-    from engine.loader import load_model, resolve_model
+    from engine.loader import load_model
+    from engine.model_source import resolve_model
     from kernels.fp8 import dequantize, quantize_per_block, quantize_per_channel
     from tests.test_fp8 import COMPRESSED, QWEN_FP8
 

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from benchmarks.engine_bench import ceilings, graph_us
 from benchmarks.gemv_bench import SPILL_BYTES, projections
-from engine.loader import resolve_model
+from engine.model_source import resolve_model
 from kernels.fp8 import (FP8, fp8_block_mm, fp8_block_scaled_mm, fp8_gemv, fp8_gemv_config,
                          fp8_gemv_reference, fp8_scaled_mm, fp8_skinny_mm, quantize_per_block,
                          quantize_per_channel,

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.engine_bench import ceilings, graph_us
-from engine.loader import resolve_model
+from engine.model_source import resolve_model
 from kernels._triton import tl, triton
 from kernels.gemv import GemvConfig, gemv
 

@@ -39,6 +39,8 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from multiprocessing import get_context
 
+from loadtests import sse
+
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -101,13 +103,10 @@ async def _http_one(session, url: str, index: int, prompt, max_tokens: int, time
             if resp.status != 200:
                 rec.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
                 return rec
-            async for line in resp.content:
-                if not line.startswith(b"data: {"):
-                    continue
+            async for ev in sse.aevents(resp.content):
                 now = time.time()
-                ev = json.loads(line[6:])
-                if "error" in ev:
-                    rec.error = str(ev["error"])
+                if (error := sse.failure(ev)) is not None:
+                    rec.error = error
                     break
                 if ev["choices"]:
                     toks = ev["choices"][0]["token_ids"]
@@ -642,7 +641,7 @@ def main(argv=None) -> None:
         engine["enforce_eager"] = True
 
     g = torch.Generator().manual_seed(0)
-    from engine.loader import resolve_model
+    from engine.model_source import resolve_model
     vocab = min(resolve_model(args.model).config.vocab_size, 150000)
     prompts = torch.randint(10, vocab, (max(args.streams), args.input_len), generator=g).tolist()
 

@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
 
 import requests
+
+from loadtests import sse
 
 from deploy.ray_env import free_port
 
@@ -46,15 +47,11 @@ def run_layout(config: dict, prompts, max_tokens: int, timeout: float) -> list[d
                                    "ignore_eos": True, "stream": True,
                                    "stream_options": {"include_usage": True}})
         times, tokens, usage = [], [], None
-        for line in resp.iter_lines():
-            if not line.startswith(b"data: {"):
-                continue
-            ev = json.loads(line[6:])
+        for ev in sse.events(resp.iter_lines()):
             usage = ev.get("usage") or usage
-            for c in ev.get("choices", []):
-                if c["token_ids"]:
-                    times.append(time.perf_counter() - t0)
-                    tokens += c["token_ids"]
+            if new := sse.token_ids(sse.check(ev)):
+                times.append(time.perf_counter() - t0)
+                tokens += new
         decode_s = times[-1] - times[0]
         rows.append(dict(mode=config["mode"], prompt_tokens=len(prompt), tokens=tokens,
                          ttft_ms=times[0] * 1e3,
@@ -118,7 +115,7 @@ def main(argv=None) -> None:
     ray.init(address="local", include_dashboard=False, log_to_driver=False,  # its own Ray
              logging_level="ERROR")
     gen = torch.Generator().manual_seed(0)
-    from engine.loader import resolve_model
+    from engine.model_source import resolve_model
     vocab = resolve_model(args.model).config.vocab_size
     prompts = [torch.randint(10, vocab - 1, (n,), generator=gen).tolist()
                for n in args.lengths] * args.repeat

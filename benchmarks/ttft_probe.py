@@ -141,7 +141,7 @@ def main() -> None:
         kw["gpu_memory_utilization"] = 0.4
     config = EngineConfig(**kw)
     g = torch.Generator().manual_seed(1)
-    from engine.loader import resolve_model
+    from engine.model_source import resolve_model
     vocab = min(resolve_model(args.model).config.vocab_size, 150000)
 
     def fresh(n):

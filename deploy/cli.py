@@ -16,6 +16,7 @@ import sys
 import time
 
 from deploy.ray_env import LOOPBACK, free_port
+from loadtests import sse
 
 DEMO_PROMPTS = [
     "The quick brown fox",
@@ -191,12 +192,9 @@ def _demo_http(url: str, prompt, max_tokens: int, timeout: float, requests) -> N
     resp.raise_for_status()
     print(f"HTTP > {prompt!r}\n  ", end="", flush=True)
     ttft, usage, ids = None, None, []
-    for line in resp.iter_lines():
-        if not line.startswith(b"data: ") or line == b"data: [DONE]":
-            continue
-        event = json.loads(line[6:])
-        if "error" in event:
-            raise RuntimeError(event["error"]["message"])
+    for event in sse.events(resp.iter_lines()):
+        if (error := sse.failure(event)) is not None:
+            raise RuntimeError(error)
         if event.get("usage"):
             usage = event["usage"]
         for choice in event["choices"]:
@@ -311,7 +309,7 @@ def cmd_serve(args) -> None:
         config = yaml.safe_load(open(args.target))
     else:
         args.model = args.target
-        from engine.loader import resolve_model
+        from engine.model_source import resolve_model
         resolve_model(args.model)  # a clear error now, not in a replica's log later
         config = serve_config_from_flags(args)
     if args.print_config:

@@ -15,9 +15,7 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-# re-exported: what callers of the loader have always imported from it
-from engine.model_source import (DUMMY_PREFIX, ModelSource, dummy_names,  # noqa: F401
-                                 find_in_hf_cache, hf_cache_dir, load_tokenizer, resolve_model)
+from engine.model_source import ModelSource
 from engine.models.qwen3 import PACKED_MODULES, Qwen3ForCausalLM
 from engine.parallel import tp
 from engine.quantization import (Fp8Scheme, fill_shard, init_random, mark_quantized,

@@ -21,7 +21,6 @@ each user sends its next request when its last one ends (``-u`` users; stop with
 from __future__ import annotations
 
 import itertools
-import json
 import time
 from dataclasses import dataclass
 
@@ -32,7 +31,7 @@ from locust import User, constant, events, task
 from locust.exception import StopUser
 from locust.stats import CSV_STATS_INTERVAL_SEC
 
-from loadtests import workloads
+from loadtests import sse, workloads
 from loadtests.metrics import RequestRecord
 
 
@@ -259,17 +258,13 @@ class OpenAIStreamUser(StreamingUser):
                                timeout=(10, opts.request_timeout)) as resp:
             if resp.status_code != 200:
                 raise StreamError(f"HTTP {resp.status_code}: {resp.text[:300]}")
-            for line in resp.iter_lines(chunk_size=None):
-                if not line.startswith(b"data: "):
-                    continue
-                if line == b"data: [DONE]":
-                    return
-                yield _sse_message(json.loads(line[6:]))
+            for event in sse.events(resp.iter_lines(chunk_size=None)):
+                yield _sse_message(event)
 
 
 def _sse_message(event: dict) -> StreamMessage:
-    if "error" in event:
-        raise StreamError(event["error"].get("message", str(event["error"])))
+    if (error := sse.failure(event)) is not None:
+        raise StreamError(error)
     tokens, finish = 0, None
     for choice in event.get("choices", []):
         if "token_ids" in choice:  # Baton's extension: exact

@@ -237,7 +237,7 @@ def build(spec: WorkloadSpec, maker: PromptMaker) -> list[LoadRequest]:
 def prompt_maker(model: str, prompt_format: Literal["auto", "ids", "text"] = "auto"):
     """Token ids for a model without a tokenizer, text otherwise (``auto``). Reads the model's
     config and tokenizer files only; no weights are loaded."""
-    from engine.loader import load_tokenizer, resolve_model
+    from engine.model_source import load_tokenizer, resolve_model
 
     source = resolve_model(model)
     tokenizer = load_tokenizer(source) if prompt_format != "ids" else None

@@ -84,7 +84,7 @@ def test_whole_texts():
 def test_tool_grammar_admits_calls_of_the_offered_functions_only():
     import xgrammar as xgr
 
-    from engine.loader import load_tokenizer, resolve_model
+    from engine.model_source import load_tokenizer, resolve_model
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
         "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}},
              {"type": "function", "function": {"name": "now"}}]

@@ -8,7 +8,7 @@ import pytest
 
 from engine import LLM, OutputCollector, SamplingParams
 from engine.detokenizer import IncrementalDetokenizer, decoder_of
-from engine.loader import load_tokenizer, resolve_model
+from engine.model_source import load_tokenizer, resolve_model
 from engine.outputs import RequestOutput
 
 

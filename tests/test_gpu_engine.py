@@ -294,7 +294,7 @@ def test_structured_output_under_cuda_graphs(tmp_path):
 
 
 def test_greedy_tokens_match_transformers_qwen3_06b_float32():
-    from engine.loader import resolve_model
+    from engine.model_source import resolve_model
     from engine.tiny import write_random_qwen3
     from tests.models import hf_greedy
 

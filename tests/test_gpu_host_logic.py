@@ -74,7 +74,7 @@ def test_every_qwen3_size_gets_a_decode_kernel_flashinfer_builds():
     """Qwen3-14B's 40:8 heads (group 5) have no CUDA-core decode build: tensor cores; the
     others keep what was measured faster (CUDA cores below a group of 8)."""
     from engine.attention.base import CUDA_CORE_DECODE_GROUPS, default_decode_tensor_cores
-    from engine.loader import dummy_names, resolve_model
+    from engine.model_source import dummy_names, resolve_model
 
     chosen = {}
     for name in dummy_names():

@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine import LLM, SamplingParams
-from engine.loader import dummy_names
+from engine.model_source import dummy_names
 from tests.models import model_path, random_prompts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -88,7 +88,7 @@ def test_tiny_has_a_tokenizer_and_chat_template():
 
 
 def test_a_repo_id_resolves_from_the_local_hugging_face_cache(checkpoint, tmp_path, monkeypatch):
-    from engine.loader import resolve_model
+    from engine.model_source import resolve_model
 
     hub = tmp_path / "hub"
     repo = hub / "models--acme--qwen3-small"

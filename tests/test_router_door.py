@@ -10,7 +10,7 @@ from importlib import resources
 
 import pytest
 
-from engine.loader import load_tokenizer, resolve_model
+from engine.model_source import load_tokenizer, resolve_model
 from router.ingress.door import APIKeyMiddleware, BodyLimitMiddleware
 from router.ingress.errors import RequestTimeout, describe, log_failure
 from router.ingress.prompts import INLINE_CHARS, SLICE_CHARS, PromptEncoder

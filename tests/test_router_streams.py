@@ -10,7 +10,7 @@ import pytest
 from contracts import TokenDelta
 from engine import SamplingParams
 from engine.detokenizer import IncrementalDetokenizer
-from engine.loader import load_tokenizer, resolve_model
+from engine.model_source import load_tokenizer, resolve_model
 from router.ingress.streams import RequestStream, RequestTimeout
 
 

@@ -13,7 +13,7 @@ import argparse
 import flashinfer
 import torch
 
-from benchmarks.engine_bench import _cuda_ms
+from benchmarks.lib import cuda_ms
 
 
 def bench(hq: int, hk: int, batch: int, ctx: int, tensor_cores: bool, d: int = 128,
@@ -28,7 +28,7 @@ def bench(hq: int, hk: int, batch: int, ctx: int, tensor_cores: bool, d: int = 1
     w.plan(indptr, indices, last, hq, hk, d, page, q_data_type=torch.bfloat16,
            kv_data_type=torch.bfloat16)
     q = torch.randn(batch, hq, d, dtype=torch.bfloat16, device="cuda")
-    return _cuda_ms(lambda: w.run(q, cache), reps=20) * 1e3
+    return cuda_ms(lambda: w.run(q, cache), reps=20) * 1e3
 
 
 def main() -> None:

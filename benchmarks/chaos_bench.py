@@ -23,32 +23,8 @@ import time
 
 import requests
 
+from benchmarks.lib import local_ray, migrations, replica_pids, served
 from loadtests import sse
-
-HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def replica_pids(deployment: str) -> list[int]:
-    """PIDs of the deployment's replicas (by process title); when this driver started the local
-    Ray cluster, only that cluster's (children of its raylet: another cluster on the machine
-    has replicas of the same title)."""
-    from ray.thirdparty_files import psutil
-
-    raylet = _own_raylet_pid()
-    return [p.pid for p in psutil.process_iter(["cmdline", "ppid"])
-            if f"ServeReplica:baton:{deployment}" in " ".join(p.info["cmdline"] or [])
-            and (raylet is None or p.info["ppid"] == raylet)]
-
-
-def _own_raylet_pid() -> int | None:
-    import ray
-    from ray._private import ray_constants
-
-    node = ray._private.worker._global_node if ray.is_initialized() else None
-    procs = getattr(node, "all_processes", None) or {}
-    raylets = procs.get(ray_constants.PROCESS_TYPE_RAYLET) or []
-    return raylets[0].process.pid if raylets else None
-
 
 def stream(url: str, prompt: list[int], max_tokens: int, rec: dict, timeout: float) -> None:
     """One streaming completion; ``rec`` gets token count, arrival times and any error."""
@@ -70,13 +46,6 @@ def stream(url: str, prompt: list[int], max_tokens: int, rec: dict, timeout: flo
         rec["error"] = repr(exc)[:200]
 
 
-def migrations(url: str) -> float:
-    for line in requests.get(f"{url}/metrics", timeout=10).text.splitlines():
-        if line.startswith("baton_request_migrations_total "):
-            return float(line.split()[1])
-    return 0.0
-
-
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="tiny")
@@ -92,14 +61,7 @@ def main() -> None:
     p.add_argument("--json", default=None)
     args = p.parse_args()
 
-    import ray
     import torch
-    from ray import serve
-
-    from deploy import ray_env
-    from deploy.app import build_app
-    from deploy.cli import wait_ready
-    from engine.model_source import resolve_model
 
     gpu = torch.cuda.is_available()
     share = args.gpus_per_role if args.gpus_per_role is not None else \
@@ -112,19 +74,24 @@ def main() -> None:
               "decode": {**role, "num_replicas": args.decode_replicas},
               "router": {"num_replicas": 2, "request_timeout_s": args.timeout},
               "transfer": {"backend": args.backend}}
-    ray_env.apply()
-    path = os.pathsep.join(x for x in (HERE, os.environ.get("PYTHONPATH", "")) if x)
-    ray.init(address="local", num_cpus=max(4, os.cpu_count() or 2), include_dashboard=False,
-             log_to_driver=False, logging_level="ERROR",
-             runtime_env={"env_vars": {"PYTHONPATH": path}})
-    port = 18000 + os.getpid() % 1000
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    t0 = time.time()
-    serve.run(build_app(config), name="baton", route_prefix="/", blocking=False)
-    url = f"http://127.0.0.1:{port}"
-    wait_ready(url, args.timeout)
-    print(f"1P{args.decode_replicas}D of {args.model} ready in {time.time() - t0:.0f}s "
-          f"({share:g} GPU each)", flush=True)
+    with local_ray(), served(config, args.timeout) as app:
+        print(f"1P{args.decode_replicas}D of {args.model} ready in {app.ready_s:.0f}s "
+              f"({share:g} GPU each)", flush=True)
+        out = kill_under_load(app.url, args)
+    out.update(model=args.model, device=torch.cuda.get_device_name() if gpu else "cpu",
+               date=time.strftime("%Y-%m-%d"), decode_replicas=args.decode_replicas,
+               gpus_per_role=share)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    sys.exit(1 if out["failed"] or out["cut_short"] else 0)
+
+
+def kill_under_load(url: str, args) -> dict:
+    """The streams, the kill once each has ``kill_after`` tokens, and what the clients saw."""
+    import torch
+
+    from engine.model_source import resolve_model
 
     g = torch.Generator().manual_seed(0)
     vocab = min(resolve_model(args.model).config.vocab_size, 150000)
@@ -160,23 +127,14 @@ def main() -> None:
     typical = statistics.median(
         statistics.median([b - a for a, b in zip(r["times"], r["times"][1:])] or [0.0])
         for r in recs if not r["error"]) * 1e3
-    out = {"model": args.model, "device": torch.cuda.get_device_name() if gpu else "cpu",
-           "date": time.strftime("%Y-%m-%d"), "streams": args.streams,
-           "output_len": args.output_len, "decode_replicas": args.decode_replicas,
-           "gpus_per_role": share, "failed": len(failed), "cut_short": len(short),
-           "migrations": moved, "gap_across_kill_ms": across,
-           "typical_gap_ms": typical, "longest_gap_ms": max(longest_gap(r) for r in recs) * 1e3,
-           "first_error": failed[0]["error"] if failed else None}
     print(f"streams {args.streams}, failed {len(failed)}, cut short {len(short)}, "
           f"migrations {moved:g}; token gap across the kill (ms): p50 "
           f"{statistics.median(across):.0f}, max {max(across):.0f}; typical gap "
           f"{typical:.1f} ms", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
-    serve.shutdown()
-    ray.shutdown()
-    sys.exit(1 if failed or short else 0)
+    return {"streams": args.streams, "output_len": args.output_len, "failed": len(failed),
+            "cut_short": len(short), "migrations": moved, "gap_across_kill_ms": across,
+            "typical_gap_ms": typical, "longest_gap_ms": max(longest_gap(r) for r in recs) * 1e3,
+            "first_error": failed[0]["error"] if failed else None}
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ import torch
 from contracts import TokenSink
 from decode_worker.server import DecodeServer
 from engine import LLM, EngineConfig, SamplingParams
-from benchmarks.transfer_bench import copy_ceiling
+from benchmarks.lib import copy_ceiling
 from tests.roles import Peer, PeerPrefillHandle, generate
 
 

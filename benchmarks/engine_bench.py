@@ -37,53 +37,9 @@ import time
 
 import torch
 
+from benchmarks.lib import ceilings, cuda_ms
 from engine import EngineConfig, SamplingParams
 from engine.llm_engine import LLMEngine
-
-
-def _cuda_ms(fn, reps: int = 10) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
-def graph_us(run, items, reps: int = 10) -> float:
-    """µs per ``run(item)``: one CUDA graph calling it for every item in order, replayed
-    ``reps`` times (items such as one weight or cache per layer keep L2 from serving them)."""
-    for item in items[:2]:
-        run(item)  # compile, settle
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for item in items:
-            run(item)
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / (reps * len(items))
-
-
-def ceilings() -> dict:
-    a = torch.empty(2**30, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    copy_gbs = 2 * a.numel() / _cuda_ms(lambda: b.copy_(a)) / 1e6
-    del a, b
-    n = 8192
-    x, y = (torch.randn(n, n, dtype=torch.bfloat16, device="cuda") for _ in range(2))
-    tflops = 2 * n**3 / _cuda_ms(lambda: x @ y) / 1e9
-    return {"copy_GBps": round(copy_gbs, 1), "gemm_TFLOPs": round(tflops, 1)}
 
 
 class Recorder:
@@ -152,7 +108,7 @@ def onerow(model: str, batches=(1, 64)) -> dict:
 
     def replay_ms(size: int) -> float:
         graphs.capture(progress=False)
-        return _cuda_ms(graphs.graphs[size].replay, reps=50)
+        return cuda_ms(graphs.graphs[size].replay, reps=50)
 
     row = {"task": "onerow", "model": model, "weights": engine.weights_name}
     row["batch1_engine_ms"] = round(replay_ms(1), 4)

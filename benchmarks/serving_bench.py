@@ -39,7 +39,9 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from multiprocessing import get_context
 
+from benchmarks.lib import local_ray, served
 from loadtests import sse
+from loadtests.layouts import Resources, parse_layout
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -385,22 +387,24 @@ def colocated(layout: str) -> bool:
 
 
 def layout_config(layout: str, engine: dict, args) -> dict:
-    if colocated(layout):
-        split = {"tensor_parallel_size": layout_tp(layout)} if layout_tp(layout) > 1 else {}
-        return {"mode": "colocated", "engine": engine,
-                "decode": {"num_gpus": args.colo_gpus, "num_cpus": args.role_cpus,
-                           "max_ongoing_requests": 4096, "max_queued_requests": -1, **split},
-                "router": {"num_replicas": args.routers, "num_cpus": 0.25,
-                           "request_timeout_s": args.timeout}}
-    role = {"num_gpus": args.gpus_per_role, "num_cpus": args.role_cpus,
-            "max_ongoing_requests": 4096, "max_queued_requests": -1}  # throughput, not admission
-    if "gpu_memory_utilization" in engine and args.gpus_per_role < 1:  # a share of one GPU each
-        role["engine"] = {"gpu_memory_utilization":
-                          engine["gpu_memory_utilization"] * args.gpus_per_role}
-    return {"mode": "disaggregated", "engine": engine, "prefill": role, "decode": role,
-            "router": {"num_replicas": args.routers, "num_cpus": 0.25,
-                       "request_timeout_s": args.timeout},
-            "transfer": {"backend": args.backend}}
+    """The app config of a layout (``loadtests.layouts``'s, plus ``-tpN``): every replica takes
+    whatever it is sent (throughput, not admission, is measured); replicas that share a GPU
+    each size their KV cache by their share of it."""
+    shape = parse_layout(layout.split("-tp", 1)[0])
+    gpus = args.colo_gpus if shape.colocated else args.gpus_per_role
+    config = shape.app_config(engine, Resources(num_gpus=gpus, num_cpus=args.role_cpus),
+                              transfer={"backend": args.backend},
+                              router={"num_replicas": args.routers,
+                                      "request_timeout_s": args.timeout})
+    for role in ("prefill", "decode"):
+        if role in config:
+            config[role].update(max_ongoing_requests=4096, max_queued_requests=-1)
+            if not shape.colocated and "gpu_memory_utilization" in engine and gpus < 1:
+                config[role]["engine"] = {
+                    "gpu_memory_utilization": engine["gpu_memory_utilization"] * gpus}
+    if layout_tp(layout) > 1:
+        config["decode"]["tensor_parallel_size"] = layout_tp(layout)
+    return config
 
 
 def run_point(pool, protocol, address, prompts, n, max_tokens, clients, timeout):
@@ -463,65 +467,54 @@ def check_fits(layout: str, config: dict) -> None:
 
 
 def serve_layout(layout, config, args, pool, prompts, offline_tokens, fresh_prompts, out):
-    from ray import serve
-
-    from deploy.app import build_app
-    from deploy.cli import wait_ready
-    from deploy.ray_env import free_port
-
     check_fits(layout, config)
-    port, grpc_port = free_port(), free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port},
-                grpc_options={"port": grpc_port,
-                              "grpc_servicer_functions":
-                                  ["proto.servicer.add_to_server"]})
-    t0 = time.time()
-    serve.run(build_app(config), name="baton", route_prefix="/", blocking=False)
-    wait_ready(f"http://127.0.0.1:{port}", args.timeout)
-    print(f"{layout}: ready in {time.time() - t0:.0f}s", flush=True)
-    addresses = {"http": f"http://127.0.0.1:{port}", "grpc": f"127.0.0.1:{grpc_port}"}
-    addresses["http-untimed"] = addresses["http"]
-    try:
+    with served(config, args.timeout) as app:
+        print(f"{layout}: ready in {app.ready_s:.0f}s", flush=True)
+        addresses = {"http": app.url, "grpc": app.grpc, "http-untimed": app.url}
         for protocol in args.protocols:
-            address = addresses[protocol]
-            # Warm-up: connections, channels, graphs, and every point's batch shapes.
-            for n in warm_up_sizes(prompts, args.streams):
-                run_point(pool, protocol, address, prompts, n, 8, args.clients, args.timeout)
-            reset_prefix_caches(layout)
-            jobs = list(enumerate(fresh_prompts(args.zero_load + 1)))  # no prefix-cache hit
-            zero = pool.submit(client_process, protocol, address, jobs, 0.0, 2, args.timeout,
-                               True).result(timeout=args.timeout + 60)
-            ok = [r for r in zero if not r["error"]]
-            out.setdefault("zero_load", {})[f"{layout}/{protocol}"] = {
-                "ttft_ms": statistics.median([(r["first"] - r["sent"]) * 1e3 for r in ok])
-                if ok else float("nan"),
-                "errors": len(zero) - len(ok), "hops_ms": breakdown(ok)}
-            for n in args.streams:
-                out["marks"].append((time.time(), f"{layout} {protocol} {n}"))
-                meter = CpuMeter()
-                spy = start_py_spy(meter.pid("decode"), args, f"{layout}-{protocol}-{n}")
-                meter.start()
-                reset_prefix_caches(layout)
-                roles = ("DecodeServer",) + (("PrefillServer",) if not colocated(layout) else ())
-                before = {role: engine_stats(role) for role in roles}
-                records, wall = run_point(pool, protocol, address, prompts, n, args.output_len,
-                                          args.clients, args.timeout)
-                rates = {role: engine_rates(before[role], engine_stats(role), wall)
-                         for role in roles}
-                engine_row = rates["DecodeServer"]
-                if spy is not None:
-                    spy.wait(timeout=60)
-                row = {"layout": layout, "protocol": protocol, "streams": n,
-                       **summarize(records, offline_tokens[n], wall), "cpu": meter.stop(),
-                       "decode_engine": engine_row, "hops_ms": breakdown(records),
-                       "prefill_engine": rates.get("PrefillServer")}
-                out["served"].append(row)
-                print(f"  {layout} {protocol} {n:4d} streams: {row['tok_s']:9.0f} tok/s, TTFT p50 "
-                      f"{row['ttft_p50_ms']:.0f} ms, delay p99 {row['delay_p99_ms']:.1f} ms, "
-                      f"{row['tokens_per_chunk']:.2f} tok/chunk, errors {row['errors']}",
-                      flush=True)
-    finally:
-        serve.shutdown()
+            serve_protocol(layout, protocol, addresses[protocol], args, pool, prompts,
+                           offline_tokens, fresh_prompts, out)
+
+
+def serve_protocol(layout, protocol, address, args, pool, prompts, offline_tokens,
+                   fresh_prompts, out) -> None:
+    """One protocol's points on a served layout: warm-up, zero load, each stream count."""
+    # Warm-up: connections, channels, graphs, and every point's batch shapes.
+    for n in warm_up_sizes(prompts, args.streams):
+        run_point(pool, protocol, address, prompts, n, 8, args.clients, args.timeout)
+    reset_prefix_caches(layout)
+    jobs = list(enumerate(fresh_prompts(args.zero_load + 1)))  # no prefix-cache hit
+    zero = pool.submit(client_process, protocol, address, jobs, 0.0, 2, args.timeout,
+                       True).result(timeout=args.timeout + 60)
+    ok = [r for r in zero if not r["error"]]
+    out.setdefault("zero_load", {})[f"{layout}/{protocol}"] = {
+        "ttft_ms": statistics.median([(r["first"] - r["sent"]) * 1e3 for r in ok])
+        if ok else float("nan"),
+        "errors": len(zero) - len(ok), "hops_ms": breakdown(ok)}
+    for n in args.streams:
+        out["marks"].append((time.time(), f"{layout} {protocol} {n}"))
+        meter = CpuMeter()
+        spy = start_py_spy(meter.pid("decode"), args, f"{layout}-{protocol}-{n}")
+        meter.start()
+        reset_prefix_caches(layout)
+        roles = ("DecodeServer",) + (("PrefillServer",) if not colocated(layout) else ())
+        before = {role: engine_stats(role) for role in roles}
+        records, wall = run_point(pool, protocol, address, prompts, n, args.output_len,
+                                  args.clients, args.timeout)
+        rates = {role: engine_rates(before[role], engine_stats(role), wall)
+                 for role in roles}
+        engine_row = rates["DecodeServer"]
+        if spy is not None:
+            spy.wait(timeout=60)
+        row = {"layout": layout, "protocol": protocol, "streams": n,
+               **summarize(records, offline_tokens[n], wall), "cpu": meter.stop(),
+               "decode_engine": engine_row, "hops_ms": breakdown(records),
+               "prefill_engine": rates.get("PrefillServer")}
+        out["served"].append(row)
+        print(f"  {layout} {protocol} {n:4d} streams: {row['tok_s']:9.0f} tok/s, TTFT p50 "
+              f"{row['ttft_p50_ms']:.0f} ms, delay p99 {row['delay_p99_ms']:.1f} ms, "
+              f"{row['tokens_per_chunk']:.2f} tok/chunk, errors {row['errors']}",
+              flush=True)
 
 
 def offline_of(out: dict, layout: str) -> tuple[dict, float]:
@@ -672,36 +665,40 @@ def main(argv=None) -> None:
         print(f"offline split over {tp} ranks ({time.time() - t0:.0f}s): " + ", ".join(
             f"{n}: {v['tok_s']:.0f} tok/s" for n, v in split_off.items()), flush=True)
 
-    import ray
-
     from deploy import ray_env
-    if args.plain_ray:  # as a user's own `ray start` would: none of Baton's settings
-        for key in (*ray_env.serve_env(), *ray_env.local_env(), "BATON_GRPC_HOST"):
-            os.environ.pop(key, None)
-        out["ray_env"] = {}
-    else:
-        out["ray_env"] = ray_env.apply()
-    path = os.pathsep.join(p for p in (HERE, os.environ.get("PYTHONPATH", "")) if p)
-    env_vars = {"PYTHONPATH": path}  # replicas import the checkout
+    env_vars = {}
     if args.stub_forward:
         env_vars["BENCH_STUB_FORWARD"] = "1"
     if args.switch_interval:
         env_vars["BENCH_SWITCH_INTERVAL"] = str(args.switch_interval)
     if args.no_gc_freeze:
         env_vars["BATON_GC_FREEZE"] = "0"
-    runtime_env = {"env_vars": env_vars,
-                   "worker_process_setup_hook": "benchmarks.serving_bench.worker_setup"}
     metrics = {}
     if args.dashboard:  # Ray's export on a port of ours, reported every second
         metrics = {"_metrics_export_port": ray_env.free_port(),
                    "_system_config": {"metrics_report_interval_ms": 1000}}
-    ray.init(address="local", num_cpus=max(4, cpus), include_dashboard=False, log_to_driver=False,
-             logging_level="ERROR", runtime_env=runtime_env, **metrics)
+    with local_ray(max(4, cpus), env_vars, plain=args.plain_ray, runtime_env={
+            "worker_process_setup_hook": "benchmarks.serving_bench.worker_setup"},
+            **metrics) as settings:
+        out["ray_env"] = settings
+        serve_layouts(args, layouts, engine, prompts, tokens_by_tp, fresh_prompts, out,
+                      metrics.get("_metrics_export_port"))
+    report(out)
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+def serve_layouts(args, layouts, engine, prompts, tokens_by_tp, fresh_prompts, out,
+                  metrics_port) -> None:
+    """Every layout in turn on the local Ray, the clients in a pool of processes; with
+    ``--dashboard``, the run's panels drawn afterwards."""
     pool = ProcessPoolExecutor(args.clients, mp_context=get_context("spawn"))
     recorder = None
     if args.dashboard:
         from benchmarks.dashboard import Recorder
-        recorder = Recorder(metrics["_metrics_export_port"]).start()
+        recorder = Recorder(metrics_port).start()
     try:
         for layout in layouts:
             serve_layout(layout, layout_config(layout, engine, args), args, pool, prompts,
@@ -715,12 +712,6 @@ def main(argv=None) -> None:
             render(recorder.stop(), args.dashboard, rate_window_s=args.rate_window,
                    marks=out["marks"], title=f"{args.model} {args.input_len} in / "
                    f"{args.output_len} out, {out['device']}, {out['date']}")
-        ray.shutdown()
-    report(out)
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -21,53 +21,43 @@ import time
 
 import requests
 
+from benchmarks.lib import local_ray, served
 from loadtests import sse
-
-from deploy.ray_env import free_port
 
 
 def run_layout(config: dict, prompts, max_tokens: int, timeout: float) -> list[dict]:
-    from ray import serve
-
-    from deploy.app import build_app
-    from deploy.cli import wait_ready
-
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    t0 = time.perf_counter()
-    serve.run(build_app(config), name="baton", route_prefix="/", blocking=False)
-    url = f"http://127.0.0.1:{port}"
-    wait_ready(url, timeout)
-    print(f"{config['mode']}: ready in {time.perf_counter() - t0:.1f}s", flush=True)
-    rows = []
-    for prompt in prompts:
-        t0 = time.perf_counter()
-        resp = requests.post(f"{url}/v1/completions", stream=True, timeout=timeout,
-                             json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                                   "ignore_eos": True, "stream": True,
-                                   "stream_options": {"include_usage": True}})
-        times, tokens, usage = [], [], None
-        for ev in sse.events(resp.iter_lines()):
-            usage = ev.get("usage") or usage
-            if new := sse.token_ids(sse.check(ev)):
-                times.append(time.perf_counter() - t0)
-                tokens += new
-        decode_s = times[-1] - times[0]
-        rows.append(dict(mode=config["mode"], prompt_tokens=len(prompt), tokens=tokens,
-                         ttft_ms=times[0] * 1e3,
-                         decode_tok_s=(len(tokens) - 1) / decode_s if decode_s > 0 else 0.0,
-                         transfer=(usage or {}).get("kv_transfer")))
-    if config["mode"] == "disaggregated":
-        placement(config["decode"].get("num_replicas", 1))
-    serve.shutdown()
+    with served(config, timeout) as app:
+        print(f"{config['mode']}: ready in {app.ready_s:.1f}s", flush=True)
+        rows = [one_request(app.url, config["mode"], prompt, max_tokens, timeout)
+                for prompt in prompts]
+        if config["mode"] == "disaggregated":
+            placement(config["decode"].get("num_replicas", 1))
     return rows
+
+
+def one_request(url: str, mode: str, prompt, max_tokens: int, timeout: float) -> dict:
+    t0 = time.perf_counter()
+    resp = requests.post(f"{url}/v1/completions", stream=True, timeout=timeout,
+                         json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                               "ignore_eos": True, "stream": True,
+                               "stream_options": {"include_usage": True}})
+    times, tokens, usage = [], [], None
+    for ev in sse.events(resp.iter_lines()):
+        usage = ev.get("usage") or usage
+        if new := sse.token_ids(sse.check(ev)):
+            times.append(time.perf_counter() - t0)
+            tokens += new
+    decode_s = times[-1] - times[0]
+    return dict(mode=mode, prompt_tokens=len(prompt), tokens=tokens, ttft_ms=times[0] * 1e3,
+                decode_tok_s=(len(tokens) - 1) / decode_s if decode_s > 0 else 0.0,
+                transfer=(usage or {}).get("kv_transfer"))
 
 
 def placement(decode_replicas: int) -> None:
     """Each replica's GPU, the prefill replicas' links, each decode replica's output tokens."""
     import subprocess
 
-    from benchmarks.chaos_bench import replica_pids
+    from benchmarks.lib import replica_pids
     from deploy.ray_env import driver_handle
 
     try:
@@ -106,14 +96,7 @@ def main(argv=None) -> None:
     p.add_argument("--role-cpus", type=float, default=1.0)
     p.add_argument("--repeat", type=int, default=1, help="send the prompts this many times")
     args = p.parse_args(argv)
-    import ray
     import torch
-
-    from deploy import ray_env
-
-    ray_env.apply()
-    ray.init(address="local", include_dashboard=False, log_to_driver=False,  # its own Ray
-             logging_level="ERROR")
     gen = torch.Generator().manual_seed(0)
     from engine.model_source import resolve_model
     vocab = resolve_model(args.model).config.vocab_size
@@ -122,12 +105,13 @@ def main(argv=None) -> None:
     engine = {"model": args.model, "num_blocks": args.num_blocks, "max_num_seqs": 16,
               "max_num_batched_tokens": 4096}
     role = {"num_gpus": args.gpus_per_role, "num_cpus": args.role_cpus}
-    colocated = run_layout({"mode": "colocated", "engine": engine, "decode": role},
-                           prompts, args.max_tokens, args.timeout)
-    disagg = run_layout({"mode": "disaggregated", "engine": engine, "prefill": role,
-                         "decode": {**role, "num_replicas": args.decode_replicas},
-                         "transfer": {"backend": args.backend}},
-                        prompts, args.max_tokens, args.timeout)
+    with local_ray():
+        colocated = run_layout({"mode": "colocated", "engine": engine, "decode": role},
+                               prompts, args.max_tokens, args.timeout)
+        disagg = run_layout({"mode": "disaggregated", "engine": engine, "prefill": role,
+                             "decode": {**role, "num_replicas": args.decode_replicas},
+                             "transfer": {"backend": args.backend}},
+                            prompts, args.max_tokens, args.timeout)
     for a, b in zip(colocated, disagg):
         b["same_tokens_as_colocated"] = a["tokens"] == b["tokens"]
     if args.out:

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from benchmarks.lib import copy_ceiling
 from kvtransfer import KVDestination, KVEndpoint, KVLayout, TransferState
 
 LAYOUT_8B = dict(model="bench-qwen3-8b", num_layers=36, num_kv_heads=8, head_dim=128,
@@ -158,31 +159,6 @@ def run_backend(backend: str, devices, sizes, pattern: str, reps: int, num_block
         proc.join(10)
         if proc.is_alive():
             proc.kill()
-
-
-def copy_ceiling(devices, nbytes: int, reps: int = 20) -> float:
-    """Bytes per second of a plain copy of ``nbytes`` (device copy, or peer copy)."""
-    if devices[0] == "cpu":
-        a = torch.randn(nbytes // 4)
-        b = torch.empty_like(a)
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            b.copy_(a)
-        return nbytes * reps / (time.perf_counter() - t0)
-    a = torch.randn(nbytes // 2, dtype=torch.bfloat16, device=devices[0])
-    b = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=devices[1])
-    for _ in range(3):
-        b.copy_(a)
-    torch.cuda.synchronize(devices[0])
-    torch.cuda.synchronize(devices[1])
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        b.copy_(a)
-        torch.cuda.synchronize(devices[0])
-        torch.cuda.synchronize(devices[1])
-        times.append(time.perf_counter() - t0)
-    return nbytes / statistics.median(times)
 
 
 def main(argv=None) -> None:

@@ -377,7 +377,7 @@ def _block_fallback(x, w, scale, block):
 
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
                block: tuple[int, int] | None, gemv_config: GemvConfig | None) -> torch.Tensor:
-    """An FP8 linear layer's forward, by rows (chosen by ``benchmarks/fp8_bench.py`` on an
+    """An FP8 linear layer's forward, by rows (chosen by ``projections_bench fp8`` on an
     H100): one row (when ``gemv_config`` is set) through the skinny matmul; channel format, a
     few rows through the bf16-activation tensor-core kernel, more through cuBLASLt's W8A8 GEMM;
     block format, cuBLASLt's block-scaled GEMM (as fast as the skinny kernel from 4 rows, 25%
@@ -394,7 +394,7 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
 
 def fp8_gemv_config(n: int, k: int) -> GemvConfig:
     """Tile config of the one-row FP8 kernel for an ``[n, k]`` weight (by shape, so every
-    engine sums in the same order): the winners of ``benchmarks/fp8_bench.py``'s grid on an
+    engine sums in the same order): the winners of ``projections_bench fp8``'s grid on an
     H100 for the Qwen3-8B and 32B projections (docs/benchmarks.md): rows of 1024 FP8 bytes in
     flight, 2048 once K reaches 8192."""
     return GemvConfig(block_n=4, block_k=2048 if k >= 8192 else 1024, num_warps=4,

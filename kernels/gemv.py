@@ -3,7 +3,7 @@ weight ``w`` ``[N, K]``. Each program streams ``BLOCK_N`` whole rows of ``w`` (c
 K) and keeps fp32 partial products in registers, reducing once at the end; no split-K, so no
 second kernel. The torch reference is ``F.linear``.
 
-Measured on an H100 (``benchmarks/gemv_bench.py``, docs/benchmarks.md): for one row it beats
+Measured on an H100 (``projections_bench bf16``, docs/benchmarks.md): for one row it beats
 cuBLAS on every Qwen3-0.6B and 8B projection (by 8-38%); for four rows cuBLAS wins. The engine
 therefore uses it for one-row steps only, with the tile config :func:`config_for` gives the
 weight's shape. :func:`norm_gemv` also folds the residual add and RMSNorm in front of a
@@ -165,7 +165,7 @@ NORM_FUSE_MAX_K = 1024
 
 def config_for(n: int, k: int) -> GemvConfig:
     """The tile config for a ``[n, k]`` weight: rules that reproduce the winners of
-    ``benchmarks/gemv_bench.py`` on the H100 for the Qwen3-0.6B projections (its 48-config grid)
+    ``projections_bench bf16`` on the H100 for the Qwen3-0.6B projections (its 48-config grid)
     and the 8B ones (K of 4096 and more: ``--streaming``, K tiles of 2048). Fixed by shape, not
     timed at start-up, so every engine sums a projection in the same order (a prefill and a
     decode replica then give the tokens of one colocated engine)."""

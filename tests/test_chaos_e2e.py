@@ -17,8 +17,8 @@ import time
 import pytest
 import requests
 
-from benchmarks.chaos_bench import migrations
-from benchmarks.chaos_bench import replica_pids as _pids
+from benchmarks.lib import migrations
+from benchmarks.lib import replica_pids as _pids
 from engine import LLM, SamplingParams
 from tests.conftest import shutdown_serve
 from tests.models import random_prompts

@@ -145,31 +145,3 @@ def test_norm_gemv_triton_matches_reference(with_residual, shape):
         got, got_res = norm_gemv(x, res, nw, 1e-6, w, cfg)
         assert ((got.float() - want.float()).norm() / want.float().norm()).item() < 5e-3, cfg
         assert torch.equal(got_res, want_res)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("heads", [(16, 8), (32, 8), (64, 8)])
-def test_decode_attention_triton_matches_reference(heads):
-    from benchmarks.decode_attention import DecodeAttention, decode_attention_reference
-    hq, hk = heads
-    g = torch.Generator().manual_seed(hq)
-    contexts = [1, 15, 16, 17, 100, 1000, 5000, 64]
-    pages = [-(-c // 16) for c in contexts]
-    store = torch.randn(sum(pages) + 8, 3, 2, hk, 16, 128, dtype=torch.bfloat16, device="cuda")
-    cache = store[:, 1]  # one layer of a block-major cache: strided
-    ids = (torch.randperm(sum(pages) + 7, generator=g) + 1).to(torch.int32)
-    runner = DecodeAttention(8, sum(pages) + 8, hq, hk, 128, 16, 128 ** -0.5, torch.device("cuda"))
-    for batch in (1, 3, 8):
-        ctx = contexts[-batch:] if batch < 8 else contexts
-        n = [-(-c // 16) for c in ctx]
-        indptr = torch.tensor([0] + n, dtype=torch.int32).cumsum(0).to(torch.int32)
-        indices = ids[: int(indptr[-1])]
-        last = torch.tensor([c - (p - 1) * 16 for c, p in zip(ctx, n)], dtype=torch.int32)
-        q = torch.randn(batch, hq, 128, dtype=torch.bfloat16, device="cuda")
-        want = decode_attention_reference(q, cache, indptr, indices, last, 128 ** -0.5).float()
-        runner.plan(indptr, indices, last)
-        for _ in range(2):  # the counters reset themselves
-            got = runner.run(q, cache).float()
-            err = ((got - want).norm(dim=-1) / want.norm(dim=-1)).max().item()
-            assert err < 1e-2, (batch, err)
-    assert int(runner.counts.abs().sum()) == 0

@@ -1,8 +1,23 @@
-"""FP8 kernels on the GPU host, next to bf16: the decode projections of Qwen3 shapes at several
-batch sizes, and FlashInfer attention over an FP8 KV cache.
+"""The decode projections' kernels, one tool:
+``python -m benchmarks.projections_bench {bf16|fp8} [options]``.
 
-    python -m benchmarks.fp8_bench --models dummy:Qwen3-8B dummy:Qwen3-32B --rows 1 64 256 2048
-    python -m benchmarks.fp8_bench --tasks attention
+``bf16``: decode projections of Qwen3 shapes, one kernel each: cuBLAS (``F.linear``) against the
+Triton skinny matmul (``kernels/gemv.py``) over a grid of tile configs. Each figure is a CUDA graph of
+calls over enough copies of the weight to spill L2, so every call streams its weight from HBM.
+
+    python -m benchmarks.projections_bench bf16 --models dummy:Qwen3-0.6B dummy:Qwen3-8B --rows 1 4
+    python -m benchmarks.projections_bench bf16 --streaming  # one row: the weight stream's variants
+
+``--streaming`` compares, for one row, the kernel against variants that load the weight with an
+evict-first cache hint and bigger K tiles, and prints the read rate of a plain reduction (the
+ceiling for a kernel that only reads).
+
+``fp8``: FP8 kernels on the GPU host, next to bf16: the decode projections of Qwen3 shapes at
+several batch sizes, and FlashInfer attention over an FP8 KV cache.
+
+    python -m benchmarks.projections_bench fp8 --models dummy:Qwen3-8B dummy:Qwen3-32B \\
+        --rows 1 64 256 2048
+    python -m benchmarks.projections_bench fp8 --tasks attention
 
 ``linear``: per projection and batch size M, µs per call (a CUDA graph of calls over copies of
 the weight that spill L2) for bf16 cuBLAS, the bf16 Triton skinny matmul (M = 1), and the FP8
@@ -14,6 +29,7 @@ checked against its float32 reference. The last table sums one decode step's pro
 
 ``attention``: FlashInfer decode and prefill over an FP8 e4m3 cache against the bf16 cache and the
 torch reference, with Qwen3-8B's heads.
+
 """
 
 from __future__ import annotations
@@ -26,35 +42,163 @@ import time
 import torch
 import torch.nn.functional as F
 
-from benchmarks.engine_bench import ceilings, graph_us
-from benchmarks.gemv_bench import SPILL_BYTES, projections
+from benchmarks.lib import ceilings, graph_us
 from engine.model_source import resolve_model
+from kernels._triton import tl, triton
 from kernels.fp8 import (FP8, fp8_block_mm, fp8_block_scaled_mm, fp8_gemv, fp8_gemv_config,
                          fp8_gemv_reference, fp8_scaled_mm, fp8_skinny_mm, quantize_per_block,
-                         quantize_per_channel,
-                         quantize_rows, w8a8_reference)
+                         quantize_per_channel, quantize_rows, w8a8_reference)
 from kernels.gemv import GemvConfig, config_for, gemv
 
+
+# -- bf16 ----------------------------------------------------------------------------------
+SPILL_BYTES = 400 * 2**20
+
+def projections(model: str) -> dict[str, tuple[int, int]]:
+    c = resolve_model(model).config
+    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    return {"qkv": (q + 2 * kv, c.hidden_size), "o": (c.hidden_size, q),
+            "gate_up": (2 * c.intermediate_size, c.hidden_size),
+            "down": (c.hidden_size, c.intermediate_size)}
+
+CONFIGS = [GemvConfig(bn, bk, nw, ns) for bn, bk, nw, ns in itertools.product(
+    (4, 8, 16, 32), (256, 512, 1024), (4, 8), (2, 4))]
+
+if triton is not None:
+    @triton.jit
+    def _stream_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_wn, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, EVICT: tl.constexpr):
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        cols = tl.arange(0, BLOCK_K)
+        w_ptrs = w_ptr + rows[:, None].to(tl.int64) * stride_wn + cols[None, :]
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            if EVICT:
+                w = tl.load(w_ptrs + k0, eviction_policy="evict_first")
+            else:
+                w = tl.load(w_ptrs + k0)
+            acc += w.to(tl.float32) * tl.load(x_ptr + k0 + cols).to(tl.float32)[None, :]
+        tl.store(y_ptr + rows, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty))
+
+def _stream(x, w, bn, bk, nw, ns, evict):
+    n, k = w.shape
+    y = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    _stream_kernel[(n // bn,)](x, w, y, n, k, w.stride(0), BLOCK_N=bn, BLOCK_K=bk, EVICT=evict,
+                               num_warps=nw, num_stages=ns)
+    return y
+
+def read_rate() -> float:
+    a = torch.ones(2**29, dtype=torch.bfloat16, device="cuda")
+    a.sum(dtype=torch.float32)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        a.sum(dtype=torch.float32)
+    end.record()
+    end.synchronize()
+    return a.numel() * 2 * 5 / (start.elapsed_time(end) * 1e-3) / 1e9
+
+def streaming(models) -> None:
+    print(f"read rate (sum of 1 GiB): {read_rate():.0f} GB/s")
+    variants = [(bn, bk, nw, ns, ev) for bn, bk, nw, ns, ev in itertools.product(
+        (4, 8, 16), (512, 1024, 2048), (4, 8), (1, 2, 3), (False, True))]
+    print("| model | proj | MB | engine config us | best variant us | variant (BN, BK, warps, "
+          "stages, evict) | GB/s |")
+    print("| --- | --- | ---: | ---: | ---: | --- | ---: |")
+    from kernels.gemv import config_for
+    for model in models:
+        for name, (n, k) in projections(model).items():
+            nbytes = n * k * 2
+            weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+                       for _ in range(max(2, min(64, SPILL_BYTES // nbytes)))]
+            x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+            ref = F.linear(x, weights[0]).float()
+            base = graph_us(lambda w: gemv(x, w, config_for(n, k)), weights)
+            best = None
+            for v in variants:
+                if n % v[0] or k % v[1]:
+                    continue
+                err = ((_stream(x, weights[0], *v).float() - ref).norm() / ref.norm()).item()
+                assert err < 1e-2, (v, err)
+                us = graph_us(lambda w, v=v: _stream(x, w, *v), weights)
+                if best is None or us < best[0]:
+                    best = (us, v)
+            print(f"| {model} | {name} | {nbytes / 1e6:.1f} | {base:.2f} | {best[0]:.2f} | "
+                  f"{best[1]} | {nbytes / best[0] / 1e3:.0f} |", flush=True)
+            del weights
+            torch.cuda.empty_cache()
+
+def bf16_main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", nargs="+", default=["dummy:Qwen3-0.6B", "dummy:Qwen3-8B"])
+    ap.add_argument("--rows", nargs="+", type=int, default=[1, 4])
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--streaming", action="store_true",
+                    help="one row: variants of the weight stream against the engine's kernel")
+    args = ap.parse_args(argv)
+    if args.streaming:
+        streaming(args.models)
+        return
+    gbs = ceilings()["copy_GBps"]
+    print(f"copy rate {gbs:.0f} GB/s")
+    rows = []
+    print("| model | proj | M | N | K | MB | cuBLAS us | cuBLAS % | Triton us | Triton % "
+          "| config |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+    for model in args.models:
+        for name, (n, k) in projections(model).items():
+            nbytes = n * k * 2
+            weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+                       for _ in range(max(2, min(64, SPILL_BYTES // nbytes)))]
+            floor_us = nbytes / (gbs * 1e3)
+            for m in args.rows:
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                ref = F.linear(x, weights[0]).float()
+                cublas = graph_us(lambda w: F.linear(x, w), weights)
+                best = None
+                for cfg in CONFIGS:
+                    try:
+                        err = ((gemv(x, weights[0], cfg).float() - ref).norm() / ref.norm()).item()
+                        us = graph_us(lambda w, c=cfg: gemv(x, w, c), weights)
+                    except Exception as exc:  # noqa: BLE001 - a config that does not compile
+                        print(f"  skip {cfg}: {type(exc).__name__}")
+                        continue
+                    assert err < 1e-2, (cfg, err)
+                    if best is None or us < best[0]:
+                        best = (us, cfg)
+                row = {"model": model, "proj": name, "M": m, "N": n, "K": k,
+                       "MB": round(nbytes / 1e6, 1), "cublas_us": round(cublas, 2),
+                       "triton_us": round(best[0], 2), "config": best[1]._asdict()}
+                rows.append(row)
+                print(f"| {model} | {name} | {m} | {n} | {k} | {row['MB']} | {cublas:.2f} | "
+                      f"{100 * floor_us / cublas:.0f} | {best[0]:.2f} | "
+                      f"{100 * floor_us / best[0]:.0f} | {tuple(best[1])} |", flush=True)
+            del weights
+            torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"copy_GBps": gbs, "rows": rows}, f, indent=1)
+
+
+# -- fp8 -----------------------------------------------------------------------------------
 BLOCK = (128, 128)
+
 GEMV_GRID = [GemvConfig(bn, bk, nw, ns) for bn, bk, nw, ns in itertools.product(
     (4, 8), (1024, 2048), (4, 8), (2, 3, 4))]
-SKINNY_GRID = list(itertools.product((16, 32, 64), (128, 256), (4,), (3, 5)))
 
+SKINNY_GRID = list(itertools.product((16, 32, 64), (128, 256), (4,), (3, 5)))
 
 def _err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-
 
 def _flashinfer_block(x, w, s):
     from flashinfer.gemm import fp8_blockscale_gemm_sm90
     return fp8_blockscale_gemm_sm90(x, w, None, s, out_dtype=torch.bfloat16)
 
-
 def _torch_block(x, w, s):
     xq, xs = quantize_rows(x, 128)
     return torch._scaled_mm(xq, w.t(), scale_a=xs.t().contiguous().t(), scale_b=s.t(),
                             out_dtype=torch.bfloat16)
-
 
 def _grid(r: dict, label: str, grid, make, weights, ref) -> None:
     """The fastest config of a grid (each checked against ``ref``)."""
@@ -66,7 +210,6 @@ def _grid(r: dict, label: str, grid, make, weights, ref) -> None:
             best = (res["t"], tuple(cfg))
     if best:
         r[label + " best"], r[label + " best config"] = best
-
 
 def _try(label: str, fn, weights, ref, results: dict, tol: float) -> None:
     """Time ``fn(weight)`` if it runs and is right (first call timed separately: JIT builds);
@@ -85,7 +228,6 @@ def _try(label: str, fn, weights, ref, results: dict, tol: float) -> None:
             results[label + " first call s"] = round(first, 1)
     except Exception as exc:  # noqa: BLE001 - a path this GPU or build lacks
         results[label] = f"{type(exc).__name__}: {str(exc)[:80]}"
-
 
 def linear(models, rows_list, gbs: float, flashinfer_block: bool = False) -> list[dict]:
     out = []
@@ -143,7 +285,6 @@ def linear(models, rows_list, gbs: float, flashinfer_block: bool = False) -> lis
             torch.cuda.empty_cache()
     return out
 
-
 def step_table(rows: list[dict]) -> None:
     """One decode step's projections, summed over the four and × layers, per path (ms)."""
     keys = ["bf16 cublas", "bf16 triton", "fp8 gemv channel", "fp8 gemv block",
@@ -161,7 +302,6 @@ def step_table(rows: list[dict]) -> None:
             ok = all(isinstance(v, float) for v in vals)
             cells.append(f"{sum(vals) * rs[0]['layers'] / 1e3:.2f}" if ok else "—")
         print(f"| {model} | {m} | " + " | ".join(cells) + " |")
-
 
 def attention(contexts=(1024, 8192), batches=(1, 64)) -> list[dict]:
     """FlashInfer decode and prefill over FP8 and bf16 caches, against the torch reference."""
@@ -214,8 +354,7 @@ def attention(contexts=(1024, 8192), batches=(1, 64)) -> list[dict]:
                 print(json.dumps(row), flush=True)
     return rows
 
-
-def main() -> None:
+def fp8_main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tasks", nargs="+", default=["linear", "attention"])
     ap.add_argument("--models", nargs="+", default=["dummy:Qwen3-8B"])
@@ -223,7 +362,7 @@ def main() -> None:
     ap.add_argument("--flashinfer-block", action="store_true",
                     help="also FlashInfer's block-scaled FP8 GEMM (JIT-built on first use)")
     ap.add_argument("--json", default=None)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     ceil = ceilings()
     print(json.dumps(ceil), flush=True)
     result = {"gpu": torch.cuda.get_device_name(), "ceilings": ceil}
@@ -236,6 +375,19 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
+
+
+TOOLS = {"bf16": bf16_main, "fp8": fp8_main}
+
+
+def main(argv=None) -> None:
+    import sys
+
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] not in TOOLS:
+        raise SystemExit("usage: python -m benchmarks.projections_bench {bf16|fp8} [options] "
+                         "(each takes --help)")
+    TOOLS[argv[0]](argv[1:])
 
 
 if __name__ == "__main__":

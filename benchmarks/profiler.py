@@ -1,0 +1,426 @@
+"""Where the engine's time goes, one tool:
+``python -m benchmarks.profiler {decode|prefill|host|ttft} [options]``.
+
+``decode``: one decode step: host phases timed one by one, the graph's own GPU time, its
+kernels (torch profiler over 20 replays), and the top of a cProfile of the engine loop.
+
+    python -m benchmarks.profiler decode --model dummy:Qwen3-0.6B
+
+``prefill``: one prefill step: the step's wall time, and its CUDA kernels (torch
+profiler over a few prompts) summed by kind: GEMMs, FP8 activation quantization, attention,
+norms, the rest.
+
+    python -m benchmarks.profiler prefill --model dummy:Qwen3-8B --lengths 1024 2048 \\
+        [--quantization fp8] [--cprofile]
+
+``host``: The engine's host work per decode step, with the model taken out: what the CPU spends on
+scheduling, building a step's inputs, sampling bookkeeping and outputs while the GPU would be
+idle when they run one after another (``async_scheduling=False``; the engine's default overlaps
+them with the previous step's device work).
+
+    python -m benchmarks.profiler host --batch 1 64 256
+
+Runs on CPU with the ``tiny`` model's engine; the forward pass is replaced by fixed logits, so
+every figure is host time. Absolute numbers depend on the CPU; compare runs on one machine.
+
+``ttft``: an engine's time to first token at zero load, outside any server.
+
+The same fresh prompts (no prefix-cache hit) one at a time, timed from "add" to the first
+output token:
+
+- ``direct``: ``LLMEngine.add_request`` then ``step()`` on this thread (the offline figure
+  ``serving_bench`` subtracts);
+- ``thread``: the engine on :class:`AsyncEngine`'s thread, requests posted from a plain thread;
+- ``asyncio``: the same driven from an event loop, as a serving replica drives it.
+
+Per variant it prints the median and the wall time of each of the first steps, so a difference
+between the variants shows which part of the serving structure costs what.
+
+    python -m benchmarks.profiler ttft --model dummy:Qwen3-0.6B --n 16
+
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import cProfile
+import gc
+import io
+import json
+import pstats
+import statistics
+import sys
+import threading
+import time
+from collections import defaultdict
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from engine import EngineConfig, SamplingParams
+from engine.async_engine import AsyncEngine
+from engine.llm_engine import LLMEngine
+
+
+# -- decode --------------------------------------------------------------------------------
+def decode_main(argv=None) -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="dummy:Qwen3-0.6B")
+    ap.add_argument("--steps", type=int, default=400)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--decode-tensor-cores", choices=["auto", "on", "off"], default="auto")
+    ap.add_argument("--replay-only", action="store_true", help="stop after the graph's GPU time")
+    ap.add_argument("--quantization", choices=["fp8"], default=None)
+    ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
+    args = ap.parse_args(argv)
+    tc = {"auto": None, "on": True, "off": False}[args.decode_tensor_cores]
+    engine = LLMEngine(EngineConfig(model=args.model, device="cuda",
+                                    max_num_seqs=max(8, args.batch), decode_tensor_cores=tc,
+                                    quantization=args.quantization,
+                                    kv_cache_dtype=args.kv_cache_dtype, show_progress=False))
+    params = SamplingParams(temperature=0, max_tokens=args.steps * 3, ignore_eos=True)
+    for i in range(args.batch):
+        engine.add_request([100 + i] * args.prompt_len, params)
+    for _ in range(20):
+        engine.step()
+
+    graphs, size = engine.runner.graphs, engine.runner.graphs.size_for(args.batch)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(100):
+        graphs.graphs[size].replay()
+    end.record()
+    end.synchronize()
+    print(f"graph replay (GPU only, size {size}, tensor cores "
+          f"{engine.runner.backend.decode_tensor_cores}): {start.elapsed_time(end) / 100:.3f} ms")
+    if args.replay_only:
+        return
+
+    engine.config.async_scheduling = False  # the phases one after another, timed apart
+    engine.step()  # resolves the step still running
+    phases = {k: [] for k in ("schedule", "prepare", "plan+replay", "sample+sync", "post")}
+    runner, sched = engine.runner, engine.scheduler
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        batch = sched.schedule()
+        t1 = time.perf_counter()
+        step = runner.prepare(batch)
+        t2 = time.perf_counter()
+        logits = graphs.run(step)
+        t3 = time.perf_counter()
+        due = sched.advance(batch)
+        tokens = engine.sampler(logits, due).tokens.tolist()
+        t4 = time.perf_counter()
+        for seq, tok in zip(due, tokens):
+            engine.updater.append(seq, tok)
+            engine.updater.output(seq, [tok], None)
+        t5 = time.perf_counter()
+        for k, a, b in zip(phases, (t0, t1, t2, t3, t4), (t1, t2, t3, t4, t5)):
+            phases[k].append((b - a) * 1e3)
+    for k, v in phases.items():
+        print(f"{k:>12}: {statistics.median(v):.3f} ms")
+    for overlap in (False, True):
+        engine.config.async_scheduling = overlap
+        engine.step()
+        t0 = time.perf_counter()
+        for _ in range(100):
+            engine.step()
+        print(f"engine.step, async_scheduling={overlap}: "
+              f"{(time.perf_counter() - t0) * 10:.3f} ms/step")
+
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as kprof:
+        for _ in range(20):
+            graphs.graphs[size].replay()
+        torch.cuda.synchronize()
+    print(kprof.key_averages().table(sort_by="cuda_time_total", row_limit=20,
+                                     max_name_column_width=70))
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(200):
+        engine.step()
+    prof.disable()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(25)
+    print(out.getvalue()[-6000:])
+
+
+# -- prefill -------------------------------------------------------------------------------
+KINDS = (  # first match wins, on the lower-cased kernel name
+    ("fp8 activation quantization", ("quantize_rows",)),
+    ("gemm", ("gemm", "cutlass", "sm90_xmma", "nvjet", "_block_mm", "matmul", "scaled_mm")),
+    ("attention", ("prefill", "flash", "attention", "batchprefill")),
+    ("norm", ("norm",)),
+    ("rope / kv store", ("rope", "store_kv", "append")),
+    ("activation", ("silu", "act_and_mul", "gelu")),
+)
+
+def kind_of(name: str) -> str:
+    low = name.lower()
+    for kind, keys in KINDS:
+        if any(k in low for k in keys):
+            return kind
+    return "other"
+
+def run_prompt(engine: LLMEngine, n: int, seed: int) -> float:
+    gen = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(100, engine.vocab_size - 100, (n,), generator=gen).tolist()
+    engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=1))
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+def prefill_main(argv=None) -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="dummy:Qwen3-8B")
+    ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048])
+    ap.add_argument("--quantization", choices=["fp8"], default=None)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--cprofile", action="store_true",
+                    help="also the host's top functions over the reps of the first length")
+    args = ap.parse_args(argv)
+    engine = LLMEngine(EngineConfig(model=args.model, device="cuda", max_num_seqs=4,
+                                    max_num_batched_tokens=max(args.lengths),
+                                    enable_prefix_caching=False, quantization=args.quantization,
+                                    show_progress=False))
+    for n in args.lengths:
+        for rep in range(2):  # compile and tune for this shape
+            run_prompt(engine, n, rep)
+        walls = [run_prompt(engine, n, 10 + rep) for rep in range(args.reps)]
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for rep in range(args.reps):
+                run_prompt(engine, n, 20 + rep)
+        by_kind, by_kernel = defaultdict(float), defaultdict(float)
+        for ev in prof.key_averages():
+            us = ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
+            if us <= 0:
+                continue
+            by_kind[kind_of(ev.key)] += us / args.reps / 1e3
+            by_kernel[ev.key] += us / args.reps / 1e3
+        top = sorted(by_kernel.items(), key=lambda kv: -kv[1])[:12]
+        print(json.dumps({"model": args.model, "weights": engine.weights_name, "tokens": n,
+                          "wall_ms": round(statistics.median(walls) * 1e3, 2),
+                          "gpu_ms": round(sum(by_kind.values()), 2),
+                          "by_kind_ms": {k: round(v, 2) for k, v in
+                                         sorted(by_kind.items(), key=lambda kv: -kv[1])},
+                          "top_kernels_ms": [[k[:90], round(v, 3)] for k, v in top]}))
+        if args.cprofile and n == args.lengths[0]:
+            prof_host = cProfile.Profile()
+            prof_host.enable()
+            for rep in range(args.reps):
+                run_prompt(engine, n, 30 + rep)
+            prof_host.disable()
+            text = io.StringIO()
+            pstats.Stats(prof_host, stream=text).sort_stats("tottime").print_stats(18)
+            print(text.getvalue())
+
+
+# -- host ----------------------------------------------------------------------------------
+PHASES = ("schedule", "prepare", "advance", "sample", "stop checks", "outputs")
+
+def measure(batch: int, steps: int, prompt_len: int) -> dict[str, float]:
+    engine = LLMEngine(EngineConfig(model="tiny", device="cpu", num_blocks=8192,
+                                    max_num_seqs=max(batch, 1), show_progress=False,
+                                    async_scheduling=False))
+    logits = torch.zeros(batch, engine.vocab_size)
+    params = SamplingParams(temperature=0, max_tokens=steps + 16, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request([5 + i % 100] * prompt_len, params)
+    engine.runner.execute = lambda b, prev=None: logits[: len(b.seqs)]
+    for _ in range(5):  # prefill and a few decode steps
+        engine.step()
+    totals = dict.fromkeys(PHASES, 0.0)
+    for _ in range(steps):
+        t = [time.perf_counter()]
+        batch_ = engine.scheduler.schedule()
+        t.append(time.perf_counter())
+        engine.runner.prepare(batch_)
+        t.append(time.perf_counter())
+        due = engine.scheduler.advance(batch_)
+        t.append(time.perf_counter())
+        tokens = engine.sampler(logits[: len(due)], due).tokens.tolist()
+        t.append(time.perf_counter())
+        for seq, token in zip(due, tokens):
+            engine.updater.append(seq, token)
+        t.append(time.perf_counter())
+        for seq, token in zip(due, tokens):
+            engine.updater.output(seq, [token], None)
+        t.append(time.perf_counter())
+        for name, a, b in zip(PHASES, t, t[1:]):
+            totals[name] += b - a
+    return {name: v / steps * 1e3 for name, v in totals.items()}
+
+def host_main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 64, 256])
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--prompt-len", type=int, default=300)
+    args = ap.parse_args(argv)
+    print("| batch | " + " | ".join(PHASES) + " | total ms/step |")
+    print("| ---: |" + " ---: |" * (len(PHASES) + 1))
+    for b in args.batch:
+        ms = measure(b, args.steps, args.prompt_len)
+        print(f"| {b} | " + " | ".join(f"{ms[p]:.3f}" for p in PHASES)
+              + f" | {sum(ms.values()):.3f} |", flush=True)
+
+
+# -- ttft ----------------------------------------------------------------------------------
+ONE = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+
+def timed_steps(engine: LLMEngine, log: list[tuple[float, float]]) -> None:
+    """Record (start, end) of every ``engine.step()``."""
+    step = engine.step
+
+    def wrapped():
+        t0 = time.perf_counter()
+        out = step()
+        log.append((t0, time.perf_counter()))
+        return out
+    engine.step = wrapped
+
+def steps_before(log, t0: float, t1: float) -> str:
+    return "/".join(f"{(b - a) * 1e3:.2f}" for a, b in log if t0 <= a < t1)
+
+def direct(engine: LLMEngine, prompts) -> tuple[list[float], list[list[float]]]:
+    firsts, steps = [], []
+    for p in prompts:
+        log: list[float] = []
+        t0 = time.perf_counter()
+        rid = engine.add_request(p, ONE)
+        while True:
+            s0 = time.perf_counter()
+            outs = engine.step()
+            log.append((time.perf_counter() - s0) * 1e3)
+            if any(o.request_id == rid and o.new_token_ids for o in outs):
+                break
+        firsts.append((time.perf_counter() - t0) * 1e3)
+        while engine.has_unfinished_requests():
+            engine.step()
+        steps.append(log)
+    return firsts, steps
+
+class Stamps:
+    """The engine thread's outputs hook: when each request's first token came out."""
+
+    def __init__(self):
+        self.first: dict[str, float] = {}
+        self.on_first = lambda rid: None
+        self.log: list[tuple[float, float]] = []  # engine steps
+        self.steps: list[str] = []
+
+    def __call__(self, outs) -> None:
+        for o in outs:
+            if o.new_token_ids and o.request_id not in self.first:
+                self.first[o.request_id] = time.perf_counter()
+                self.on_first(o.request_id)
+
+def threaded(ae: AsyncEngine, stamps: Stamps, prompts, tag: str) -> list[float]:
+    got = threading.Event()
+    stamps.on_first = lambda rid: got.set()
+    firsts = []
+    for i, p in enumerate(prompts):
+        got.clear()
+        rid = f"{tag}{i}"
+        t0 = time.perf_counter()
+        ae.submit(lambda e, p=p, rid=rid: e.add_request(p, ONE, rid)).result(10)
+        assert got.wait(10)
+        firsts.append((stamps.first[rid] - t0) * 1e3)
+        stamps.steps.append(steps_before(stamps.log, t0, stamps.first[rid]))
+        time.sleep(0.02)
+    return firsts
+
+def driven_by_asyncio(ae: AsyncEngine, stamps: Stamps, prompts, tag: str) -> list[float]:
+    async def main():
+        loop = asyncio.get_running_loop()
+        waiting: dict[str, asyncio.Future] = {}
+
+        def on_first(rid):  # engine thread
+            if (f := waiting.get(rid)) is not None:
+                loop.call_soon_threadsafe(f.set_result, None)
+        stamps.on_first = on_first
+        firsts = []
+        for i, p in enumerate(prompts):
+            rid = f"{tag}{i}"
+            waiting[rid] = loop.create_future()
+            t0 = time.perf_counter()
+            await ae.call(lambda e, p=p, rid=rid: e.add_request(p, ONE, rid))
+            await asyncio.wait_for(waiting[rid], 10)
+            firsts.append((stamps.first[rid] - t0) * 1e3)
+            stamps.steps.append(steps_before(stamps.log, t0, stamps.first[rid]))
+            await asyncio.sleep(0.02)
+        return firsts
+    return asyncio.run(main())
+
+def ttft_main(argv=None) -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--n", type=int, default=16)
+    p.add_argument("--switch-interval", type=float, default=None)
+    p.add_argument("--profile", action="store_true",
+                   help="torch.profiler table of one direct request (CPU self time)")
+    args = p.parse_args(argv)
+    if args.switch_interval:
+        sys.setswitchinterval(args.switch_interval)
+    gpu = torch.cuda.is_available()
+    kw = {"model": args.model, "show_progress": False}
+    if gpu:
+        kw["gpu_memory_utilization"] = 0.4
+    config = EngineConfig(**kw)
+    g = torch.Generator().manual_seed(1)
+    from engine.model_source import resolve_model
+    vocab = min(resolve_model(args.model).config.vocab_size, 150000)
+
+    def fresh(n):
+        return torch.randint(10, vocab, (n, args.input_len), generator=g).tolist()
+
+    engine = LLMEngine(config)
+    direct(engine, fresh(4))  # warm-up
+    firsts, steps = direct(engine, fresh(args.n))
+    print(f"direct : median {statistics.median(firsts):6.2f} ms; steps to the first token (ms): "
+          + ", ".join("/".join(f"{x:.2f}" for x in s) for s in steps[:4]))
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
+        with profile(activities=acts) as prof:
+            direct(engine, fresh(1))
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))
+    del engine
+    gc.collect()
+    if gpu:
+        torch.cuda.empty_cache()
+    stamps = Stamps()
+    ae = AsyncEngine(config, on_outputs=stamps)
+    timed_steps(ae.engine, stamps.log)
+    try:
+        for name, fn in (("thread", threaded), ("asyncio", driven_by_asyncio)):
+            fn(ae, stamps, fresh(4), name + "w")
+            stamps.steps.clear()
+            firsts = fn(ae, stamps, fresh(args.n), name)
+            print(f"{name:7s}: median {statistics.median(firsts):6.2f} ms; steps to the first "
+                  f"token (ms): " + ", ".join(stamps.steps[:4]))
+    finally:
+        ae.shutdown()
+
+
+TOOLS = {"decode": decode_main, "prefill": prefill_main, "host": host_main, "ttft": ttft_main}
+
+
+def main(argv=None) -> None:
+    import sys
+
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] not in TOOLS:
+        raise SystemExit("usage: python -m benchmarks.profiler {decode|prefill|host|ttft} "
+                         "[options] (each takes --help)")
+    TOOLS[argv[0]](argv[1:])
+
+
+if __name__ == "__main__":
+    main()

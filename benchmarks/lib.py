@@ -12,6 +12,17 @@ from dataclasses import dataclass
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout
 
 
+def dispatch(tool: str, tools: dict, argv: list[str] | None = None) -> None:
+    """``python -m benchmarks.<tool> NAME [options]``: run ``tools[NAME](options)``."""
+    import sys
+
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] not in tools:
+        raise SystemExit(f"usage: python -m benchmarks.{tool} {{{'|'.join(tools)}}} [options] "
+                         "(each takes --help)")
+    tools[argv[0]](argv[1:])
+
+
 # -- device timing ----------------------------------------------------------------------------
 def cuda_ms(fn, reps: int = 10) -> float:
     """Median device milliseconds of ``fn()`` (after one call that compiles and settles)."""

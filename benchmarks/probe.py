@@ -35,7 +35,7 @@ from pathlib import Path
 import requests
 import yaml
 
-from benchmarks.lib import local_ray, replica_pids, served
+from benchmarks.lib import dispatch, local_ray, replica_pids, served
 from loadtests import sse
 
 
@@ -196,13 +196,7 @@ TOOLS = {"door": door_main, "admission": admission_main}
 
 
 def main(argv=None) -> None:
-    import sys
-
-    argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] not in TOOLS:
-        raise SystemExit("usage: python -m benchmarks.probe {door|admission} [options] (each "
-                         "takes --help)")
-    TOOLS[argv[0]](argv[1:])
+    dispatch("probe", TOOLS, argv)
 
 
 if __name__ == "__main__":

@@ -58,6 +58,7 @@ from collections import defaultdict
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from benchmarks.lib import dispatch
 from engine import EngineConfig, SamplingParams
 from engine.async_engine import AsyncEngine
 from engine.llm_engine import LLMEngine
@@ -413,13 +414,7 @@ TOOLS = {"decode": decode_main, "prefill": prefill_main, "host": host_main, "ttf
 
 
 def main(argv=None) -> None:
-    import sys
-
-    argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] not in TOOLS:
-        raise SystemExit("usage: python -m benchmarks.profiler {decode|prefill|host|ttft} "
-                         "[options] (each takes --help)")
-    TOOLS[argv[0]](argv[1:])
+    dispatch("profiler", TOOLS, argv)
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from benchmarks.lib import ceilings, graph_us
+from benchmarks.lib import ceilings, dispatch, graph_us
 from engine.model_source import resolve_model
 from kernels._triton import tl, triton
 from kernels.fp8 import (FP8, fp8_block_mm, fp8_block_scaled_mm, fp8_gemv, fp8_gemv_config,
@@ -381,13 +381,7 @@ TOOLS = {"bf16": bf16_main, "fp8": fp8_main}
 
 
 def main(argv=None) -> None:
-    import sys
-
-    argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] not in TOOLS:
-        raise SystemExit("usage: python -m benchmarks.projections_bench {bf16|fp8} [options] "
-                         "(each takes --help)")
-    TOOLS[argv[0]](argv[1:])
+    dispatch("projections_bench", TOOLS, argv)
 
 
 if __name__ == "__main__":

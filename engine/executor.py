@@ -1,10 +1,10 @@
 """The engine's ranks, driven as one (vLLM v1's executor): rank 0's model and runner in this
-process and, for tensor parallelism, the worker ranks (:mod:`engine.tp_worker`) that run every
-step with it.
+process and, for tensor parallelism, the other ranks' processes (:mod:`engine.tp_ranks`) that
+run every step with it.
 
-Start-up: rank 0 resolves the model's shape → spawns the worker ranks (they join its group) →
-builds its own slice (:func:`engine.worker.build_rank`, the path every rank takes) and sizes the
-KV cache → the workers build theirs with as many blocks → on CUDA every rank warms up and
+Start-up: rank 0 resolves the model's shape → spawns the other ranks (they join its group) →
+builds its own slice (:func:`engine.rank.build_rank`, the path every rank takes) and sizes the
+KV cache → the other ranks build theirs with as many blocks → on CUDA every rank warms up and
 captures its decode graphs at once. A step: :meth:`Executor.execute` queues the forward pass on
 every rank and returns rank 0's logits; after sampling, :meth:`Executor.share_tokens` gives the
 other ranks the sampled ids that the next step's pending inputs read.
@@ -20,8 +20,8 @@ from engine.config import EngineConfig
 from engine.model_runner import ModelRunner
 from engine.parallel import TPGroup, broadcast, check_tp
 from engine.scheduler import ScheduledBatch
-from engine.tp_worker import TPWorkers
-from engine.worker import build_rank, engine_shape
+from engine.tp_ranks import RankProcesses
+from engine.rank import build_rank, engine_shape
 
 
 class Executor:
@@ -31,18 +31,18 @@ class Executor:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # kernels launch on the current device
         self.source, self.dtype, self.max_model_len = engine_shape(config, self.device)
-        self.workers: TPWorkers | None = None
+        self.others: RankProcesses | None = None
         try:
             if config.tensor_parallel_size > 1:
                 check_tp(self.source.config, config.tensor_parallel_size)
-                self.workers = TPWorkers(config)
-                weakref.finalize(self, self.workers.close)  # they stop with the executor
-            group = self.workers.group if self.workers is not None else TPGroup()
+                self.others = RankProcesses(config)
+                weakref.finalize(self, self.others.close)  # they stop with the executor
+            group = self.others.group if self.others is not None else TPGroup()
             self.runner: ModelRunner = build_rank(config, self.device, group,
                                                   config.show_progress)
-            if self.workers is not None:
-                self.workers.build(self.runner.num_blocks)
-                self.runner.workers = self.workers
+            if self.others is not None:
+                self.others.build(self.runner.num_blocks)
+                self.runner.others = self.others
             if self.device.type == "cuda":
                 self._warm_up()
         except BaseException:
@@ -55,11 +55,11 @@ class Executor:
 
     def _warm_up(self) -> None:
         """Every rank at once: their collectives (and graph captures) meet."""
-        if self.workers is not None:
-            self.workers.warm_up()
+        if self.others is not None:
+            self.others.warm_up()
         self.runner.warm_up(progress=self.config.show_progress)
-        if self.workers is not None:
-            self.workers.warmed()
+        if self.others is not None:
+            self.others.warmed()
 
     def execute(self, batch: ScheduledBatch,
                 prev_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -69,23 +69,23 @@ class Executor:
 
     def share_tokens(self, tokens: torch.Tensor) -> None:
         """The sampled ids, on every other rank's device (the next step's pending inputs)."""
-        if self.workers is not None:
-            broadcast(tokens.to(torch.int64), self.workers.group)
+        if self.others is not None:
+            broadcast(tokens.to(torch.int64), self.others.group)
 
     def kv_caches(self) -> tuple[tuple, tuple]:
         """Every rank's KV cache (rank 0's first) and the handle another process opens each by
         (None for rank 0's, which is shared as it is); one rank: ``((cache,), (None,))``."""
-        workers = self.workers.kv_caches() if self.workers is not None else []
-        return ((self.runner.kv_cache, *(c for c, _ in workers)),
-                (None, *(h for _, h in workers)))
+        others = self.others.kv_caches() if self.others is not None else []
+        return ((self.runner.kv_cache, *(c for c, _ in others)),
+                (None, *(h for _, h in others)))
 
     def check_ranks(self) -> None:
         """Raise if a rank of a split engine is gone."""
-        if self.workers is not None and (dead := self.workers.dead()):
+        if self.others is not None and (dead := self.others.dead()):
             raise RuntimeError(f"tensor-parallel rank(s) {dead} died")
 
     def shutdown(self) -> None:
         """Stop the other ranks (nothing to do with one)."""
-        if self.workers is not None:
-            self.workers.close()
-            self.workers = None
+        if self.others is not None:
+            self.others.close()
+            self.others = None

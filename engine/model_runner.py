@@ -65,7 +65,7 @@ class ModelRunner:
             attn.backend = self.backend
         self.graphs = None
         self.prompt_out: PromptLogprobs | None = None  # the last step's prompt logprobs
-        self.workers = None  # rank 0 of a tensor-parallel engine: engine.tp_worker.TPWorkers
+        self.others = None  # rank 0 of a tensor-parallel engine: engine.tp_ranks.RankProcesses
         if device.type == "cuda" and not config.enforce_eager \
                 and self.backend.supports_cuda_graphs:
             self.graphs = DecodeGraphs(self, min(config.max_num_seqs,
@@ -206,8 +206,8 @@ class ModelRunner:
         (or None). ``prev_tokens``: the sampled tokens of the step still running, which pending
         inputs are read from. Nothing here waits for the device."""
         step = self.prepare(batch)
-        if self.workers is not None:
-            self.workers.step(step)
+        if self.others is not None:
+            self.others.step(step)
         return self.run(step, prev_tokens)
 
     @torch.inference_mode()

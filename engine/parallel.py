@@ -2,7 +2,7 @@
 
 An engine with ``tensor_parallel_size`` = N runs N ranks: rank 0 is the engine (scheduler,
 block tables, sampling, outputs) and drives ranks 1..N-1, worker processes that each hold a
-slice of the model (:mod:`engine.tp_worker`). Every rank runs every step on the same inputs;
+slice of the model (:mod:`engine.tp_ranks`). Every rank runs every step on the same inputs;
 the model splits its work by heads and columns:
 
 - ``qkv_proj`` and ``gate_up_proj`` are column-parallel (each rank computes its heads' q/k/v and

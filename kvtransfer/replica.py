@@ -2,7 +2,7 @@
 
 Every rank of a replica holds the same block ids (one block table, on rank 0) and its own slice
 of the model's KV heads (``KVLayout.heads``). The ranks' caches are all reachable from rank 0's
-process (worker ranks share theirs: ``engine.tp_worker``), so rank 0 holds one
+process (worker ranks share theirs: ``engine.tp_ranks``), so rank 0 holds one
 :class:`~kvtransfer.endpoint.KVEndpoint` per rank and this class drives them together.
 
 A push from a replica of p ranks to one of d ranks writes, for each sender rank and receiver

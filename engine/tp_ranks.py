@@ -1,7 +1,8 @@
-"""The ranks 1..N-1 of a tensor-parallel engine: processes that each hold a slice of the model and
+"""The ranks 1..N-1 of a tensor-parallel engine ("the other ranks"; not to be confused with the
+prefill and decode roles' Serve deployments): processes that each hold a slice of the model and
 its KV cache, and run every step rank 0 (the engine) runs, on the same inputs.
 
-Lifecycle: :class:`TPWorkers` (rank 0) spawns the workers → every rank joins the group
+Lifecycle: :class:`RankProcesses` (rank 0) spawns the workers → every rank joins the group
 (:func:`engine.parallel.init_tp`) → rank 0 loads its slice and sizes the KV cache, then tells
 the workers how many blocks to make (every rank must have the same) → the workers load their
 slices and build their runners → on CUDA all ranks warm up (and capture their decode graphs)
@@ -45,7 +46,7 @@ def _worker(rank: int, size: int, init_method: str, config: dict, conn) -> None:
 
     from engine.config import EngineConfig
     from engine.parallel import broadcast, destroy_tp, init_tp
-    from engine.worker import build_rank
+    from engine.rank import build_rank
 
     cfg = EngineConfig(**config)
     device = rank_device(cfg, rank)
@@ -97,7 +98,7 @@ def _shared_cache(runner) -> tuple:
     return runner.kv_cache, pickle.dumps(reduce_tensor(runner.kv_cache))
 
 
-class TPWorkers:
+class RankProcesses:
     """Rank 0's side: the worker processes and the pipes to them."""
 
     def __init__(self, config):

@@ -1,5 +1,5 @@
 """One rank of an engine: its slice of the model and its runner, built the same way on every rank
-(rank 0 in the engine's process, ranks 1..N-1 in :mod:`engine.tp_worker`'s processes)."""
+(rank 0 in the engine's process, ranks 1..N-1 in :mod:`engine.tp_ranks`'s processes)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The app builder: ``serve deploy`` / ``serve run deploy.app:build_app`` call ``build_app`` with
 the config's ``args``; it validates them (``BatonConfig``) and returns the bound application:
-Router → DecodeServer (→ PrefillServer in disaggregated mode)."""
+the ingress (Serve name ``Router``) → DecodeServer (→ PrefillServer in disaggregated mode)."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def _options(cfg: BatonConfig, role: str, router_class: str, **router_kwargs) ->
 def build_app(args: dict[str, Any] | BatonConfig | None = None) -> Application:
     from decode_worker.deployment import DecodeDeployment
     from prefill_worker.deployment import PrefillDeployment
-    from router.ingress.app import Router
+    from router.ingress.app import Ingress
 
     cfg = args if isinstance(args, BatonConfig) else BatonConfig(**(args or {}))
     ray_env.warn_if_unconfigured(logging.getLogger("ray.serve"))
@@ -51,7 +51,7 @@ def build_app(args: dict[str, Any] | BatonConfig | None = None) -> Application:
     decode = DecodeDeployment.options(**_options(cfg, "decode", DECODE_ROUTER)).bind(
         cfg.engine_for("decode").model_dump(), backend, prefill, cfg.transfer.timeout_s,
         cfg.transfer.warm_links)
-    router = Router.options(num_replicas=cfg.router.num_replicas,
+    router = Ingress.options(num_replicas=cfg.router.num_replicas,
                             max_ongoing_requests=cfg.router.max_ongoing_requests,
                             max_queued_requests=cfg.router.max_queued_requests,
                             backpressure_config=_backpressure(cfg),

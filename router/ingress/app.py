@@ -46,9 +46,12 @@ def bind_direct_grpc(host: str) -> None:
     default_impl.add_grpc_address = add_on_host
 
 
+# Serve's name for it stays "Router" (what `serve status`, the dashboards, the metrics' tags and
+# process titles show); the classes that pick replicas are Serve request routers
+# (router/replica_choice.py).
 @serve.deployment(name="Router", ray_actor_options={"num_cpus": 0.25}, max_ongoing_requests=1024)
 @serve.ingress(app)
-class Router:
+class Ingress:
     def __init__(self, decode, model: str, served_name: str, max_model_len: int | None,
                  config: dict | None = None, engine: dict | None = None):
         if host := os.environ.get("BATON_GRPC_HOST"):

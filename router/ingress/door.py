@@ -1,7 +1,7 @@
 """What every HTTP request passes before the app reads it: the API key, then the body's size.
 
 Both are plain ASGI middlewares (streamed responses pass through untouched) whose settings the
-Router replica fills in at start (``router.api_key`` / ``BATON_API_KEY``,
+ingress replica fills in at start (``router.api_key`` / ``BATON_API_KEY``,
 ``router.max_request_bytes``).
 
 - With an API key, every request must carry ``Authorization: Bearer <key>``; others get a
@@ -37,7 +37,7 @@ def authorized(header: str | None, key: str) -> bool:
 
 
 class APIKeyMiddleware:
-    key: str | None = None  # set by the Router replica
+    key: str | None = None  # set by the ingress replica
 
     def __init__(self, asgi_app):
         self.app = asgi_app
@@ -55,7 +55,7 @@ class APIKeyMiddleware:
 class StatusCountMiddleware:
     """Counts HTTP answers by status code (outermost, so refusals at the door count too). A
     stream counts with the status it started with: an error after its first chunk is in-band."""
-    count = None  # set by the Router replica: a callable taking the status code
+    count = None  # set by the ingress replica: a callable taking the status code
 
     def __init__(self, asgi_app):
         self.app = asgi_app
@@ -74,7 +74,7 @@ class StatusCountMiddleware:
 
 
 class BodyLimitMiddleware:
-    max_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # set by the Router replica
+    max_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # set by the ingress replica
 
     def __init__(self, asgi_app):
         self.app = asgi_app

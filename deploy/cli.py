@@ -372,12 +372,24 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="baton", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
+    _demo_parser(sub)
+    _serve_parser(sub)
+    _generate_parser(sub)
+    args = parser.parse_args(argv)
+    {"demo": cmd_demo, "serve": cmd_serve, "generate": cmd_generate}[args.command](args)
+    return 0
+
+
+def _demo_parser(sub) -> None:
     demo = sub.add_parser("demo", help="disaggregated serving on local Ray, a few requests")
     demo.add_argument("--max-tokens", type=int, default=24, help="tokens per answer")
     demo.add_argument("--timeout", type=float, default=300,
                       help="seconds the app may take to start, and each request")
     demo.add_argument("--cpu", action="store_true", help="stay on CPU even with a GPU")
     _engine_flags(demo)
+
+
+def _serve_parser(sub) -> None:
     serve_cmd = sub.add_parser(
         "serve", help="serve a model or a Serve config file until Ctrl-C",
         description="Serve a model (a folder, a Hugging Face repo id in the local cache, "
@@ -417,6 +429,9 @@ def main(argv: list[str] | None = None) -> int:
                            help="print the equivalent Serve config (YAML) and exit")
     serve_cmd.add_argument("--timeout", type=float, default=1800,
                            help="seconds the applications may take to start")
+
+
+def _generate_parser(sub) -> None:
     gen = sub.add_parser("generate", help="offline generation")
     gen.add_argument("prompt", nargs="+", help="one or more prompts")
     gen.add_argument("--model", default="tiny",
@@ -430,9 +445,6 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     gen.add_argument("--token-ids", action="store_true", help="prompts are comma-separated ids")
     _engine_flags(gen)
-    args = parser.parse_args(argv)
-    {"demo": cmd_demo, "serve": cmd_serve, "generate": cmd_generate}[args.command](args)
-    return 0
 
 
 if __name__ == "__main__":

@@ -62,16 +62,7 @@ class LLM:
             groups.append((p, rids))
         if use_tqdm is None:
             use_tqdm = self.engine.config.show_progress and len(prompts) >= PROGRESS_MIN_PROMPTS
-        with tqdm(total=len(collectors), desc="generate", disable=not use_tqdm, unit="req") as bar:
-            while self.engine.has_unfinished_requests():
-                for out in self.engine.step():
-                    collector = collectors[out.request_id]
-                    if collector.result.finished:
-                        continue
-                    if collector.add(out):
-                        if not out.finished:  # a stop string: the engine stops on ids only
-                            self.engine.abort_request(out.request_id)
-                        bar.update(1)
+        self._run(collectors, use_tqdm)
         results = []
         for p, rids in groups:
             done = [collectors[rid].result for rid in rids]
@@ -81,3 +72,16 @@ class LLM:
                 results.append([done[i] for i in best_indices(
                     p, [c.cumulative_logprob or 0.0 for c in done])])
         return results
+
+    def _run(self, collectors: dict[str, OutputCollector], progress: bool) -> None:
+        """Step the engine until every request has ended, folding its outputs in."""
+        with tqdm(total=len(collectors), desc="generate", disable=not progress, unit="req") as bar:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    collector = collectors[out.request_id]
+                    if collector.result.finished:
+                        continue
+                    if collector.add(out):
+                        if not out.finished:  # a stop string: the engine stops on ids only
+                            self.engine.abort_request(out.request_id)
+                        bar.update(1)

@@ -55,8 +55,7 @@ class PrefillServer:
         self.endpoint.close()
 
     def _count_mismatch(self, _peer: EndpointInfo) -> None:
-        if self.transfers is not None:
-            self.transfers.failed("LayoutMismatchError")
+        self._count(None, "LayoutMismatchError")
 
     def info(self) -> EndpointInfo:
         return self.endpoint.info()
@@ -66,27 +65,59 @@ class PrefillServer:
                 "links": self.warmer.summary() if self.warmer is not None else {}}
 
     async def prefill(self, req: PrefillRequest) -> PrefillResult:
+        """Prefill the prompt (its first token sampled, its blocks held), push the blocks the
+        decode replica lacks, then answer with the first token and the push's stats."""
         rid = req.dest.request_id
         received, t0 = time.time(), time.perf_counter()
         try:  # no transport to this receiver, or another KV layout: refuse before any work
             self.endpoint.choose(req.peer)
             self.endpoint.plan(req.peer)
         except TransferError as exc:
-            if self.transfers is not None:
-                self.transfers.failed(type(exc).__name__)
+            self._count(None, type(exc).__name__)
             raise
+        first = await self._first_token(req, rid, received)
+        prefill_s = time.perf_counter() - t0
+        timing = PrefillTiming(received=received, prefilled=time.time(), replica=self.replica)
+        transfer = await self._push(req, rid)
+        timing.pushed = time.time()
+        st = transfer.stats
+        TIMELINE.info("request %s prefill: push %s, %d prompt tokens (%d cached), %d blocks "
+                      "(%d B) over %s; %s", rid, transfer.state.name.lower(),
+                      len(req.prompt_token_ids), first.num_cached_tokens, st.blocks_sent,
+                      st.bytes, st.backend, timeline(received=received,
+                                                     prefilled=timing.prefilled,
+                                                     pushed=timing.pushed))
+        if transfer.state is not TransferState.DONE:
+            failed = "not_started" if transfer.handle is None else "failed"
+            self._count(None, failed)
+            # Nothing written (never started): the decode replica can prefill it itself.
+            raise (PushNotStarted if transfer.handle is None else TransferError)(
+                f"push of {rid} failed: {transfer.error}")
+        self._count(st)
+        return PrefillResult(
+            request_id=rid, first_token=first.new_token_ids[0],
+            first_logprob=first.new_logprobs[0] if first.new_logprobs else None,
+            num_prompt_tokens=len(req.prompt_token_ids), num_cached_tokens=first.num_cached_tokens,
+            stats=st, prefill_seconds=prefill_s, timing=timing,
+            first_top_logprobs=first.new_top_logprobs[0] if first.new_top_logprobs else None)
+
+    async def _first_token(self, req: PrefillRequest, rid: str, received: float):
+        """The request through the engine's batch, stopped after its first token with its blocks
+        held for the push."""
         params = req.params.model_copy(update={"max_tokens": 1})
         try:
-            first = await self.aengine.run(list(req.prompt_token_ids), params, rid,
-                                           hold_blocks=True)
+            return await self.aengine.run(list(req.prompt_token_ids), params, rid,
+                                          hold_blocks=True)
         except BaseException as exc:  # it may have finished, blocks held, just before the cancel
             if self.aengine.error is None:
                 self.aengine.submit(lambda e: e.release_held_blocks(rid))
             TIMELINE.info("request %s prefill: %s before its KV was pushed; %s", rid,
                           type(exc).__name__, timeline(received=received, ended=time.time()))
             raise
-        prefill_s, prefilled = time.perf_counter() - t0, time.time()
-        timing = PrefillTiming(received=received, prefilled=prefilled, replica=self.replica)
+
+    async def _push(self, req: PrefillRequest, rid: str):
+        """Push the held blocks the receiver lacks; the transfer once it has ended (its blocks
+        are released then, whatever happens to this caller)."""
         loop = asyncio.get_running_loop()
         done: asyncio.Future = loop.create_future()
 
@@ -104,25 +135,12 @@ class PrefillServer:
         # Shielded: once asked for, the push runs even if this caller is cancelled, so the held
         # blocks are always released by on_finish (or by push's own failure path).
         await asyncio.shield(asyncio.wrap_future(self.aengine.submit(push)))
-        transfer = await done
-        st = transfer.stats
-        TIMELINE.info("request %s prefill: push %s, %d prompt tokens (%d cached), %d blocks "
-                      "(%d B) over %s; %s", rid, transfer.state.name.lower(), len(req.prompt_token_ids),
-                      first.num_cached_tokens, st.blocks_sent, st.bytes, st.backend,
-                      timeline(received=received, prefilled=prefilled, pushed=time.time()))
-        timing.pushed = time.time()
-        if self.transfers is not None:
-            if transfer.state is TransferState.DONE:
-                self.transfers.record(transfer.stats)
-            else:
-                self.transfers.failed("not_started" if transfer.handle is None else "failed")
-        if transfer.state is not TransferState.DONE:
-            # Nothing written (never started): the decode replica can prefill it itself.
-            failed = PushNotStarted if transfer.handle is None else TransferError
-            raise failed(f"push of {rid} failed: {transfer.error}")
-        return PrefillResult(
-            request_id=rid, first_token=first.new_token_ids[0],
-            first_logprob=first.new_logprobs[0] if first.new_logprobs else None,
-            num_prompt_tokens=len(req.prompt_token_ids), num_cached_tokens=first.num_cached_tokens,
-            stats=transfer.stats, prefill_seconds=prefill_s, timing=timing,
-            first_top_logprobs=first.new_top_logprobs[0] if first.new_top_logprobs else None)
+        return await done
+
+    def _count(self, stats, failure: str | None = None) -> None:
+        if self.transfers is None:
+            return
+        if failure is not None:
+            self.transfers.failed(failure)
+        else:
+            self.transfers.record(stats)

@@ -9,7 +9,6 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout
 
 
 def dispatch(tool: str, tools: dict, argv: list[str] | None = None) -> None:
@@ -110,28 +109,17 @@ def copy_ceiling(devices, nbytes: int, reps: int = 20) -> float:
 @contextmanager
 def local_ray(num_cpus: int | None = None, env_vars: dict | None = None, plain: bool = False,
               **init_kwargs):
-    """A Ray of this driver's own (``address="local"``) with Baton's settings (``plain``: none
-    of them, as a user's own ``ray start`` would be), whose replicas import this checkout; shut
-    down on exit. Yields the settings in effect."""
+    """A Ray of this driver's own with Baton's settings (``plain``: none of them, as a user's
+    own ``ray start`` would be; ``deploy.ray_env.init_ray``); shut down on exit. Yields the
+    settings in effect."""
     import ray
 
     from deploy import ray_env
 
-    if plain:
-        for key in (*ray_env.local_env(), "BATON_GRPC_HOST"):
-            os.environ.pop(key, None)
-        settings = {}
-    else:
-        settings = ray_env.apply()
-    path = os.pathsep.join(p for p in (HERE, os.environ.get("PYTHONPATH", "")) if p)
-    runtime_env = init_kwargs.pop("runtime_env", {})
-    runtime_env["env_vars"] = {"PYTHONPATH": path, **(env_vars or {}),
-                               **runtime_env.get("env_vars", {})}
-    ray.init(address="local", num_cpus=num_cpus or max(4, os.cpu_count() or 2),
-             include_dashboard=False, log_to_driver=False, logging_level="ERROR",
-             runtime_env=runtime_env, **init_kwargs)
+    ray_env.init_ray(num_cpus=num_cpus or max(4, os.cpu_count() or 2), env_vars=env_vars,
+                     plain=plain, **init_kwargs)
     try:
-        yield settings
+        yield {} if plain else {k: os.environ[k] for k in ray_env.local_env() if k in os.environ}
     finally:
         ray.shutdown()
 

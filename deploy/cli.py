@@ -51,17 +51,11 @@ def cmd_generate(args) -> None:
 # -- serving --------------------------------------------------------------------------------
 def _start_ray(num_cpus: int | None = None, address: str | None = None,
                host: str = "127.0.0.1") -> None:
-    """A local Ray of this command's own (even where `ray start` runs one on this machine,
-    whose applications it must not touch), or the cluster at ``address``; ``host``: where the
-    app's HTTP port listens."""
-    import ray
-
+    """A local Ray of this command's own, or the cluster at ``address``; ``host``: where the
+    app's HTTP port listens (``deploy.ray_env.init_ray``)."""
     from deploy import ray_env
 
-    if address is None:  # HAProxy ingress, Serve's throughput profile, free ports
-        ray_env.apply(host)
-    ray.init(address=address or "local", num_cpus=None if address else num_cpus,
-             include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    ray_env.init_ray(address, num_cpus, host)
 
 
 def _demo_config(gpu: bool) -> dict:

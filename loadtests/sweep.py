@@ -71,17 +71,8 @@ def ensure_ray(address: str | None, num_cpus: int | None) -> bool:
     if ray.is_initialized():
         return False
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    if address is None:  # a local cluster gets Baton's serving settings (a running one has its own)
-        from deploy import ray_env
-        ray_env.apply()
-    # Replicas import Baton from this checkout, plus whatever the driver's path holds (packages
-    # installed outside site-packages, as on a host without a package index).
-    env = {"PYTHONPATH": _pythonpath(), "RAY_USAGE_STATS_ENABLED": "0"}
-    if "BATON_CACHE" in os.environ:
-        env["BATON_CACHE"] = os.environ["BATON_CACHE"]
-    ray.init(address=address or "local", num_cpus=None if address else num_cpus,
-             include_dashboard=False, log_to_driver=False, logging_level="ERROR",
-             runtime_env={"env_vars": env})
+    from deploy import ray_env
+    ray_env.init_ray(address, num_cpus)  # a local one gets Baton's serving settings
     return address is None
 
 

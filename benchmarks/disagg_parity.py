@@ -23,6 +23,7 @@ import time
 import torch
 
 from contracts import TokenSink
+from decode_worker.placement import ALWAYS
 from decode_worker.server import DecodeServer
 from engine import LLM, EngineConfig, SamplingParams
 from benchmarks.lib import copy_ceiling
@@ -118,7 +119,7 @@ def main(argv=None) -> None:
         try:
             prefill = Peer("prefill", config(args.prefill_device, args.prefill_tp), backend)
             decode = DecodeServer(config(args.decode_device, args.decode_tp), backend,
-                                  PeerPrefillHandle(prefill), 60.0)
+                                  PeerPrefillHandle(prefill), 60.0, disaggregation=ALWAYS)
             asyncio.run(run(decode, backend))
         except Exception as exc:  # noqa: BLE001 - report, go on with the next backend
             errors[backend] = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"

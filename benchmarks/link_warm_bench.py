@@ -16,6 +16,7 @@ import asyncio
 import json
 
 from contracts import TokenSink
+from decode_worker.placement import ALWAYS
 from decode_worker.server import DecodeServer
 from engine import EngineConfig, SamplingParams
 from tests.models import random_prompts
@@ -37,7 +38,7 @@ async def _requests(decode, prompts, params) -> list[float]:
 def run(config: EngineConfig, backend: str, warm: bool, prompts) -> dict:
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     prefill = Peer("prefill", config, backend)
-    decode = DecodeServer(config, backend, PeerPrefillHandle(prefill))
+    decode = DecodeServer(config, backend, PeerPrefillHandle(prefill), disaggregation=ALWAYS)
     try:
         link = prefill.call("warm", decode.endpoint.info()) if warm else None
         pushes = asyncio.run(_requests(decode, prompts, params))

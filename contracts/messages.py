@@ -118,6 +118,10 @@ class GenerateResult:
     transfer: TransferSummary | None = None  # disaggregated only
     prefill_seconds: float = 0.0  # the prefill replica's time from queue to first token
     timing: DecodeTiming = field(default_factory=DecodeTiming)
+    # Where the prompt was prefilled ("local": on the decode replica; "remote": by a prefill
+    # replica) and why (decode_worker.placement)
+    prefilled_where: str = "local"
+    prefilled_why: str = "colocated"
     # Set when the request was refused as bad input only a replica can check (a prompt its KV
     # cache cannot hold, a grammar that does not compile): nothing was generated; the ingress
     # answers 400 (``BadRequest``) with this text. Sent, not raised, so the replica logs one

@@ -11,6 +11,7 @@ nothing is recorded.
   what changed; it never touches the engine.
 - :class:`TransferMetrics` (both sides of a hand-over): bytes, blocks sent and skipped, hand-over
   time, failures by kind.
+- :class:`PlacementMetrics` (decode replicas): where each request was prefilled, and why.
 - The ingress's are in :mod:`router.ingress.metrics` (also served on its own ``/metrics``).
 """
 
@@ -169,6 +170,21 @@ class TransferMetrics:
     def failed(self, kind: str) -> None:
         with never_raises():
             self.failures.inc(1, tags={"kind": kind, "side": self.side})
+
+
+class PlacementMetrics:
+    """Where a decode replica had its requests prefilled, and why (``decode_worker.placement``):
+    ``where`` local or remote; ``reason`` short, saturated, long, always, never, no_room,
+    prefill_unavailable, prompt_logprobs or colocated."""
+
+    def __init__(self):
+        self.placements = _serve_metrics().Counter(
+            "baton_prefill_placements", "Requests by where they were prefilled and why",
+            tag_keys=("where", "reason"))
+
+    def record(self, where: str, reason: str) -> None:
+        with never_raises():
+            self.placements.inc(1, tags={"where": where, "reason": reason})
 
 
 @contextlib.contextmanager

@@ -6,6 +6,7 @@ from ray import serve
 
 from contracts.messages import GenerateRequest
 from contracts.role import RoleDeployment
+from decode_worker.placement import DisaggregationConfig
 from decode_worker.server import DecodeServer
 from engine import EngineConfig
 from kvtransfer.directory import PeerDirectory
@@ -15,11 +16,12 @@ from kvtransfer.directory import PeerDirectory
                   max_ongoing_requests=256, health_check_period_s=10)
 class DecodeDeployment(RoleDeployment):
     def __init__(self, engine: dict, backend: str, prefill=None,
-                 transfer_timeout_s: float = 30.0, warm_links: bool = True):
+                 transfer_timeout_s: float = 30.0, warm_links: bool = True,
+                 disaggregation: dict | None = None):
         directory = (PeerDirectory(serve.get_replica_context().app_name)
                      if warm_links and prefill is not None else None)
         self.server = DecodeServer(EngineConfig(**engine), backend, prefill, transfer_timeout_s,
-                                   directory)
+                                   directory, DisaggregationConfig(**(disaggregation or {})))
 
     async def generate(self, req: GenerateRequest) -> None:
         """Runs the request to its end; its tokens, then its result (or the refusal of bad

@@ -30,17 +30,20 @@ from contracts.messages import (TIMELINE, DecodeTiming, GenerateRequest, Generat
                                 PrefillRequest, PrefillResult, TransferSummary, serve_logger,
                                 timeline)
 from contracts.token_channel import TokenPublisher
-from contracts.metrics import EngineMetrics, TransferMetrics, replica_id
+from contracts.metrics import EngineMetrics, PlacementMetrics, TransferMetrics, replica_id
 from contracts.role import load_report
 from engine.async_engine import AsyncEngine
 from engine.errors import BadRequest
 from engine.sampling_params import SamplingParams
 from decode_worker.handover import HandOvers, State
+from decode_worker.placement import (LOCAL, REMOTE, DisaggregationConfig, Placement,
+                                     Placer)
 from kvtransfer import (KVDestination, LayoutMismatchError, Transfer, TransferError,
                         TransportUnavailableError, endpoint_for)
 from kvtransfer.directory import PeerDirectory, Publisher
 
 log = serve_logger(__name__)
+COLOCATED = Placement(LOCAL, "colocated")
 
 
 def prefill_unavailable(exc: BaseException) -> bool:
@@ -69,14 +72,17 @@ class DecodeServer:
     colocated mode)."""
 
     def __init__(self, config, backend: str, prefill=None, transfer_timeout_s: float = 30.0,
-                 directory: PeerDirectory | None = None, **endpoint_kwargs):
+                 directory: PeerDirectory | None = None,
+                 disaggregation: DisaggregationConfig | None = None, **endpoint_kwargs):
         """``directory``: where this replica's KV endpoint is listed, so prefill replicas open
-        their links to it before the first request (``kvtransfer.directory``)."""
+        their links to it before the first request (``kvtransfer.directory``);
+        ``disaggregation``: where each request is prefilled (``decode_worker.placement``)."""
         self.publisher = TokenPublisher()
         self.aengine = AsyncEngine(config, on_outputs=self.publisher.publish,
                                    on_error=self.publisher.fail_all)
         self.prefill = prefill
         self.timeout_s = transfer_timeout_s
+        self.placer = Placer(disaggregation)
         self.endpoint = self.handovers = None
         self._calls: dict[str, tuple] = {}  # request id -> (its hand-over, its prefill call)
         if prefill is not None:
@@ -86,12 +92,13 @@ class DecodeServer:
             self.aengine.add_ticker(self.endpoint.poll)
         self.listing = (Publisher(directory, self.endpoint.info()).start()
                         if directory is not None and self.endpoint is not None else None)
-        self.metrics = self.transfers = None
+        self.metrics = self.transfers = self.placements = None
         self.replica = replica_id()
         if self.replica:  # a Serve replica: its own series, through Ray's metrics system
             self.metrics = EngineMetrics(self.aengine.feed, self.aengine.info, extra=lambda: {
                 "kv_blocks_held_by_transfers": self.held_blocks}).start()
             self.transfers = TransferMetrics("received") if prefill is not None else None
+            self.placements = PlacementMetrics()
 
     def close(self) -> None:
         """At shutdown (Serve calls the deployment's ``__del__`` once it has drained): leave the
@@ -121,16 +128,20 @@ class DecodeServer:
         rid, prompt = req.request_id, list(req.prompt_token_ids)
         route = self.publisher.route(rid, await self.publisher.connect(req.reply_to))
         prefilled: PrefillResult | None = None
+        placement = COLOCATED
         try:
             await self.aengine.compile_grammar(req.params)  # off the engine thread
             if self.prefill is not None and req.params.prompt_logprobs is None:
                 # (prompt logprobs are made where the prompt is computed: here, in one engine)
-                prefilled = await self._remote_prefill(req, prompt, timing)
-            if prefilled is None:  # colocated, or nothing reserved: prefill here
+                prefilled, placement = await self._remote_prefill(req, prompt, timing)
+            elif self.prefill is not None:
+                placement = Placement(LOCAL, "prompt_logprobs")
+            if prefilled is None and not timing.queued:  # not handed over: prefill here
                 def add(engine):  # stamped here: the first token may come before the loop runs
                     engine.add_request(prompt, req.params, rid)
                     timing.queued = time.time()
                 await self.aengine.call(add)
+            self._count_placement(placement)
             last = await route.done
         except BaseException as exc:
             self.publisher.unroute(rid)
@@ -144,33 +155,78 @@ class DecodeServer:
                 return result
             outcome = "cancelled" if isinstance(exc, asyncio.CancelledError) else \
                 f"error {type(exc).__name__}"
-            _log_timeline(rid, outcome, timing, prefilled, None)
+            _log_timeline(rid, outcome, timing, prefilled, None, placement)
             raise
         timing.first_token, timing.finished = route.first_at, time.time()
-        _log_timeline(rid, last.finish_reason, timing, prefilled, last.num_output_tokens)
+        if placement.where == LOCAL and timing.first_token and timing.queued:
+            self.placer.prefilled_here(len(prompt) - last.num_cached_tokens,
+                                       timing.first_token - timing.queued)
+        _log_timeline(rid, last.finish_reason, timing, prefilled, last.num_output_tokens,
+                      placement)
         result = GenerateResult(
             request_id=rid, num_prompt_tokens=len(prompt),
             num_output_tokens=last.num_output_tokens, num_cached_tokens=last.num_cached_tokens,
             finish_reason=last.finish_reason,
             transfer=TransferSummary.of(prefilled.stats) if prefilled is not None else None,
             prefill_seconds=prefilled.prefill_seconds if prefilled is not None else 0.0,
-            timing=timing)
+            timing=timing, prefilled_where=placement.where, prefilled_why=placement.reason)
         self.publisher.end(route.conn, rid, result.to_wire())
         return result
 
     async def _remote_prefill(self, req: GenerateRequest, prompt: list[int],
-                              timing: DecodeTiming) -> PrefillResult | None:
-        """Reserve, have a prefill replica push, admit (publishing the prefill's first token).
-        None when no blocks could be reserved right now, or when the prefill replica could not
-        deliver and the request is to be prefilled here."""
+                              timing: DecodeTiming) -> tuple[PrefillResult | None, Placement]:
+        """Decide where the request is prefilled; if by a prefill replica: reserve, have it
+        push, admit (publishing the prefill's first token). The result is None when the
+        request is prefilled here: decided so (it is queued here already), no blocks could be
+        reserved right now, or the prefill replica could not deliver."""
         rid = req.request_id
-        h = await self._reserve(prompt, req.params, rid)
+        placement, h = await self._place(prompt, req.params, rid, timing)
         if h is None:
-            return None
+            return None, placement
+        uncached = len(prompt) - h.dest.num_present_tokens
         timing.prefill_called = time.time()
         call = asyncio.ensure_future(self.prefill.prefill.remote(  # a Serve response
             PrefillRequest(tuple(prompt), req.params, h.dest, self.endpoint.info())))
         self._calls[rid] = (h, call)
+        self.placer.sent(uncached)
+        try:
+            result = await self._handed_over(rid, h, call, timing)
+        finally:
+            answered = timing.prefill_returned - timing.prefill_called \
+                if timing.prefill_returned else None
+            self.placer.answered(uncached, answered)
+        return result, (placement if result is not None else
+                        Placement(LOCAL, "prefill_unavailable"))
+
+    async def _place(self, prompt: list[int], params: SamplingParams, rid: str,
+                     timing: DecodeTiming) -> tuple[Placement, object | None]:
+        """One engine command: where the prompt is prefilled (its uncached part against the
+        local queue, :class:`~decode_worker.placement.Placer`), then either queued here or its
+        blocks reserved and leased for a hand-over (``(placement, hand-over)``)."""
+        deadline = time.time() + self.timeout_s
+        loop = asyncio.get_running_loop()
+
+        def place(engine):
+            uncached = len(prompt) - engine.kv_manager.cached_tokens(prompt)
+            placement = self.placer.decide(uncached, engine.scheduler.queued_prompt_tokens())
+            if placement.where == REMOTE:
+                h = self.handovers.reserve(engine, prompt, params, rid, deadline, loop)
+                if h is not None:
+                    return placement, h
+                placement = Placement(LOCAL, "no_room")  # blocks or slots short right now
+            engine.add_request(prompt, params, rid)
+            timing.queued = time.time()
+            return placement, None
+
+        try:
+            return await self.aengine.call(place)
+        except BaseException:
+            self.abort(rid)  # the command may still run: the abort is queued after it
+            raise
+
+    async def _handed_over(self, rid: str, h, call: asyncio.Future,
+                           timing: DecodeTiming) -> PrefillResult | None:
+        """The prefill call and the lease, to the admission; None: prefill here instead."""
         # The call's answer carries the first token; the lease may end before it (its
         # deadline: a frozen or slow prefill replica). A cancel here leaves the call running:
         # the caller's abort decides about it.
@@ -221,6 +277,10 @@ class DecodeServer:
     def _count_failure(self, kind: str) -> None:
         if self.transfers is not None:
             self.transfers.failed(kind)
+
+    def _count_placement(self, placement: Placement) -> None:
+        if self.placements is not None:
+            self.placements.record(placement.where, placement.reason)
 
     # -- the hand-over's verbs, for the roles' tests and tools --------------------------------
     async def _reserve(self, prompt: list[int], params: SamplingParams, request_id: str,
@@ -279,10 +339,11 @@ class DecodeServer:
 
 
 def _log_timeline(rid: str, outcome: str | None, timing: DecodeTiming,
-                  prefilled: PrefillResult | None, tokens: int | None) -> None:
+                  prefilled: PrefillResult | None, tokens: int | None,
+                  placement: Placement) -> None:
     if not TIMELINE.isEnabledFor(logging.INFO):
         return
-    where = "prefilled here" if timing.queued else "not prefilled"
+    where = f"prefilled here ({placement.reason})" if timing.queued else "not prefilled"
     if prefilled is not None:
         st = prefilled.stats
         where = (f"prefilled remotely in {prefilled.prefill_seconds * 1e3:.1f} ms, "

@@ -50,7 +50,7 @@ def build_app(args: dict[str, Any] | BatonConfig | None = None) -> Application:
             cfg.engine_for("prefill").model_dump(), backend, cfg.transfer.warm_links)
     decode = DecodeDeployment.options(**_options(cfg, "decode", DECODE_ROUTER)).bind(
         cfg.engine_for("decode").model_dump(), backend, prefill, cfg.transfer.timeout_s,
-        cfg.transfer.warm_links)
+        cfg.transfer.warm_links, cfg.disaggregation.model_dump())
     router = Ingress.options(num_replicas=cfg.router.num_replicas,
                             max_ongoing_requests=cfg.router.max_ongoing_requests,
                             max_queued_requests=cfg.router.max_queued_requests,

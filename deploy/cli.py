@@ -59,15 +59,18 @@ def _start_ray(num_cpus: int | None = None, address: str | None = None,
 
 
 def _demo_config(gpu: bool) -> dict:
+    # The demo shows the hand-over, so every prompt goes to the prefill replica (its short
+    # prompts would be prefilled on the decode replica under the default, auto).
+    always = {"disaggregation": {"mode": "always"}}
     if gpu:  # two replicas on one GPU, CUDA IPC between them
         return {"mode": "disaggregated",
                 "engine": {"model": "dummy:Qwen3-0.6B", "gpu_memory_utilization": 0.35,
                            "max_num_seqs": 16},
                 "prefill": {"num_gpus": 0.5, "num_cpus": 0.5},
                 "decode": {"num_gpus": 0.5, "num_cpus": 0.5},
-                "transfer": {"backend": "cuda_ipc"}}
+                "transfer": {"backend": "cuda_ipc"}, **always}
     return {"mode": "disaggregated", "engine": {"model": "tiny", "num_blocks": 512,
-                                                "max_num_seqs": 16}}
+                                                "max_num_seqs": 16}, **always}
 
 
 def cmd_demo(args) -> None:
@@ -275,6 +278,9 @@ def serve_config_from_flags(args) -> dict:
            "router": {"model_name": args.served_model_name} if args.served_model_name else {}}
     if args.prefill:
         app["prefill"] = {**role, "num_replicas": args.prefill}
+        app["disaggregation"] = {"mode": args.disaggregation}
+        if args.max_local_prefill_length is not None:
+            app["disaggregation"]["max_local_prefill_length"] = args.max_local_prefill_length
     return {"proxy_location": "EveryNode",
             "http_options": {"host": args.host, "port": args.port},
             "grpc_options": {"port": args.grpc_port, "enable_reflection": args.grpc_reflection,
@@ -394,6 +400,14 @@ def _serve_parser(sub) -> None:
     serve_cmd.add_argument("--prefill", type=int, default=1,
                            help="prefill replicas (0: colocated, decode replicas prefill)")
     serve_cmd.add_argument("--decode", type=int, default=1, help="decode replicas")
+    serve_cmd.add_argument("--disaggregation", choices=["auto", "always", "never"],
+                           default="auto",
+                           help="where each request is prefilled: auto (on the decode replica "
+                                "when the uncached part of its prompt is short or the prefill "
+                                "replicas are saturated), always (by a prefill replica), never")
+    serve_cmd.add_argument("--max-local-prefill-length", type=int, default=None,
+                           help="auto: the longest uncached part prefilled on the decode "
+                                "replica (default 1000 tokens)")
     serve_cmd.add_argument("--gpus-per-replica", type=float, default=None,
                            help="GPUs of each replica's rank (default: a GPU each, or equal "
                                 "shares of the GPUs there are; 0 on a machine without one)")

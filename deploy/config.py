@@ -7,6 +7,8 @@
     router:   the ingress (HTTP and gRPC)
     transfer: KV-transfer backend and deadline
     admission: when overload is refused (``retry_after_s``)
+    disaggregation: where each request is prefilled (``mode``: auto, always, never;
+              ``max_local_prefill_length``)
 A prefill:decode ratio change is ``prefill.num_replicas`` / ``decode.num_replicas``.
 
 Admission: a replica holds at most ``max_ongoing_requests`` requests (default: twice its
@@ -24,6 +26,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from decode_worker.placement import DisaggregationConfig
 from engine.config import EngineConfig
 from router.config import RouterConfig
 
@@ -87,6 +90,9 @@ class BatonConfig(_Strict):
     router: RouterConfig = Field(default_factory=RouterConfig)
     transfer: TransferConfig = Field(default_factory=TransferConfig)
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
+    # Where each request is prefilled (decode_worker/placement.py): auto (here when the uncached
+    # part of the prompt is short or the prefill pool saturated), always, never
+    disaggregation: DisaggregationConfig = Field(default_factory=DisaggregationConfig)
 
     @model_validator(mode="after")
     def _check_roles(self) -> "BatonConfig":

@@ -49,6 +49,12 @@ class KVCacheManager:
         """Whether a sequence of ``num_tokens`` could ever fit in this cache."""
         return self.blocks_for(num_tokens) <= self.num_usable_blocks
 
+    def cached_tokens(self, token_ids: list[int]) -> int:
+        """How many leading tokens of ``token_ids`` the prefix cache holds now (nothing taken:
+        a probe, for deciding where a prompt is prefilled)."""
+        blocks = self.pool.match_prefix(hash_blocks(token_ids, self.block_size))
+        return min(len(blocks) * self.block_size, len(token_ids))
+
     # -- the verbs --------------------------------------------------------------------------
     def match(self, seq: Sequence) -> PrefixHit:
         self._update_hashes(seq)

@@ -78,6 +78,12 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def queued_prompt_tokens(self) -> int:
+        """Prompt tokens still to be prefilled: of waiting sequences, and of running ones whose
+        prompt is not yet all computed (chunked prefill)."""
+        return sum(max(0, s.num_prompt_tokens - s.num_computed_tokens)
+                   for s in (*self.waiting, *self.running))
+
     def find(self, request_id: str) -> Sequence | None:
         return self.requests.get(request_id)
 

@@ -33,7 +33,8 @@ def _config(prefill_replicas: int) -> dict:
             "prefill": {"num_replicas": prefill_replicas, "num_cpus": 0.25,
                         "resources": {"prefill_pool": 1}},
             "decode": {"num_replicas": 2, "num_cpus": 0.25, "resources": {"decode_pool": 1}},
-            "router": {"request_timeout_s": 120}, "transfer": {"timeout_s": 10}}
+            "router": {"request_timeout_s": 120}, "transfer": {"timeout_s": 10},
+            "disaggregation": {"mode": "always"}}
 
 
 def _gauges(deployment: str, want: int) -> dict[str, dict]:

@@ -140,8 +140,9 @@ async def _serve_async(role: str, config: EngineConfig, backend: str, conn) -> N
         server = PrefillServer(config, backend)
         pushed = capture_pushed_kv(server)
     else:
+        from decode_worker.placement import ALWAYS
         from decode_worker.server import DecodeServer
-        server = DecodeServer(config, backend, NoPrefill())
+        server = DecodeServer(config, backend, NoPrefill(), disaggregation=ALWAYS)
     conn.send(server.endpoint.info())
     loop = asyncio.get_running_loop()
     while True:

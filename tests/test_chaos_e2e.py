@@ -51,7 +51,8 @@ def _config(decode_replicas: int, disaggregated: bool = False, prefill_replicas:
     if disaggregated:
         config |= {"mode": "disaggregated",
                    "prefill": {"num_replicas": prefill_replicas, "num_cpus": 0.5},
-                   "transfer": {"timeout_s": 2}}
+                   "transfer": {"timeout_s": 2},
+                   "disaggregation": {"mode": "always"}}  # the hand-over under test
     return config
 
 

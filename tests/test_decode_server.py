@@ -14,6 +14,7 @@ from ray.serve.exceptions import BackPressureError
 
 from contracts import GenerateRequest, TokenSink
 from contracts.messages import TIMELINE
+from decode_worker.placement import ALWAYS, DisaggregationConfig
 from decode_worker.server import DecodeServer
 from engine import LLM, EngineConfig, SamplingParams
 from kvtransfer import LayoutMismatchError, PushNotStarted, TransportUnavailableError
@@ -42,7 +43,7 @@ def roles():
         fabric = LocalFabric()
         prefill = PrefillServer(CONFIG, "local", fabric=fabric) if disaggregated else None
         handle = PrefillHandle(prefill, **(handle_kw or {})) if disaggregated else None
-        decode = DecodeServer(CONFIG, "local", handle, 2.0, fabric=fabric)
+        decode = DecodeServer(CONFIG, "local", handle, 2.0, fabric=fabric, disaggregation=ALWAYS)
         made.extend(s for s in (prefill, decode) if s is not None)
         return prefill, handle, decode
 
@@ -128,7 +129,7 @@ def test_a_prefill_replica_that_dies_after_its_kv_landed_is_replaced_at_once(off
     fabric = LocalFabric()
     prefill = PrefillServer(CONFIG, "local", fabric=fabric)
     handle = DiesAfterPushing(prefill)
-    decode = DecodeServer(CONFIG, "local", handle, 30.0, fabric=fabric)
+    decode = DecodeServer(CONFIG, "local", handle, 30.0, fabric=fabric, disaggregation=ALWAYS)
 
     async def main():
         sink = TokenSink()
@@ -169,7 +170,7 @@ def test_a_kv_layout_mismatch_is_refused_loudly_not_prefilled_here(caplog):
     error in its log) instead of prefilling it, and every later one, itself without a word."""
     fabric = LocalFabric()
     prefill = PrefillServer(CONFIG.model_copy(update={"block_size": 32}), "local", fabric=fabric)
-    decode = DecodeServer(CONFIG, "local", PrefillHandle(prefill), 2.0, fabric=fabric)
+    decode = DecodeServer(CONFIG, "local", PrefillHandle(prefill), 2.0, fabric=fabric, disaggregation=ALWAYS)
 
     async def main():
         sink = TokenSink()
@@ -365,3 +366,87 @@ def test_bad_input_only_a_replica_can_check_is_refused_on_the_channel(roles, dis
         await sink.close()
 
     asyncio.run(main())
+
+
+def _placed(disaggregation, handle_kw=None):
+    """A prefill and a decode server whose decode replica places requests by
+    ``disaggregation`` (``decode_worker.placement``)."""
+    fabric = LocalFabric()
+    prefill = PrefillServer(CONFIG, "local", fabric=fabric)
+    handle = PrefillHandle(prefill, **(handle_kw or {}))
+    decode = DecodeServer(CONFIG, "local", handle, 5.0, fabric=fabric,
+                          disaggregation=disaggregation)
+    return prefill, handle, decode
+
+
+def test_a_short_prompt_is_prefilled_where_it_decodes_a_long_one_handed_over(offline):
+    """auto: a prompt whose uncached part is at most max_local_prefill_length is prefilled on
+    the decode replica, a longer one by the (idle) prefill replica; the same long prompt again
+    finds its blocks in the decode replica's own prefix cache and stays there too. Same tokens
+    either way; where and why is in each result."""
+    prefill, handle, decode = _placed(DisaggregationConfig(max_local_prefill_length=16))
+
+    async def main():
+        sink = TokenSink()
+        got = [await generate(decode, sink, p, f"r{i}", GREEDY) for i, p in
+               enumerate([PROMPTS[0], PROMPTS[1], PROMPTS[1]])]
+        assert [(r.prefilled_where, r.prefilled_why) for _, r in got] == [
+            ("local", "short"), ("remote", "long"), ("local", "short")]
+        assert [t for t, _ in got] == [offline[0], offline[1], offline[1]]
+        assert handle.calls == 1 and got[1][1].transfer is not None
+        assert got[2][1].num_cached_tokens == 32  # the landed blocks, cached where it decodes
+        await until_idle(prefill, decode)
+        await sink.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def test_a_saturated_prefill_pool_sends_long_prompts_local(offline):
+    """auto: once both rates are measured (a short prompt here, a long one over there, slow),
+    a long prompt whose first token would come later from the prefill pool than from here is
+    prefilled here ('saturated'), with the same tokens."""
+    prefill, handle, decode = _placed(DisaggregationConfig(max_local_prefill_length=16),
+                                      {"delay": 0.5})
+
+    async def main():
+        sink = TokenSink()
+        _, short = await generate(decode, sink, PROMPTS[0], "a", GREEDY)
+        _, handed = await generate(decode, sink, random_prompts([48], 512, 7)[0], "b", GREEDY)
+        tokens, busy = await generate(decode, sink, PROMPTS[1], "c", GREEDY)
+        assert [(r.prefilled_where, r.prefilled_why) for r in (short, handed, busy)] == [
+            ("local", "short"), ("remote", "long"), ("local", "saturated")]
+        assert tokens == offline[1] and handle.calls == 1
+        assert decode.placer.outstanding == 0
+        await until_idle(prefill, decode)
+        await sink.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        prefill.close()
+        decode.close()
+
+
+@pytest.mark.parametrize("mode,where", [("always", "remote"), ("never", "local")])
+def test_always_and_never_place_every_prompt_alike(offline, mode, where):
+    prefill, handle, decode = _placed(DisaggregationConfig(mode=mode))
+
+    async def main():
+        sink = TokenSink()
+        for i, prompt in enumerate(PROMPTS):
+            tokens, result = await generate(decode, sink, prompt, f"r{i}", GREEDY)
+            assert (result.prefilled_where, result.prefilled_why) == (where, mode)
+            assert tokens == offline[i]
+        assert handle.calls == (len(PROMPTS) if mode == "always" else 0)
+        await until_idle(prefill, decode)
+        await sink.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        prefill.close()
+        decode.close()

@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from contracts import TokenSink
+from decode_worker.placement import ALWAYS
 from decode_worker.server import DecodeServer
 from engine import LLM, EngineConfig, SamplingParams
 from engine.quantization import Fp8Scheme, parse_quantization_config
@@ -227,7 +228,7 @@ def test_fp8_blocks_through_the_hand_over_match_colocated():
     config = EngineConfig(model="tiny", num_blocks=64, kv_cache_dtype="fp8", show_progress=False)
     fabric = LocalFabric()
     prefill = PrefillServer(config, "local", fabric=fabric)
-    decode = DecodeServer(config, "local", PrefillHandle(prefill), fabric=fabric)
+    decode = DecodeServer(config, "local", PrefillHandle(prefill), fabric=fabric, disaggregation=ALWAYS)
     pushed, landed = capture_pushed_kv(prefill), capture_landed_kv(decode)
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     prompts = random_prompts([20, 50], vocab=512, seed=31)

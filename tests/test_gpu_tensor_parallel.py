@@ -101,6 +101,7 @@ def test_split_caches_hand_over_across_gpus(model, offline, backend, p, d):
     """The prefill server runs in a child process, as a replica does (a process cannot open
     its own CUDA IPC handles); the decode server in this one."""
     from contracts import TokenSink
+    from decode_worker.placement import ALWAYS
     from decode_worker.server import DecodeServer
     from tests.roles import Peer, PeerPrefillHandle, generate, until_idle
 
@@ -108,7 +109,7 @@ def test_split_caches_hand_over_across_gpus(model, offline, backend, p, d):
     decode = None
     try:
         decode = DecodeServer(EngineConfig(model=model, tensor_parallel_size=d, **FP32), backend,
-                              PeerPrefillHandle(prefill), 60.0)
+                              PeerPrefillHandle(prefill), 60.0, disaggregation=ALWAYS)
         devices = {r.device for r in (*prefill.info.rank_infos, *decode.endpoint.info().rank_infos)}
         assert devices == {"cuda:0", "cuda:1"}
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from contracts import TokenSink
+from decode_worker.placement import ALWAYS
 from decode_worker.server import DecodeServer
 from engine import LLM, EngineConfig, SamplingParams
 from tests.models import random_prompts
@@ -27,7 +28,7 @@ def _exact_hand_overs(config: EngineConfig, backend: str, prompts, warm: bool = 
     del colocated
     prefill = Peer("prefill", config, backend)
     handle = PeerPrefillHandle(prefill)
-    decode = DecodeServer(config, backend, handle)
+    decode = DecodeServer(config, backend, handle, disaggregation=ALWAYS)
     landed = capture_landed_kv(decode)
 
     async def main():

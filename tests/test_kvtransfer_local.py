@@ -10,6 +10,7 @@ import torch
 
 from contracts import TokenSink
 from contracts.messages import PrefillRequest
+from decode_worker.placement import ALWAYS
 from decode_worker.server import DecodeServer
 from engine import LLM, EngineConfig, SamplingParams
 from kvtransfer import (KVDestination, KVEndpoint, KVLayout, LayoutMismatchError,
@@ -32,7 +33,7 @@ LAYOUT = KVLayout(model="m", dtype="float32", num_layers=2, num_kv_heads=2, head
 def pair():
     fabric = LocalFabric()
     prefill = PrefillServer(CONFIG, "local", fabric=fabric)
-    decode = DecodeServer(CONFIG, "local", PrefillHandle(prefill), fabric=fabric)
+    decode = DecodeServer(CONFIG, "local", PrefillHandle(prefill), fabric=fabric, disaggregation=ALWAYS)
     pushed, landed = capture_pushed_kv(prefill), capture_landed_kv(decode)
     yield prefill, decode, pushed, landed
     prefill.close()

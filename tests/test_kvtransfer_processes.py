@@ -9,6 +9,7 @@ import torch
 
 from contracts import TokenSink
 from contracts.messages import PrefillRequest
+from decode_worker.placement import ALWAYS
 from decode_worker.server import DecodeServer
 from engine import LLM, EngineConfig, SamplingParams
 from kvtransfer import TransferError, TransferState
@@ -32,7 +33,7 @@ def colocated():
 def pair(request):
     prefill = Peer("prefill", CONFIG, request.param)
     handle = PeerPrefillHandle(prefill)
-    decode = DecodeServer(CONFIG, request.param, handle)
+    decode = DecodeServer(CONFIG, request.param, handle, disaggregation=ALWAYS)
     landed = capture_landed_kv(decode)
     yield prefill, handle, decode, landed
     prefill.stop()
@@ -102,7 +103,7 @@ def test_seeded_sampling_continues_across_the_hand_over(pair, colocated):
 def test_layout_mismatch_is_refused_before_any_byte_moves(pair):
     prefill = pair[0]
     other = DecodeServer(EngineConfig(model="tiny", num_blocks=64, block_size=8,
-                                      show_progress=False), prefill.info.backend, NoPrefill())
+                                      show_progress=False), prefill.info.backend, NoPrefill(), disaggregation=ALWAYS)
 
     async def main():
         dest = await other.reserve(PROMPTS[1], GREEDY, "e", timeout_s=5)
@@ -139,7 +140,7 @@ def test_killed_prefill_replica_is_replaced_by_a_local_prefill(backend, colocate
     """The prefill replica dies before it pushes: the request completes by a local prefill at
     once (not at the lease's deadline), with the offline tokens, and nothing stays leased."""
     prefill = Peer("prefill", CONFIG, backend)
-    decode = DecodeServer(CONFIG, backend, PeerPrefillHandle(prefill, delay=30), 20.0)
+    decode = DecodeServer(CONFIG, backend, PeerPrefillHandle(prefill, delay=30), 20.0, disaggregation=ALWAYS)
 
     async def main():
         sink = TokenSink()

@@ -36,9 +36,10 @@ class DecodeActor:
     handle answers ``.prefill.remote(req)`` as a Serve handle does)."""
 
     def __init__(self, backend, prefill):
+        from decode_worker.placement import ALWAYS
         from decode_worker.server import DecodeServer
         from tests.roles import capture_landed_kv
-        self.server = DecodeServer(CONFIG, backend, prefill)
+        self.server = DecodeServer(CONFIG, backend, prefill, disaggregation=ALWAYS)
         self.landed = capture_landed_kv(self.server)
 
     async def generate(self, prompt, params, rid):

@@ -9,6 +9,7 @@ import time
 import pytest
 
 from contracts import TokenSink
+from decode_worker.placement import ALWAYS
 from decode_worker.server import DecodeServer
 from engine import LLM, EngineConfig, SamplingParams
 from kvtransfer.backends.local import LocalFabric
@@ -67,7 +68,7 @@ def test_a_new_decode_replica_is_warmed_and_its_first_push_finds_the_link_open(
     prefill.warmer.interval_s = 0.1
     time.sleep(0.3)
     assert prefill.warmer.links == {}  # nobody listed yet
-    decode = DecodeServer(CONFIG, backend, PrefillHandle(prefill), 10.0, directory, **kw)
+    decode = DecodeServer(CONFIG, backend, PrefillHandle(prefill), 10.0, directory, **kw, disaggregation=ALWAYS)
     peer = decode.endpoint.endpoint_id
     try:
         _until(lambda: prefill.warmer.summary().get(peer, {}).get("state") == "warm")
@@ -109,7 +110,7 @@ def test_a_new_decode_replica_is_warmed_and_its_first_push_finds_the_link_open(
 def test_a_listed_peer_that_is_gone_is_a_failed_link_not_a_stuck_one():
     directory = PeerDirectory("app", DictStore())
     fabric = LocalFabric()
-    gone = DecodeServer(CONFIG, "local", PrefillHandle(None), 10.0, fabric=fabric)
+    gone = DecodeServer(CONFIG, "local", PrefillHandle(None), 10.0, fabric=fabric, disaggregation=ALWAYS)
     directory.publish(gone.endpoint.info())  # listed, then the replica dies without leaving
     gone.close()
     prefill = PrefillServer(CONFIG, "local", directory, fabric=fabric)
@@ -128,7 +129,7 @@ def test_a_listed_peer_of_another_kv_layout_is_refused_once_and_counted(caplog):
     directory = PeerDirectory("app", DictStore())
     fabric = LocalFabric()
     other = DecodeServer(CONFIG.model_copy(update={"block_size": 32}), "local",
-                         PrefillHandle(None), 10.0, fabric=fabric)
+                         PrefillHandle(None), 10.0, fabric=fabric, disaggregation=ALWAYS)
     directory.publish(other.endpoint.info())
     prefill = PrefillServer(CONFIG, "local", fabric=fabric)
     counted = []

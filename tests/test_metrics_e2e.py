@@ -31,7 +31,8 @@ def app(ray_cluster):
                          "engine": {"model": "tiny", "num_blocks": NUM_BLOCKS, "max_num_seqs": 8},
                          "router": {"num_replicas": 2, "num_cpus": 0.1},
                          "decode": {"num_replicas": 2, "num_cpus": 0.25},
-                         "prefill": {"num_replicas": 1, "num_cpus": 0.25}}),
+                         "prefill": {"num_replicas": 1, "num_cpus": 0.25},
+                         "disaggregation": {"mode": "always"}}),
               name="baton", route_prefix="/")
     yield f"http://127.0.0.1:{port}", ray_cluster._private.worker._global_node.metrics_export_port
     shutdown_serve()

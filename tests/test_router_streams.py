@@ -176,11 +176,12 @@ class _Handle:
 
 @pytest.fixture(scope="module")
 def decode_server():
+    from decode_worker.placement import ALWAYS
     from decode_worker.server import DecodeServer
     from engine import EngineConfig
 
     server = DecodeServer(EngineConfig(model="tiny", num_blocks=64, show_progress=False),
-                          "local")
+                          "local", disaggregation=ALWAYS)
     yield server
     server.close()
 

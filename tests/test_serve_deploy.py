@@ -59,6 +59,9 @@ def test_serve_deploy_on_ray_start(tmp_path):
     config = yaml.safe_load((ROOT / "deploy" / "serve_config.yaml").read_text())
     config["http_options"] = {"host": "127.0.0.1", "port": http}
     config["grpc_options"]["port"] = grpc_port
+    # The hand-over through `serve deploy`: its short prompt would be prefilled on the decode
+    # replica under the shipped auto placement.
+    config["applications"][0]["args"]["disaggregation"] = {"mode": "always"}
     config_path = tmp_path / "serve_config.yaml"
     config_path.write_text(yaml.safe_dump(config))
     # A throwaway local cluster: no token authentication (clusters made with `ray up` keep it).

@@ -37,7 +37,9 @@ def server(request, ray_cluster):
     serve.start(http_options={"host": "127.0.0.1", "port": port},
                 grpc_options={"port": grpc_port, "grpc_servicer_functions": [GRPC_SERVICER]})
     serve.run(build_app({"mode": request.param, "engine": ENGINE,
-                         "router": {"request_timeout_s": 60}}), name="baton", route_prefix="/")
+                         "router": {"request_timeout_s": 60},
+                         "disaggregation": {"mode": "always"}}),  # the hand-over under test
+              name="baton", route_prefix="/")
     yield request.param, f"http://127.0.0.1:{port}", f"127.0.0.1:{grpc_port}"
     shutdown_serve()
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from contracts import TokenSink
+from decode_worker.placement import ALWAYS
 from decode_worker.server import DecodeServer
 from engine import LLM, EngineConfig, SamplingParams
 from kvtransfer import LayoutMismatchError, TransferError
@@ -49,7 +50,7 @@ def servers(request):
         for ranks in (1, 2):
             made["prefill", ranks] = PrefillServer(_config(ranks), backend, **kwargs)
             made["decode", ranks] = DecodeServer(_config(ranks), backend, PrefillHandle(), 10.0,
-                                                 **kwargs)
+                                                 **kwargs, disaggregation=ALWAYS)
         yield made
     finally:
         for server in made.values():

@@ -53,10 +53,13 @@ def usage_of(streams: list[RequestStream], results: list[GenerateResult | None],
     n_in = sum(s.num_prompt_tokens for s in firsts)
     n_out = sum(len(s.token_ids) for s in streams)
     transfers = [transfer_of(r) for r in results]
+    prefilled = [{"where": r.prefilled_where, "reason": r.prefilled_why} if r is not None
+                 else None for r in results]
     return {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out,
             "prompt_tokens_details": {"cached_tokens": sum(s.num_cached_tokens
                                                            for s in firsts)},
-            "kv_transfer": transfers[0] if len(transfers) == 1 else transfers}
+            "kv_transfer": transfers[0] if len(transfers) == 1 else transfers,
+            "prefilled": prefilled[0] if len(prefilled) == 1 else prefilled}
 
 
 def log_timeline(stream: RequestStream, outcome: str, ingress: str) -> None:

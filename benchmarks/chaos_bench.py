@@ -8,6 +8,12 @@ stream (its longest gap between two tokens) against the others' longest gap.
 
     python -m benchmarks.chaos_bench --model dummy:Qwen3-8B --gpus-per-role 0.3
     python -m benchmarks.chaos_bench --model tiny           # CPU
+
+``--kill prefill``: requests arrive at ``--rate`` per second for ``--seconds`` (each of
+``--output-len`` tokens) and a third of the way in the prefill replica's process gets SIGKILL;
+reported: failures, refusals (429) and the time to first token of the requests sent after the
+kill (median and the slowest), against those sent before. ``--disaggregation`` sets where
+prompts are prefilled (``always``: every one handed over, the case a dead prefill replica hurts).
 """
 
 from __future__ import annotations
@@ -46,6 +52,49 @@ def stream(url: str, prompt: list[int], max_tokens: int, rec: dict, timeout: flo
         rec["error"] = repr(exc)[:200]
 
 
+def first_token(url: str, prompt: list[int], max_tokens: int, rec: dict, timeout: float) -> None:
+    """One streaming completion; ``rec`` gets its time to first token (or its error)."""
+    t0 = time.perf_counter()
+    stream(url, prompt, max_tokens, rec, timeout)
+    rec["ttft"] = rec["times"][0] - t0 if rec["times"] else None
+
+
+def kill_prefill_under_load(url: str, args, prompts) -> dict:
+    """Steady arrivals; SIGKILL of the prefill replica a third of the way in."""
+    recs, threads = [], []
+    t0, killed_at, i = time.perf_counter(), None, 0
+    while time.perf_counter() - t0 < args.seconds:
+        if killed_at is None and time.perf_counter() - t0 >= args.seconds / 3:
+            os.kill(replica_pids("PrefillServer")[0], signal.SIGKILL)
+            killed_at = time.perf_counter()
+            print("SIGKILL prefill replica", flush=True)
+        rec = {"sent": time.perf_counter()}
+        recs.append(rec)
+        th = threading.Thread(target=first_token, args=(url, prompts[i % len(prompts)],
+                                                        args.output_len, rec, args.timeout))
+        th.start()
+        threads.append(th)
+        i += 1
+        time.sleep(1 / args.rate)
+    for th in threads:
+        th.join(timeout=args.timeout)
+    after = [r for r in recs if r["sent"] >= killed_at]
+    before = [r for r in recs if r["sent"] < killed_at]
+
+    def ttfts(rs):
+        return sorted(r["ttft"] * 1e3 for r in rs if r.get("ttft") is not None)
+
+    out = {"requests": len(recs), "failed": sum(1 for r in recs if r["error"]),
+           "refused": sum(1 for r in recs if (r["error"] or "").startswith("HTTP 429")),
+           "ttft_before_ms": ttfts(before), "ttft_after_ms": ttfts(after),
+           "first_error": next((r["error"] for r in recs if r["error"]), None)}
+    a, b = out["ttft_after_ms"] or [float("nan")], out["ttft_before_ms"] or [float("nan")]
+    print(f"requests {len(recs)}, failed {out['failed']} ({out['refused']} refused; first: "
+          f"{out['first_error']}); TTFT before the kill p50 {statistics.median(b):.0f} ms; "
+          f"after: p50 {statistics.median(a):.0f} ms, max {max(a):.0f} ms", flush=True)
+    return {**out, "cut_short": 0}
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="tiny")
@@ -58,6 +107,10 @@ def main() -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     p.add_argument("--backend", default="auto")
     p.add_argument("--timeout", type=float, default=300)
+    p.add_argument("--kill", choices=["decode", "prefill"], default="decode")
+    p.add_argument("--rate", type=float, default=3.0, help="--kill prefill: requests per second")
+    p.add_argument("--seconds", type=float, default=30.0, help="--kill prefill: how long")
+    p.add_argument("--disaggregation", choices=["auto", "always", "never"], default="always")
     p.add_argument("--json", default=None)
     args = p.parse_args()
 
@@ -73,6 +126,7 @@ def main() -> None:
     config = {"mode": "disaggregated", "engine": engine, "prefill": role,
               "decode": {**role, "num_replicas": args.decode_replicas},
               "router": {"num_replicas": 2, "request_timeout_s": args.timeout},
+              "disaggregation": {"mode": args.disaggregation},
               "transfer": {"backend": args.backend}}
     with local_ray(), served(config, args.timeout) as app:
         print(f"1P{args.decode_replicas}D of {args.model} ready in {app.ready_s:.0f}s "
@@ -97,6 +151,8 @@ def kill_under_load(url: str, args) -> dict:
     vocab = min(resolve_model(args.model).config.vocab_size, 150000)
     prompts = torch.randint(10, vocab, (args.streams, args.input_len), generator=g).tolist()
     stream(url, prompts[0][:16], 4, {}, args.timeout)  # warm-up
+    if args.kill == "prefill":
+        return kill_prefill_under_load(url, args, prompts)
     recs = [{} for _ in prompts]
     threads = [threading.Thread(target=stream, args=(url, pr, args.output_len, r, args.timeout))
                for pr, r in zip(prompts, recs)]

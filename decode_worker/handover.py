@@ -15,7 +15,11 @@ request, owned by its scheduler):
   blocks are free again.
 
 Events, every one on the engine thread: the lease's end (the endpoint's ``on_finish``, from its
-poll), the prefill call's answer (:meth:`HandOvers.answered`), the end of a call that delivered
+poll: a transport's notification can land it before the answer), the prefill call's answer
+(:meth:`HandOvers.answered`: the sender's word that its push ended DONE, so it lands the KV
+whatever became of the notification; measured on CPU: after a prefill replica died and was
+replaced, NIXL's notifications from the new one never arrived and every hand-over ran to its
+deadline), the end of a call that delivered
 nothing (:meth:`HandOvers.call_ended`: nothing can still write), and abandonment
 (:meth:`HandOvers.abandon`). A hand-over abandoned while a one-sided push may still write into
 its blocks keeps them fenced until its call has ended or its lease's deadline has passed, so a
@@ -107,7 +111,7 @@ class HandOvers:
             self._end_lease(engine, h, "request aborted; its prefill has answered")
         elif h.state is State.LANDED:
             self._admit(engine, h)
-        elif not self.endpoint.native_notify(result.stats.backend):  # the answer is its word
+        else:  # the answer is the sender's word that its push has ended DONE
             self.endpoint.mark_landed(h.dest.transfer_id)
 
     def call_ended(self, engine, request_id: str, reason: str) -> None:

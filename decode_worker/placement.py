@@ -13,6 +13,10 @@ Modes (``disaggregation.mode``):
   answers have come, would make the first token later than prefilling here behind the local
   queue, at the local prefill rate; handed over otherwise.
 
+In every mode, once a prefill call has found its replica dead, prompts are prefilled here until
+a prefill replica answers again (``prefill_down``): Serve goes on routing calls to a dead
+replica for seconds, until its controller notices.
+
 The rates are measured as requests go (exponential moving averages of prompt tokens per second
 of each remote prefill call, from the call to its answer, and of local prefills, from
 admission to the first token); until both are known a long prompt is handed over. Every
@@ -74,13 +78,18 @@ class Placer:
         self.config = config or DisaggregationConfig()
         self.remote_rate, self.local_rate = Rate(), Rate()
         self.outstanding = 0  # prompt tokens sent to prefill replicas, not answered yet
+        # A prefill replica died and none has answered since: every prompt is prefilled here
+        # (set and cleared by the decode server's event loop, read in decide)
+        self.prefill_down = False
         self.counts: dict[tuple[str, str], int] = {}
 
     def decide(self, uncached: int, local_queue: int) -> Placement:
         """``uncached``: the prompt tokens the local prefix cache lacks; ``local_queue``: the
         prompt tokens already waiting to be prefilled here."""
         mode = self.config.mode
-        if mode != "auto":
+        if self.prefill_down:
+            placement = Placement(LOCAL, "prefill_down")
+        elif mode != "auto":
             placement = Placement(LOCAL if mode == "never" else REMOTE, mode)
         elif uncached <= self.config.max_local_prefill_length:
             placement = Placement(LOCAL, "short")

@@ -44,6 +44,15 @@ from kvtransfer.directory import PeerDirectory, Publisher
 
 log = serve_logger(__name__)
 COLOCATED = Placement(LOCAL, "colocated")
+PROBE_INTERVAL_S = 0.5  # while no prefill replica answers: how often to ask again
+PROBE_TIMEOUT_S = 1.0
+
+
+def replica_gone(exc: BaseException) -> bool:
+    """The prefill replica that was called is dead (not merely full)."""
+    from ray.exceptions import RayActorError
+
+    return isinstance(exc, RayActorError)
 
 
 def prefill_unavailable(exc: BaseException) -> bool:
@@ -83,6 +92,7 @@ class DecodeServer:
         self.prefill = prefill
         self.timeout_s = transfer_timeout_s
         self.placer = Placer(disaggregation)
+        self._probe: asyncio.Future | None = None  # the prefill replicas' probe, while down
         self.endpoint = self.handovers = None
         self._calls: dict[str, tuple] = {}  # request id -> (its hand-over, its prefill call)
         if prefill is not None:
@@ -108,6 +118,8 @@ class DecodeServer:
             self.listing.stop()
         if self.metrics is not None:
             self.metrics.stop()
+        if self._probe is not None:
+            self._probe.cancel()
         self.aengine.shutdown()
         if self.endpoint is not None:
             self.endpoint.close()
@@ -262,6 +274,8 @@ class DecodeServer:
         self._count_failure(type(exc).__name__)
         self.aengine.submit(lambda e: self.handovers.call_ended(e, rid, "prefill failed"))
         if prefill_unavailable(exc):  # the release is queued before the local prefill
+            if replica_gone(exc):
+                self._prefill_down()
             if isinstance(exc, TransportUnavailableError):
                 log.warning("request %s: %s; prefilling here", rid, exc)
             else:
@@ -273,6 +287,25 @@ class DecodeServer:
                       "configuration error: both roles must serve the same model, dtype, KV "
                       "cache dtype and block size): %s", rid, exc)
         raise exc
+
+    def _prefill_down(self) -> None:
+        """A prefill replica is gone: until one answers again, prompts are prefilled here (Serve
+        keeps routing calls to a dead replica until its controller notices, seconds later).
+        One probe loop at a time: a trivial call every ``PROBE_INTERVAL_S``."""
+        self.placer.prefill_down = True
+        if self._probe is None or self._probe.done():
+            self._probe = asyncio.ensure_future(self._until_prefill_answers())
+
+    async def _until_prefill_answers(self) -> None:
+        while True:
+            await asyncio.sleep(PROBE_INTERVAL_S)
+            try:
+                await asyncio.wait_for(self.prefill.kv_load.remote(), PROBE_TIMEOUT_S)
+            except Exception:  # noqa: BLE001 - gone, still starting, or routed to the dead one
+                continue
+            self.placer.prefill_down = False
+            log.info("a prefill replica answers again: handing prompts over again")
+            return
 
     def _count_failure(self, kind: str) -> None:
         if self.transfers is not None:

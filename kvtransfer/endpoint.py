@@ -18,6 +18,7 @@ import logging
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -40,6 +41,7 @@ SPIN_S = 0.005
 # the deadline) has given up first: a one-sided write can then never land in released blocks.
 RECV_GRACE_S = 0.25
 WARM_TIMEOUT_S = 60.0
+LANDED_EARLY_MAX = 4096  # unclaimed landings kept (a landing's transfer comes within ms)
 
 
 @dataclass
@@ -87,8 +89,10 @@ class KVEndpoint:
         self._lock = threading.RLock()
         self._sending: dict[str, Transfer] = {}
         self._receiving: dict[str, Transfer] = {}
-        # Landings reported before their transfer was expected: transfer id -> heads landed.
-        self._landed_early: dict[str, set[int]] = {}
+        # Landings reported before their transfer was expected: transfer id -> heads landed
+        # (bounded: a notification that comes after its transfer was landed by the control
+        # plane's word, or after it failed, is never claimed).
+        self._landed_early: OrderedDict[str, set[int]] = OrderedDict()
         self._info: EndpointInfo | None = None
         for b in self.backends.values():
             b.landing_guard = self._landing
@@ -289,6 +293,8 @@ class KVEndpoint:
             t = self._receiving.get(transfer_id)
             if t is None:
                 self._landed_early.setdefault(transfer_id, set()).update(heads)
+                if len(self._landed_early) > LANDED_EARLY_MAX:
+                    self._landed_early.popitem(last=False)
                 return
             t.missing -= heads
             if t.missing:

@@ -29,6 +29,7 @@ class PrefillHandle:
         self.server, self.fail, self.hang, self.delay = server, fail, hang, delay
         self.calls = 0
         self.answered = 0
+        self.kv_load = _Probe(self)  # a trivial call: it answers unless failing or hanging
 
     def remote(self, req: PrefillRequest):
         self.calls += 1
@@ -43,6 +44,18 @@ class PrefillHandle:
                 return await self.server.prefill(req)
             finally:
                 self.answered += 1
+        return asyncio.ensure_future(call())
+
+
+class _Probe:
+    def __init__(self, handle: PrefillHandle):
+        self.handle = handle
+
+    def remote(self):
+        async def call():
+            if self.handle.fail is not None or self.handle.hang:
+                raise ConnectionError("no prefill replica answers")
+            return {}
         return asyncio.ensure_future(call())
 
 

@@ -450,3 +450,35 @@ def test_always_and_never_place_every_prompt_alike(offline, mode, where):
     finally:
         prefill.close()
         decode.close()
+
+
+def test_a_dead_prefill_replica_is_not_called_again_until_one_answers(offline):
+    """A prefill call that finds its replica dead: that request and every later one are
+    prefilled here at once ('prefill_down', no call to the dead replica), until a prefill
+    replica answers the probe again; then prompts are handed over again."""
+    prefill, handle, decode = _placed(ALWAYS, {"fail": ActorDiedError()})
+
+    async def main():
+        sink = TokenSink()
+        _, first = await generate(decode, sink, PROMPTS[1], "a", GREEDY)
+        tokens, second = await generate(decode, sink, PROMPTS[1], "b", GREEDY)
+        assert (first.prefilled_why, second.prefilled_why) == (
+            "prefill_unavailable", "prefill_down")
+        assert handle.calls == 1 and tokens == offline[1]
+        handle.fail = None  # a prefill replica is back
+        loop = asyncio.get_running_loop()
+        end = loop.time() + 10
+        while decode.placer.prefill_down:
+            assert loop.time() < end, "the probe never saw the prefill replica back"
+            await asyncio.sleep(0.05)
+        tokens, third = await generate(decode, sink, PROMPTS[0], "c", GREEDY)
+        assert (third.prefilled_where, third.prefilled_why) == ("remote", "always")
+        assert tokens == offline[0] and handle.calls == 2
+        await until_idle(prefill, decode)
+        await sink.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        prefill.close()
+        decode.close()

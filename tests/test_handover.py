@@ -99,13 +99,16 @@ def test_no_room_reserves_nothing():
 
 @pytest.mark.parametrize("order", ["landed-then-answered", "answered-then-landed"])
 def test_landed_and_answered_in_either_order_admit_once(order):
+    """The transport's notification may come first (landed, then admitted on the answer); the
+    answer, the sender's word that its push ended DONE, lands and admits by itself, and a
+    notification after it changes nothing."""
     def scenario(machine, engine, endpoint, h):
         steps = [lambda: endpoint.land(h.dest.transfer_id),
                  lambda: machine.answered(engine, "r", answer("r"))]
         if order == "answered-then-landed":
             steps.reverse()
         steps[0]()
-        assert h.state is (State.LANDED if order == "landed-then-answered" else State.LEASED)
+        assert h.state is (State.LANDED if order == "landed-then-answered" else State.ADMITTED)
         steps[1]()
         assert h.state is State.ADMITTED
 
@@ -114,7 +117,7 @@ def test_landed_and_answered_in_either_order_admit_once(order):
     assert [o.new_token_ids for o in published] == [[42]]  # the first token, published once
 
 
-def test_a_transport_without_notifications_lands_on_the_answer():
+def test_a_transport_without_notifications_lands_on_the_answer():  # (CUDA IPC's case)
     def scenario(machine, engine, endpoint, h):
         machine.answered(engine, "r", answer("r"))  # mark_landed, then admitted at once
         assert h.state is State.ADMITTED

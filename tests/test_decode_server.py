@@ -368,15 +368,27 @@ def test_bad_input_only_a_replica_can_check_is_refused_on_the_channel(roles, dis
     asyncio.run(main())
 
 
-def _placed(disaggregation, handle_kw=None):
-    """A prefill and a decode server whose decode replica places requests by
-    ``disaggregation`` (``decode_worker.placement``)."""
+def _run_placed(scenario, disaggregation, handle_kw=None):
+    """``scenario(prefill, handle, decode, sink)`` on a prefill and a decode server whose
+    decode replica places requests by ``disaggregation`` (``decode_worker.placement``); both
+    idle afterwards, then closed."""
     fabric = LocalFabric()
     prefill = PrefillServer(CONFIG, "local", fabric=fabric)
     handle = PrefillHandle(prefill, **(handle_kw or {}))
     decode = DecodeServer(CONFIG, "local", handle, 5.0, fabric=fabric,
                           disaggregation=disaggregation)
-    return prefill, handle, decode
+
+    async def main():
+        sink = TokenSink()
+        await scenario(prefill, handle, decode, sink)
+        await until_idle(prefill, decode)
+        await sink.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        prefill.close()
+        decode.close()
 
 
 def test_a_short_prompt_is_prefilled_where_it_decodes_a_long_one_handed_over(offline):
@@ -384,10 +396,7 @@ def test_a_short_prompt_is_prefilled_where_it_decodes_a_long_one_handed_over(off
     the decode replica, a longer one by the (idle) prefill replica; the same long prompt again
     finds its blocks in the decode replica's own prefix cache and stays there too. Same tokens
     either way; where and why is in each result."""
-    prefill, handle, decode = _placed(DisaggregationConfig(max_local_prefill_length=16))
-
-    async def main():
-        sink = TokenSink()
+    async def main(prefill, handle, decode, sink):
         got = [await generate(decode, sink, p, f"r{i}", GREEDY) for i, p in
                enumerate([PROMPTS[0], PROMPTS[1], PROMPTS[1]])]
         assert [(r.prefilled_where, r.prefilled_why) for _, r in got] == [
@@ -395,25 +404,15 @@ def test_a_short_prompt_is_prefilled_where_it_decodes_a_long_one_handed_over(off
         assert [t for t, _ in got] == [offline[0], offline[1], offline[1]]
         assert handle.calls == 1 and got[1][1].transfer is not None
         assert got[2][1].num_cached_tokens == 32  # the landed blocks, cached where it decodes
-        await until_idle(prefill, decode)
-        await sink.close()
 
-    try:
-        asyncio.run(main())
-    finally:
-        prefill.close()
-        decode.close()
+    _run_placed(main, DisaggregationConfig(max_local_prefill_length=16))
 
 
 def test_a_saturated_prefill_pool_sends_long_prompts_local(offline):
     """auto: once both rates are measured (a short prompt here, a long one over there, slow),
     a long prompt whose first token would come later from the prefill pool than from here is
     prefilled here ('saturated'), with the same tokens."""
-    prefill, handle, decode = _placed(DisaggregationConfig(max_local_prefill_length=16),
-                                      {"delay": 0.5})
-
-    async def main():
-        sink = TokenSink()
+    async def main(prefill, handle, decode, sink):
         _, short = await generate(decode, sink, PROMPTS[0], "a", GREEDY)
         _, handed = await generate(decode, sink, random_prompts([48], 512, 7)[0], "b", GREEDY)
         tokens, busy = await generate(decode, sink, PROMPTS[1], "c", GREEDY)
@@ -421,45 +420,27 @@ def test_a_saturated_prefill_pool_sends_long_prompts_local(offline):
             ("local", "short"), ("remote", "long"), ("local", "saturated")]
         assert tokens == offline[1] and handle.calls == 1
         assert decode.placer.outstanding == 0
-        await until_idle(prefill, decode)
-        await sink.close()
 
-    try:
-        asyncio.run(main())
-    finally:
-        prefill.close()
-        decode.close()
+    _run_placed(main, DisaggregationConfig(max_local_prefill_length=16), {"delay": 0.5})
 
 
 @pytest.mark.parametrize("mode,where", [("always", "remote"), ("never", "local")])
 def test_always_and_never_place_every_prompt_alike(offline, mode, where):
-    prefill, handle, decode = _placed(DisaggregationConfig(mode=mode))
-
-    async def main():
-        sink = TokenSink()
+    async def main(prefill, handle, decode, sink):
         for i, prompt in enumerate(PROMPTS):
             tokens, result = await generate(decode, sink, prompt, f"r{i}", GREEDY)
             assert (result.prefilled_where, result.prefilled_why) == (where, mode)
             assert tokens == offline[i]
         assert handle.calls == (len(PROMPTS) if mode == "always" else 0)
-        await until_idle(prefill, decode)
-        await sink.close()
 
-    try:
-        asyncio.run(main())
-    finally:
-        prefill.close()
-        decode.close()
+    _run_placed(main, DisaggregationConfig(mode=mode))
 
 
 def test_a_dead_prefill_replica_is_not_called_again_until_one_answers(offline):
     """A prefill call that finds its replica dead: that request and every later one are
     prefilled here at once ('prefill_down', no call to the dead replica), until a prefill
     replica answers the probe again; then prompts are handed over again."""
-    prefill, handle, decode = _placed(ALWAYS, {"fail": ActorDiedError()})
-
-    async def main():
-        sink = TokenSink()
+    async def main(prefill, handle, decode, sink):
         _, first = await generate(decode, sink, PROMPTS[1], "a", GREEDY)
         tokens, second = await generate(decode, sink, PROMPTS[1], "b", GREEDY)
         assert (first.prefilled_why, second.prefilled_why) == (
@@ -474,11 +455,5 @@ def test_a_dead_prefill_replica_is_not_called_again_until_one_answers(offline):
         tokens, third = await generate(decode, sink, PROMPTS[0], "c", GREEDY)
         assert (third.prefilled_where, third.prefilled_why) == ("remote", "always")
         assert tokens == offline[0] and handle.calls == 2
-        await until_idle(prefill, decode)
-        await sink.close()
 
-    try:
-        asyncio.run(main())
-    finally:
-        prefill.close()
-        decode.close()
+    _run_placed(main, ALWAYS, {"fail": ActorDiedError()})

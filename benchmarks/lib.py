@@ -116,10 +116,10 @@ def local_ray(num_cpus: int | None = None, env_vars: dict | None = None, plain: 
 
     from deploy import ray_env
 
-    ray_env.init_ray(num_cpus=num_cpus or max(4, os.cpu_count() or 2), env_vars=env_vars,
-                     plain=plain, **init_kwargs)
+    settings = ray_env.init_ray(num_cpus=num_cpus or max(4, os.cpu_count() or 2),
+                                env_vars=env_vars, plain=plain, **init_kwargs)
     try:
-        yield {} if plain else {k: os.environ[k] for k in ray_env.local_env() if k in os.environ}
+        yield settings
     finally:
         ray.shutdown()
 

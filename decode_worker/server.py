@@ -230,10 +230,16 @@ class DecodeServer:
             timing.queued = time.time()
             return placement, None
 
+        return await self._request_command(rid, place)
+
+    async def _request_command(self, rid: str, fn):
+        """``fn(engine)`` on the engine thread for request ``rid``; if this caller goes away
+        (or it fails), the request is aborted: the command may still run, the abort is queued
+        after it."""
         try:
-            return await self.aengine.call(place)
+            return await self.aengine.call(fn)
         except BaseException:
-            self.abort(rid)  # the command may still run: the abort is queued after it
+            self.abort(rid)
             raise
 
     async def _handed_over(self, rid: str, h, call: asyncio.Future,
@@ -316,23 +322,15 @@ class DecodeServer:
             self.placements.record(placement.where, placement.reason)
 
     # -- the hand-over's verbs, for the roles' tests and tools --------------------------------
-    async def _reserve(self, prompt: list[int], params: SamplingParams, request_id: str,
-                       timeout_s: float | None = None):
-        deadline = time.time() + (self.timeout_s if timeout_s is None else timeout_s)
-        loop = asyncio.get_running_loop()
-        try:
-            return await self.aengine.call(lambda e: self.handovers.reserve(
-                e, prompt, params, request_id, deadline, loop))
-        except BaseException:
-            self.abort(request_id)  # the command may still run: the abort is queued after it
-            raise
-
     async def reserve(self, prompt: list[int], params: SamplingParams, request_id: str,
                       timeout_s: float | None = None) -> KVDestination | None:
         """Reserve blocks for the part of ``prompt`` the local prefix cache lacks and lease
         them to the KV endpoint until ``timeout_s`` (the server's transfer timeout by default),
         in one engine command. None when blocks or sequence slots are short right now."""
-        h = await self._reserve(prompt, params, request_id, timeout_s)
+        deadline = time.time() + (self.timeout_s if timeout_s is None else timeout_s)
+        loop = asyncio.get_running_loop()
+        h = await self._request_command(request_id, lambda e: self.handovers.reserve(
+            e, prompt, params, request_id, deadline, loop))
         if h is None:
             return None
         self._calls[request_id] = (h, None)

@@ -166,19 +166,21 @@ CHECKOUT = str(Path(__file__).resolve().parents[1])
 
 
 def init_ray(address: str | None = None, num_cpus: int | None = None, host: str = "127.0.0.1",
-             env_vars: dict | None = None, plain: bool = False, **init_kwargs) -> None:
+             env_vars: dict | None = None, plain: bool = False, **init_kwargs) -> dict:
     """Start a local Ray of this process's own (``address`` None: even where ``ray start`` runs
     one on this machine, whose applications it must not touch) with Baton's settings
     (:func:`apply`; ``plain``: none of them, as a user's own ``ray start``), or join the
     cluster at ``address`` (which has its own). Replicas import Baton from this checkout, plus
-    whatever this process's path holds (packages installed outside site-packages)."""
+    whatever this process's path holds (packages installed outside site-packages). Returns
+    the settings it put in effect (none when joining or ``plain``)."""
     import ray
 
+    settings = {}
     if plain:
         for key in (*local_env(), "BATON_GRPC_HOST"):
             os.environ.pop(key, None)
     elif address is None:
-        apply(host)
+        settings = apply(host)
     path = os.pathsep.join(p for p in (CHECKOUT, os.environ.get("PYTHONPATH", "")) if p)
     env = {"PYTHONPATH": path, "RAY_USAGE_STATS_ENABLED": "0", **(env_vars or {})}
     if "BATON_CACHE" in os.environ:
@@ -188,6 +190,7 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, host: str 
     ray.init(address=address or "local", num_cpus=None if address else num_cpus,
              include_dashboard=False, log_to_driver=False, logging_level="ERROR",
              runtime_env=runtime_env, **init_kwargs)
+    return settings
 
 
 # Printed by the driver after every `serve.shutdown()`: Serve kills its controller while the

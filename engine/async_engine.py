@@ -44,7 +44,7 @@ class AsyncEngine:
                  on_error: Callable[[BaseException], None] | None = None):
         self.engine = LLMEngine(config)
         self.info = engine_info(self.engine)
-        self.grammars = self.engine.processor  # compiles grammars (thread-safe, cached)
+        self.inputs = self.engine.processor  # its grammar compiler is thread-safe (cached)
         self.feed = StatsFeed(self.engine)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._on_outputs = on_outputs or self._resolve_waiters
@@ -87,7 +87,7 @@ class AsyncEngine:
         which compiles it again when the request is added, finds it in its cache instead of
         stalling every running request for the compile (xgrammar releases the GIL)."""
         if params.structured_output is not None:
-            await asyncio.to_thread(self.grammars.compile_grammar, params.structured_output)
+            await asyncio.to_thread(self.inputs.compile_grammar, params.structured_output)
 
     async def run(self, prompt: Prompt, params: SamplingParams, request_id: str,
                   hold_blocks: bool = False) -> RequestOutput:

@@ -123,19 +123,20 @@ class DiesAfterPushing(PrefillHandle):
         return asyncio.ensure_future(call())
 
 
-def test_a_prefill_replica_that_dies_after_its_kv_landed_is_replaced_at_once(offline):
-    """The KV is there but the first token never comes: the lease is released at once and the
-    request prefilled here, with the offline tokens; nothing stays reserved or leased."""
+def _run_placed(scenario, disaggregation, handle_kw=None, handle_cls=PrefillHandle,
+                timeout_s: float = 5.0):
+    """``scenario(prefill, handle, decode, sink)`` on a prefill and a decode server whose
+    decode replica places requests by ``disaggregation`` (``decode_worker.placement``), the
+    prefill deployment's handle a ``handle_cls``; both idle afterwards, then closed."""
     fabric = LocalFabric()
     prefill = PrefillServer(CONFIG, "local", fabric=fabric)
-    handle = DiesAfterPushing(prefill)
-    decode = DecodeServer(CONFIG, "local", handle, 30.0, fabric=fabric, disaggregation=ALWAYS)
+    handle = handle_cls(prefill, **(handle_kw or {}))
+    decode = DecodeServer(CONFIG, "local", handle, timeout_s, fabric=fabric,
+                          disaggregation=disaggregation)
 
     async def main():
         sink = TokenSink()
-        tokens, result = await asyncio.wait_for(
-            generate(decode, sink, PROMPTS[1], "r", GREEDY), 10)
-        assert handle.calls == 1 and result.transfer is None and tokens == offline[1]
+        await scenario(prefill, handle, decode, sink)
         await until_idle(prefill, decode)
         await sink.close()
 
@@ -144,6 +145,17 @@ def test_a_prefill_replica_that_dies_after_its_kv_landed_is_replaced_at_once(off
     finally:
         prefill.close()
         decode.close()
+
+
+def test_a_prefill_replica_that_dies_after_its_kv_landed_is_replaced_at_once(offline):
+    """The KV is there but the first token never comes: the lease is released at once and the
+    request prefilled here, with the offline tokens; nothing stays reserved or leased."""
+    async def main(prefill, handle, decode, sink):
+        tokens, result = await asyncio.wait_for(
+            generate(decode, sink, PROMPTS[1], "r", GREEDY), 10)
+        assert handle.calls == 1 and result.transfer is None and tokens == offline[1]
+
+    _run_placed(main, ALWAYS, handle_cls=DiesAfterPushing, timeout_s=30.0)
 
 
 def test_a_prefill_that_never_answers_is_replaced_at_the_deadline(roles, offline):
@@ -366,29 +378,6 @@ def test_bad_input_only_a_replica_can_check_is_refused_on_the_channel(roles, dis
         await sink.close()
 
     asyncio.run(main())
-
-
-def _run_placed(scenario, disaggregation, handle_kw=None):
-    """``scenario(prefill, handle, decode, sink)`` on a prefill and a decode server whose
-    decode replica places requests by ``disaggregation`` (``decode_worker.placement``); both
-    idle afterwards, then closed."""
-    fabric = LocalFabric()
-    prefill = PrefillServer(CONFIG, "local", fabric=fabric)
-    handle = PrefillHandle(prefill, **(handle_kw or {}))
-    decode = DecodeServer(CONFIG, "local", handle, 5.0, fabric=fabric,
-                          disaggregation=disaggregation)
-
-    async def main():
-        sink = TokenSink()
-        await scenario(prefill, handle, decode, sink)
-        await until_idle(prefill, decode)
-        await sink.close()
-
-    try:
-        asyncio.run(main())
-    finally:
-        prefill.close()
-        decode.close()
 
 
 def test_a_short_prompt_is_prefilled_where_it_decodes_a_long_one_handed_over(offline):

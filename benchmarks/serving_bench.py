@@ -23,7 +23,9 @@ measure how much the engine thread waits for the GIL.
 
 Layouts: ``colo`` (one replica that prefills and decodes), ``1p1d`` (a prefill and a decode
 replica, ``--gpus-per-role`` GPUs each), ``colo-tpN`` (one colocated replica split over N GPUs,
-compared with an offline engine split the same way).
+compared with an offline engine split the same way). A disaggregated layout hands every request
+over (``--disaggregation always``, what ``1p1d`` names); ``--disaggregation auto`` measures the
+app's default instead, which prefills short prompts on the decode replica.
 """
 
 from __future__ import annotations
@@ -404,6 +406,8 @@ def layout_config(layout: str, engine: dict, args) -> dict:
                     "gpu_memory_utilization": engine["gpu_memory_utilization"] * gpus}
     if layout_tp(layout) > 1:
         config["decode"]["tensor_parallel_size"] = layout_tp(layout)
+    if not shape.colocated:
+        config["disaggregation"] = {"mode": args.disaggregation}
     return config
 
 
@@ -586,6 +590,10 @@ def main(argv=None) -> None:
     p.add_argument("--gpus-per-role", type=float, default=None,
                    help="GPUs of each 1P1D replica (default: 0.5 with a GPU, 0 without)")
     p.add_argument("--backend", default="auto")
+    p.add_argument("--disaggregation", choices=["always", "auto", "never"], default="always",
+                   help="where a disaggregated layout prefills each request (always: every "
+                        "request handed over, what the layout's name says; auto: the app's "
+                        "default, short prompts prefilled on the decode replica)")
     p.add_argument("--role-cpus", type=float, default=None,
                    help="CPUs Ray reserves per engine replica (default: 1 with a GPU, else 0.5)")
     p.add_argument("--routers", type=int, default=None, help="ingress replicas")

@@ -117,6 +117,10 @@ class AsyncEngine:
     # -- the thread -------------------------------------------------------------------------
     def _run(self) -> None:
         try:
+            if self.engine.device.type == "cuda":  # the current device is per thread: this
+                import torch  # one's work (events, plans) goes to the engine's device
+
+                torch.cuda.set_device(self.engine.device)
             was_busy = False
             while not self._stop.is_set():
                 ran = self._drain()

@@ -69,6 +69,15 @@ class DecodeGraphs:
         torch.cuda.synchronize()
         self.capture_s = time.perf_counter() - t0
 
+    def release(self) -> None:
+        """Wait for the replays queued and free the graphs. A split engine does this before its
+        NCCL group ends: a communicator whose work a live graph holds does not end (NCCL's
+        shutdown waits for that work, pytorch/pytorch#115388)."""
+        torch.cuda.synchronize(self.inputs.device)
+        for graph in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+
     def run(self, step, prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """Queue a replay for the ``n`` sequences of ``step`` (:class:`StepInputs`); returns
         float32 logits ``[n, vocab]`` (valid once the replay has run). A fresh pinned buffer per

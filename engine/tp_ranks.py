@@ -52,7 +52,7 @@ def _worker(rank: int, size: int, init_method: str, config: dict, conn) -> None:
     device = rank_device(cfg, rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    group = None
+    group = runner = None
     try:
         group = init_tp(rank, size, init_method, device, TIMEOUT_S)
         cmd, num_blocks = conn.recv()
@@ -80,6 +80,8 @@ def _worker(rank: int, size: int, init_method: str, config: dict, conn) -> None:
         log.exception("tensor-parallel rank %d failed", rank)
         raise
     finally:
+        if runner is not None and runner.graphs is not None:
+            runner.graphs.release()  # before the group ends (see DecodeGraphs.release)
         destroy_tp(group)
 
 

@@ -395,7 +395,8 @@ def layout_config(layout: str, engine: dict, args) -> dict:
     shape = parse_layout(layout.split("-tp", 1)[0])
     gpus = args.colo_gpus if shape.colocated else args.gpus_per_role
     config = shape.app_config(engine, Resources(num_gpus=gpus, num_cpus=args.role_cpus),
-                              transfer={"backend": args.backend},
+                              transfer={"backend": args.backend,
+                                        "push_at_step_end": args.push_at_step_end},
                               router={"num_replicas": args.routers,
                                       "request_timeout_s": args.timeout})
     for role in ("prefill", "decode"):
@@ -590,6 +591,9 @@ def main(argv=None) -> None:
     p.add_argument("--gpus-per-role", type=float, default=None,
                    help="GPUs of each 1P1D replica (default: 0.5 with a GPU, 0 without)")
     p.add_argument("--backend", default="auto")
+    p.add_argument("--push-at-step-end", action="store_true",
+                   help="transfer.push_at_step_end: prefill replicas start each push as the "
+                        "prefilling step returns")
     p.add_argument("--disaggregation", choices=["always", "auto", "never"], default="always",
                    help="where a disaggregated layout prefills each request (always: every "
                         "request handed over, what the layout's name says; auto: the app's "

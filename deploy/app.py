@@ -47,7 +47,8 @@ def build_app(args: dict[str, Any] | BatonConfig | None = None) -> Application:
     if cfg.mode == "disaggregated":
         prefill = PrefillDeployment.options(**_options(
             cfg, "prefill", PREFILL_ROUTER, block_size=cfg.engine.block_size)).bind(
-            cfg.engine_for("prefill").model_dump(), backend, cfg.transfer.warm_links)
+            cfg.engine_for("prefill").model_dump(), backend, cfg.transfer.warm_links,
+            cfg.transfer.push_at_step_end)
     decode = DecodeDeployment.options(**_options(cfg, "decode", DECODE_ROUTER)).bind(
         cfg.engine_for("decode").model_dump(), backend, prefill, cfg.transfer.timeout_s,
         cfg.transfer.warm_links, cfg.disaggregation.model_dump())

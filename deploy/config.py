@@ -75,6 +75,10 @@ class TransferConfig(_Strict):
     # Prefill replicas open their links to every decode replica as it appears (listed in Ray's
     # internal key-value store), so no request pays a link's first-push cost.
     warm_links: bool = True
+    # A prefill replica starts a request's push as the step that prefilled it returns, on the
+    # engine thread, and waits for node-local copies in its next poll (prefill_worker/server.py):
+    # the answer leaves up to two steps sooner; off by default, see docs/serving.md.
+    push_at_step_end: bool = False
 
 
 # The engine settings that make up a KV block's layout (kvtransfer.KVLayout): two roles that

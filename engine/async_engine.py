@@ -37,6 +37,7 @@ BUSY_POLL_S = 0.0005  # idle engine, a ticker's work in flight (a KV transfer)
 IDLE_WAIT_S = 0.05  # idle engine, nothing in flight: commands wake it at once anyway
 
 OutputsHook = Callable[[list[RequestOutput]], None]
+FinishedHook = Callable[[LLMEngine, RequestOutput], None]
 
 
 class AsyncEngine:
@@ -49,7 +50,8 @@ class AsyncEngine:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._on_outputs = on_outputs or self._resolve_waiters
         self._on_error = on_error
-        self._waiters: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
+        self._waiters: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future,
+                                       FinishedHook | None]] = {}
         self._tickers: list[Callable[[], None]] = []
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -90,12 +92,14 @@ class AsyncEngine:
             await asyncio.to_thread(self.inputs.compile_grammar, params.structured_output)
 
     async def run(self, prompt: Prompt, params: SamplingParams, request_id: str,
-                  hold_blocks: bool = False) -> RequestOutput:
+                  hold_blocks: bool = False, then: FinishedHook | None = None) -> RequestOutput:
         """Run a request to its end and return its last output; a caller that goes away
-        aborts it."""
+        aborts it. ``then(engine, output)`` runs on the engine thread as the step that finished
+        the request returns, before the next step (a prefill replica can start its push there
+        rather than a loop turn later); what it raises, the caller gets."""
         loop = asyncio.get_running_loop()
         done = loop.create_future()
-        self._waiters[request_id] = (loop, done)
+        self._waiters[request_id] = (loop, done, then)
         try:
             await self.compile_grammar(params)
             await self.call(lambda e: e.add_request(prompt, params, request_id, hold_blocks))
@@ -111,7 +115,13 @@ class AsyncEngine:
     def _resolve_waiters(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
             if out.finished and (entry := self._waiters.get(out.request_id)) is not None:
-                loop, fut = entry
+                loop, fut, then = entry
+                try:
+                    if then is not None:
+                        then(self.engine, out)
+                except Exception as exc:  # noqa: BLE001 - the caller gets it
+                    loop.call_soon_threadsafe(_set_exception, fut, exc)
+                    continue
                 loop.call_soon_threadsafe(_set_result, fut, out)
 
     # -- the thread -------------------------------------------------------------------------
@@ -145,7 +155,7 @@ class AsyncEngine:
             self.error = exc
             if self._on_error is not None:  # told before any waiter learns of it
                 self._on_error(EngineDeadError(repr(exc)))
-            for loop, fut in list(self._waiters.values()):
+            for loop, fut, _ in list(self._waiters.values()):
                 loop.call_soon_threadsafe(_set_exception, fut, EngineDeadError(repr(exc)))
 
     def _drain(self) -> bool:

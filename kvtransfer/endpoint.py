@@ -232,11 +232,22 @@ class KVEndpoint:
         """Transfers are in flight (sending or expected)."""
         return bool(self._sending or self._receiving)
 
-    def poll(self) -> bool:
+    def poll(self, settle: bool = False) -> bool:
         """Move every transfer forward; True while some are still in flight. With none in
-        flight the transport is not asked (a receiver expects before it is written to)."""
+        flight the transport is not asked (a receiver expects before it is written to).
+        ``settle``: first wait for the writes in flight that end on this node within
+        milliseconds (``TransportBackend.settle_write``), so that they end in this call."""
         if not self.busy:
             return False
+        if settle:
+            with self._lock:
+                handles = [(t.backend, t.handle) for t in self._sending.values()
+                           if t.handle is not None]
+            for backend, handle in handles:
+                try:
+                    self.backends[backend].settle_write(handle)
+                except Exception:  # noqa: BLE001 - check_write reports the failure
+                    log.debug("settling a write failed", exc_info=True)
         for b in self.backends.values():
             for tid in b.poll_notifications():
                 self._on_landed(tid)

@@ -111,9 +111,9 @@ class ReplicaEndpoint:
     def busy(self) -> bool:
         return any(r.busy for r in self.ranks)
 
-    def poll(self) -> bool:
+    def poll(self, settle: bool = False) -> bool:
         for r in self.ranks:
-            r.poll()
+            r.poll(settle)
         return self.busy
 
     wait = KVEndpoint.wait

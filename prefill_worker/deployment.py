@@ -14,9 +14,10 @@ from prefill_worker.server import PrefillServer
 @serve.deployment(name="PrefillServer", ray_actor_options={"num_cpus": 0.5},
                   max_ongoing_requests=64, health_check_period_s=10)
 class PrefillDeployment(RoleDeployment):
-    def __init__(self, engine: dict, backend: str, warm_links: bool = True):
+    def __init__(self, engine: dict, backend: str, warm_links: bool = True,
+                 push_at_step_end: bool = False):
         directory = PeerDirectory(serve.get_replica_context().app_name) if warm_links else None
-        self.server = PrefillServer(EngineConfig(**engine), backend, directory)
+        self.server = PrefillServer(EngineConfig(**engine), backend, directory, push_at_step_end)
 
     async def info(self):
         return self.server.info()

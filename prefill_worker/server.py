@@ -5,6 +5,13 @@ first token with its blocks held → the blocks the decode side lacks are pushed
 back to the prefix cache once the push is terminal → ``PrefillResult`` returns. A caller that goes
 away before the push starts gets its held blocks released; a push once started runs to its end
 (the decode side's deadline bounds it) and releases them itself.
+
+Where the push starts (``push_at_step_end``, the app's ``transfer.push_at_step_end``): by
+default the event loop, woken by the request's end, asks the engine thread for it, which runs
+it at its next turn (after the step in flight) and learns of the copy's end a turn later. With
+``push_at_step_end`` the engine thread starts it as the step that prefilled the request returns
+and waits for node-local copies (CUDA IPC) in its next poll: the answer leaves up to two steps
+sooner, and the copies compete with the next step (measured in ``docs/benchmarks.md``).
 """
 
 from __future__ import annotations
@@ -26,13 +33,15 @@ class PrefillServer:
     """Engine in the prefill role plus its KV endpoint (used by the Serve deployment)."""
 
     def __init__(self, config, backend: str, directory: PeerDirectory | None = None,
-                 **endpoint_kwargs):
+                 push_at_step_end: bool = False, **endpoint_kwargs):
         """``directory``: where decode replicas list their KV endpoints; the links to them are
-        warmed as they appear (``kvtransfer.directory``)."""
+        warmed as they appear (``kvtransfer.directory``). ``push_at_step_end``: see the
+        module's docstring."""
         self.aengine = AsyncEngine(config)
         self.endpoint = endpoint_for(self.aengine.engine.kv_cache_spec(), backend, polled=True,
                                      **endpoint_kwargs)
-        self.aengine.add_ticker(self.endpoint.poll)
+        self.push_at_step_end = push_at_step_end
+        self.aengine.add_ticker(lambda: self.endpoint.poll(settle=push_at_step_end))
         self.metrics = self.transfers = None
         self.replica = replica_id()
         if self.replica:  # a Serve replica: its own series, through Ray's metrics system
@@ -75,10 +84,11 @@ class PrefillServer:
         except TransferError as exc:
             self._count(None, type(exc).__name__)
             raise
-        first = await self._first_token(req, rid, received)
+        push = _Push(self, req)
+        first = await self._first_token(req, rid, received, push)
         prefill_s = time.perf_counter() - t0
         timing = PrefillTiming(received=received, prefilled=time.time(), replica=self.replica)
-        transfer = await self._push(req, rid)
+        transfer = await push.result()
         timing.pushed = time.time()
         st = transfer.stats
         TIMELINE.info("request %s prefill: push %s, %d prompt tokens (%d cached), %d blocks "
@@ -101,41 +111,20 @@ class PrefillServer:
             stats=st, prefill_seconds=prefill_s, timing=timing,
             first_top_logprobs=first.new_top_logprobs[0] if first.new_top_logprobs else None)
 
-    async def _first_token(self, req: PrefillRequest, rid: str, received: float):
+    async def _first_token(self, req: PrefillRequest, rid: str, received: float, push: "_Push"):
         """The request through the engine's batch, stopped after its first token with its blocks
-        held for the push."""
+        held for the push (started there with ``push_at_step_end``)."""
         params = req.params.model_copy(update={"max_tokens": 1})
         try:
             return await self.aengine.run(list(req.prompt_token_ids), params, rid,
-                                          hold_blocks=True)
+                                          hold_blocks=True,
+                                          then=push.start if self.push_at_step_end else None)
         except BaseException as exc:  # it may have finished, blocks held, just before the cancel
-            if self.aengine.error is None:
-                self.aengine.submit(lambda e: e.release_held_blocks(rid))
+            if self.aengine.error is None:  # on the engine thread, after any push.start
+                self.aengine.submit(lambda e: push.started or e.release_held_blocks(rid))
             TIMELINE.info("request %s prefill: %s before its KV was pushed; %s", rid,
                           type(exc).__name__, timeline(received=received, ended=time.time()))
             raise
-
-    async def _push(self, req: PrefillRequest, rid: str):
-        """Push the held blocks the receiver lacks; the transfer once it has ended (its blocks
-        are released then, whatever happens to this caller)."""
-        loop = asyncio.get_running_loop()
-        done: asyncio.Future = loop.create_future()
-
-        def on_finish(t):  # engine thread, once
-            self.aengine.engine.release_held_blocks(rid)
-            loop.call_soon_threadsafe(done.set_result, t)
-
-        def push(engine):
-            try:
-                return self.endpoint.push(req.peer, req.dest, engine.held_blocks(rid), on_finish)
-            except Exception:
-                engine.release_held_blocks(rid)
-                raise
-
-        # Shielded: once asked for, the push runs even if this caller is cancelled, so the held
-        # blocks are always released by on_finish (or by push's own failure path).
-        await asyncio.shield(asyncio.wrap_future(self.aengine.submit(push)))
-        return await done
 
     def _count(self, stats, failure: str | None = None) -> None:
         if self.transfers is None:
@@ -144,3 +133,38 @@ class PrefillServer:
             self.transfers.failed(failure)
         else:
             self.transfers.record(stats)
+
+
+class _Push:
+    """One request's push of its held blocks: started on the engine thread (as the prefilling
+    step returns, or as a command after it), its blocks released once it has ended, whatever
+    happens to the caller."""
+
+    def __init__(self, server: PrefillServer, req: PrefillRequest):
+        self.server, self.req = server, req
+        self.loop = asyncio.get_running_loop()
+        self.done: asyncio.Future = self.loop.create_future()
+        self.started = False  # read and written on the engine thread only
+
+    def start(self, engine, _output=None):
+        """Engine thread: push the held blocks the receiver lacks."""
+        rid = self.req.dest.request_id
+        self.started = True
+        try:
+            return self.server.endpoint.push(self.req.peer, self.req.dest,
+                                             engine.held_blocks(rid), self._finished)
+        except Exception:
+            engine.release_held_blocks(rid)
+            raise
+
+    def _finished(self, transfer) -> None:  # engine thread, once
+        self.server.aengine.engine.release_held_blocks(self.req.dest.request_id)
+        self.loop.call_soon_threadsafe(self.done.set_result, transfer)
+
+    async def result(self):
+        """The transfer once it has ended. Shielded: once asked for, the push runs even if this
+        caller is cancelled, so the held blocks are always released by ``_finished`` (or by the
+        push's own failure path)."""
+        if not self.started:  # safe to read: the request's end was seen before this runs
+            await asyncio.shield(asyncio.wrap_future(self.server.aengine.submit(self.start)))
+        return await self.done

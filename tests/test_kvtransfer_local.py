@@ -174,6 +174,75 @@ def test_send_lease_released_once_on_done_or_deadline(polls, expected):
     assert released == [t]
 
 
+class SettlingFake(SlowFake):
+    """A write that ends once waited for (a copy between this node's GPUs), never by polls."""
+
+    def settle_write(self, handle):
+        handle["left"] = 0
+
+
+def test_a_settling_poll_ends_local_writes_in_that_poll():
+    ep = _fake_endpoint(None)
+    ep.backends = {"local": SettlingFake(None)}
+    dest = KVDestination("r2", "peer", (1, 2), 0, time.time() + 30)
+    t = ep.push(ep.info(), dest, [3, 4])
+    assert ep.poll() and t.state is TransferState.IN_FLIGHT  # polled: still in flight
+    assert not ep.poll(settle=True) and t.state is TransferState.DONE and ep.held_blocks == 0
+
+
+def test_push_at_step_end_starts_the_push_before_the_engine_steps_again():
+    """transfer.push_at_step_end: a prefill replica busy with a long prompt (chunked over many
+    steps) starts a short request's push as the step that prefilled it returns, not after the
+    next step; the tokens are the colocated ones and no block stays held."""
+    fabric = LocalFabric()
+    config = EngineConfig(model="tiny", num_blocks=128, max_num_batched_tokens=32,
+                          show_progress=False)
+    prefill = PrefillServer(config, "local", push_at_step_end=True, fabric=fabric)
+    decode = DecodeServer(CONFIG, "local", PrefillHandle(prefill), fabric=fabric,
+                          disaggregation=ALWAYS)
+    events: list[tuple] = []
+    engine, ep = prefill.aengine.engine, prefill.endpoint
+    step, push = engine.step, ep.push
+
+    def logged_step():
+        outs = step()
+        events.append(("step", {o.request_id for o in outs if o.finished}))
+        return outs
+
+    def logged_push(peer, dest, src_block_ids, on_finish=None):
+        events.append(("push", dest.request_id))
+        return push(peer, dest, src_block_ids, on_finish)
+
+    engine.step, ep.push = logged_step, logged_push
+    long_prompt, *short = random_prompts([600, 5, 9, 7], vocab=512, seed=25)
+
+    async def main():
+        sinks = [TokenSink() for _ in range(4)]
+        jobs = [generate(decode, sinks[0], long_prompt, "long", GREEDY)]
+        await asyncio.sleep(0.05)  # the long prompt's chunks are under way
+        jobs += [generate(decode, sink, p, f"s{i}", GREEDY) for i, (sink, p)
+                 in enumerate(zip(sinks[1:], short))]
+        results = await asyncio.gather(*jobs)
+        await until_idle(prefill, decode)
+        return results
+
+    try:
+        results = asyncio.run(main())
+        assert prefill.endpoint.held_blocks == 0
+        assert prefill.aengine.submit(lambda e: dict(e.scheduler.held)).result(5) == {}
+    finally:
+        prefill.close()
+        decode.close()
+    expected = [o.token_ids for o in LLM("tiny").generate([long_prompt, *short], GREEDY)]
+    assert [tokens for tokens, _ in results] == expected
+    pushes = [i for i, e in enumerate(events) if e[0] == "push"]
+    assert len(pushes) == 4
+    for i in pushes:  # the event before a push is the step that finished its request
+        last_step = next(e for e in reversed(events[:i]) if e[0] == "step")
+        assert events[i][1] in last_step[1], events[max(0, i - 3):i + 1]
+    assert sum(1 for e in events if e[0] == "step") >= 600 // 32  # chunked beside the others
+
+
 def test_default_backend_per_placement():
     from kvtransfer import default_backend
     assert default_backend(same_node=True, device_type="cuda") == "cuda_ipc"

@@ -52,6 +52,12 @@ class TransportBackend(ABC):
     def check_write(self, handle: Any) -> TransferState:
         """IN_FLIGHT, DONE or FAILED."""
 
+    def settle_write(self, handle: Any) -> None:  # noqa: B027 - optional hook
+        """Block until the write is over where that takes microseconds to a few milliseconds on
+        this node (a copy between local GPUs), so that a sender polling once per engine step
+        learns of it in this poll rather than the next. Transports whose writes cross a network
+        or need the peer's part return at once."""
+
     def release_write(self, handle: Any) -> None:  # noqa: B027 - optional hook
         """Free the handle's resources (called once the write is terminal or abandoned)."""
 

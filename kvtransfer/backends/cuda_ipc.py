@@ -80,6 +80,9 @@ class CudaIpcBackend(TransportBackend):
     def check_write(self, handle) -> TransferState:
         return TransferState.DONE if handle[0].query() else TransferState.IN_FLIGHT
 
+    def settle_write(self, handle) -> None:
+        handle[0].synchronize()  # block copies between this node's GPUs
+
     def disconnect(self, peer_id: str) -> None:
         self._peers.pop(peer_id, None)
 

@@ -9,10 +9,12 @@ stream (its longest gap between two tokens) against the others' longest gap.
     python -m benchmarks.chaos_bench --model dummy:Qwen3-8B --gpus-per-role 0.3
     python -m benchmarks.chaos_bench --model tiny           # CPU
 
-``--kill prefill``: requests arrive at ``--rate`` per second for ``--seconds`` (each of
-``--output-len`` tokens) and a third of the way in the prefill replica's process gets SIGKILL;
-reported: failures, refusals (429) and the time to first token of the requests sent after the
-kill (median and the slowest), against those sent before. ``--disaggregation`` sets where
+``--kill prefill`` (or ``--kill decode --steady``): requests arrive at ``--rate`` per second for
+``--seconds`` (each of ``--output-len`` tokens) and a third of the way in that role's (first)
+replica's process gets SIGKILL; reported: failures, refusals (429) and the time to first token of
+the requests sent after the kill (median and the slowest), against those sent before. With one
+decode replica (``--decode-replicas 1``) that is the only decode replica's death, which the
+prefill replica covers by decoding whole requests. ``--disaggregation`` sets where
 prompts are prefilled (``always``: every one handed over, the case a dead prefill replica hurts).
 """
 
@@ -59,15 +61,15 @@ def first_token(url: str, prompt: list[int], max_tokens: int, rec: dict, timeout
     rec["ttft"] = rec["times"][0] - t0 if rec["times"] else None
 
 
-def kill_prefill_under_load(url: str, args, prompts) -> dict:
-    """Steady arrivals; SIGKILL of the prefill replica a third of the way in."""
+def kill_under_steady_load(url: str, args, prompts, role: str) -> dict:
+    """Steady arrivals; SIGKILL of the role's (first) replica a third of the way in."""
     recs, threads = [], []
     t0, killed_at, i = time.perf_counter(), None, 0
     while time.perf_counter() - t0 < args.seconds:
         if killed_at is None and time.perf_counter() - t0 >= args.seconds / 3:
-            os.kill(replica_pids("PrefillServer")[0], signal.SIGKILL)
+            os.kill(replica_pids(role)[0], signal.SIGKILL)
             killed_at = time.perf_counter()
-            print("SIGKILL prefill replica", flush=True)
+            print(f"SIGKILL {role} replica", flush=True)
         rec = {"sent": time.perf_counter()}
         recs.append(rec)
         th = threading.Thread(target=first_token, args=(url, prompts[i % len(prompts)],
@@ -108,8 +110,10 @@ def main() -> None:
     p.add_argument("--backend", default="auto")
     p.add_argument("--timeout", type=float, default=300)
     p.add_argument("--kill", choices=["decode", "prefill"], default="decode")
-    p.add_argument("--rate", type=float, default=3.0, help="--kill prefill: requests per second")
-    p.add_argument("--seconds", type=float, default=30.0, help="--kill prefill: how long")
+    p.add_argument("--steady", action="store_true",
+                   help="--kill decode under steady arrivals (as --kill prefill always is)")
+    p.add_argument("--rate", type=float, default=3.0, help="steady load: requests per second")
+    p.add_argument("--seconds", type=float, default=30.0, help="steady load: how long")
     p.add_argument("--disaggregation", choices=["auto", "always", "never"], default="always")
     p.add_argument("--json", default=None)
     args = p.parse_args()
@@ -151,8 +155,9 @@ def kill_under_load(url: str, args) -> dict:
     vocab = min(resolve_model(args.model).config.vocab_size, 150000)
     prompts = torch.randint(10, vocab, (args.streams, args.input_len), generator=g).tolist()
     stream(url, prompts[0][:16], 4, {}, args.timeout)  # warm-up
-    if args.kill == "prefill":
-        return kill_prefill_under_load(url, args, prompts)
+    if args.kill == "prefill" or args.steady:
+        return kill_under_steady_load(url, args, prompts,
+                                      "PrefillServer" if args.kill == "prefill" else "DecodeServer")
     recs = [{} for _ in prompts]
     threads = [threading.Thread(target=stream, args=(url, pr, args.output_len, r, args.timeout))
                for pr, r in zip(prompts, recs)]

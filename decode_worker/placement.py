@@ -25,12 +25,11 @@ decision is counted and said in the request's result and timeline (``where``, ``
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-LOCAL, REMOTE = "local", "remote"
+from contracts.streamed import LOCAL, REMOTE, Placement
 
 
 class DisaggregationConfig(BaseModel):
@@ -47,12 +46,6 @@ class DisaggregationConfig(BaseModel):
 
 
 ALWAYS = DisaggregationConfig(mode="always")  # every prompt handed over (tests, tools)
-
-
-@dataclass(frozen=True)
-class Placement:
-    where: str  # LOCAL or REMOTE
-    reason: str  # short | saturated | never | always | long
 
 
 class Rate:

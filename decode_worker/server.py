@@ -1,8 +1,10 @@
 """The decode role as it ships: reserves KV blocks, has a prefill replica fill them, decodes,
 and sends every engine step's tokens to the ingress over the token channel.
 
-Queues per request: the Serve call arrives naming its ingress's token sink → dial it (once per
-ingress replica) and route the request to that connection → :meth:`DecodeServer.reserve`
+A request runs as every streamed request does (:mod:`contracts.streamed`); this role's part is
+where its prompt is prefilled. Queues per request: the Serve call arrives naming its ingress's
+token sink → dial it (once per ingress replica) and route the request to that connection →
+:meth:`DecodeServer.reserve`
 reserves blocks (local prefix hits are kept, not asked for) and leases them to the KV endpoint
 in one engine command → call a prefill replica with the destination → :meth:`DecodeServer.admit`
 waits for the KV to land and admits the request into the running batch with the prefill's first
@@ -23,21 +25,18 @@ the lease ends, so a late write can never land in blocks another request has bee
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 
-from contracts.messages import (TIMELINE, DecodeTiming, GenerateRequest, GenerateResult,
-                                PrefillRequest, PrefillResult, TransferSummary, serve_logger,
-                                timeline)
+from contracts.messages import (DecodeTiming, GenerateRequest, PrefillRequest, PrefillResult,
+                                serve_logger)
+from contracts.streamed import LOCAL, REMOTE, Placement, StreamedRequests
 from contracts.token_channel import TokenPublisher
 from contracts.metrics import EngineMetrics, PlacementMetrics, TransferMetrics, replica_id
 from contracts.role import load_report
 from engine.async_engine import AsyncEngine
-from engine.errors import BadRequest
 from engine.sampling_params import SamplingParams
 from decode_worker.handover import HandOvers, State
-from decode_worker.placement import (LOCAL, REMOTE, DisaggregationConfig, Placement,
-                                     Placer)
+from decode_worker.placement import DisaggregationConfig, Placer
 from kvtransfer import (KVDestination, LayoutMismatchError, Transfer, TransferError,
                         TransportUnavailableError, endpoint_for)
 from kvtransfer.directory import PeerDirectory, Publisher
@@ -76,7 +75,7 @@ def prefill_unavailable(exc: BaseException) -> bool:
     return isinstance(exc, (BackPressureError, RayActorError, TransferError))
 
 
-class DecodeServer:
+class DecodeServer(StreamedRequests):
     """Engine in the decode role; ``prefill`` is the prefill deployment's handle (or None for
     colocated mode)."""
 
@@ -86,9 +85,10 @@ class DecodeServer:
         """``directory``: where this replica's KV endpoint is listed, so prefill replicas open
         their links to it before the first request (``kvtransfer.directory``);
         ``disaggregation``: where each request is prefilled (``decode_worker.placement``)."""
-        self.publisher = TokenPublisher()
-        self.aengine = AsyncEngine(config, on_outputs=self.publisher.publish,
-                                   on_error=self.publisher.fail_all)
+        publisher = TokenPublisher()
+        super().__init__(AsyncEngine(config, on_outputs=publisher.publish,
+                                     on_error=publisher.fail_all), publisher, COLOCATED,
+                         replica_id())
         self.prefill = prefill
         self.timeout_s = transfer_timeout_s
         self.placer = Placer(disaggregation)
@@ -102,8 +102,7 @@ class DecodeServer:
             self.aengine.add_ticker(self.endpoint.poll)
         self.listing = (Publisher(directory, self.endpoint.info()).start()
                         if directory is not None and self.endpoint is not None else None)
-        self.metrics = self.transfers = self.placements = None
-        self.replica = replica_id()
+        self.metrics = self.transfers = None
         if self.replica:  # a Serve replica: its own series, through Ray's metrics system
             self.metrics = EngineMetrics(self.aengine.feed, self.aengine.info, extra=lambda: {
                 "kv_blocks_held_by_transfers": self.held_blocks}).start()
@@ -131,59 +130,16 @@ class DecodeServer:
     def kv_load(self) -> dict:
         return load_report(self.aengine, self.endpoint)
 
-    async def generate(self, req: GenerateRequest) -> GenerateResult:
-        """Run the request to its end; its tokens, then its :class:`GenerateResult`, go to
-        ``req.reply_to``. A request refused as bad input (:class:`BadRequest`: a grammar that
-        does not compile, a prompt the KV cache cannot hold) gets its refusal there too; any
-        other failure raises."""
-        timing = DecodeTiming(received=time.time(), replica=self.replica)
-        rid, prompt = req.request_id, list(req.prompt_token_ids)
-        route = self.publisher.route(rid, await self.publisher.connect(req.reply_to))
-        prefilled: PrefillResult | None = None
-        placement = COLOCATED
-        try:
-            await self.aengine.compile_grammar(req.params)  # off the engine thread
-            if self.prefill is not None and req.params.prompt_logprobs is None:
-                # (prompt logprobs are made where the prompt is computed: here, in one engine)
-                prefilled, placement = await self._remote_prefill(req, prompt, timing)
-            elif self.prefill is not None:
-                placement = Placement(LOCAL, "prompt_logprobs")
-            if prefilled is None and not timing.queued:  # not handed over: prefill here
-                def add(engine):  # stamped here: the first token may come before the loop runs
-                    engine.add_request(prompt, req.params, rid)
-                    timing.queued = time.time()
-                await self.aengine.call(add)
-            self._count_placement(placement)
-            last = await route.done
-        except BaseException as exc:
-            self.publisher.unroute(rid)
-            self.abort(rid)
-            timing.first_token, timing.finished = route.first_at, time.time()
-            if isinstance(exc, BadRequest):  # the client's error: one line, answered in-band
-                log.info("request %s refused: %s", rid, exc)
-                result = GenerateResult(rid, len(prompt), 0, 0, None, timing=timing,
-                                        error=str(exc))
-                self.publisher.end(route.conn, rid, result.to_wire())
-                return result
-            outcome = "cancelled" if isinstance(exc, asyncio.CancelledError) else \
-                f"error {type(exc).__name__}"
-            _log_timeline(rid, outcome, timing, prefilled, None, placement)
-            raise
-        timing.first_token, timing.finished = route.first_at, time.time()
-        if placement.where == LOCAL and timing.first_token and timing.queued:
-            self.placer.prefilled_here(len(prompt) - last.num_cached_tokens,
-                                       timing.first_token - timing.queued)
-        _log_timeline(rid, last.finish_reason, timing, prefilled, last.num_output_tokens,
-                      placement)
-        result = GenerateResult(
-            request_id=rid, num_prompt_tokens=len(prompt),
-            num_output_tokens=last.num_output_tokens, num_cached_tokens=last.num_cached_tokens,
-            finish_reason=last.finish_reason,
-            transfer=TransferSummary.of(prefilled.stats) if prefilled is not None else None,
-            prefill_seconds=prefilled.prefill_seconds if prefilled is not None else 0.0,
-            timing=timing, prefilled_where=placement.where, prefilled_why=placement.reason)
-        self.publisher.end(route.conn, rid, result.to_wire())
-        return result
+    async def _prefill_elsewhere(self, req: GenerateRequest, prompt: list[int],
+                                 timing: DecodeTiming) -> tuple[PrefillResult | None, Placement]:
+        if self.prefill is None:
+            return None, self.placement
+        if req.params.prompt_logprobs is not None:  # made where the prompt is computed: here
+            return None, Placement(LOCAL, "prompt_logprobs")
+        return await self._remote_prefill(req, prompt, timing)
+
+    def _prefilled_here(self, uncached_tokens: int, seconds: float) -> None:
+        self.placer.prefilled_here(uncached_tokens, seconds)
 
     async def _remote_prefill(self, req: GenerateRequest, prompt: list[int],
                               timing: DecodeTiming) -> tuple[PrefillResult | None, Placement]:
@@ -317,10 +273,6 @@ class DecodeServer:
         if self.transfers is not None:
             self.transfers.failed(kind)
 
-    def _count_placement(self, placement: Placement) -> None:
-        if self.placements is not None:
-            self.placements.record(placement.where, placement.reason)
-
     # -- the hand-over's verbs, for the roles' tests and tools --------------------------------
     async def reserve(self, prompt: list[int], params: SamplingParams, request_id: str,
                       timeout_s: float | None = None) -> KVDestination | None:
@@ -368,20 +320,3 @@ class DecodeServer:
             self.aengine.submit(lambda e: self.handovers.call_ended(
                 e, h.request_id, "request aborted; its prefill has answered"))
 
-
-def _log_timeline(rid: str, outcome: str | None, timing: DecodeTiming,
-                  prefilled: PrefillResult | None, tokens: int | None,
-                  placement: Placement) -> None:
-    if not TIMELINE.isEnabledFor(logging.INFO):
-        return
-    where = f"prefilled here ({placement.reason})" if timing.queued else "not prefilled"
-    if prefilled is not None:
-        st = prefilled.stats
-        where = (f"prefilled remotely in {prefilled.prefill_seconds * 1e3:.1f} ms, "
-                 f"{st.blocks_sent} blocks ({st.bytes} B, {st.blocks_skipped} skipped) over "
-                 f"{st.backend} in {st.seconds * 1e3:.1f} ms")
-    made = "" if tokens is None else f", {tokens} tokens"
-    TIMELINE.info("request %s decode: %s%s, %s; %s", rid, outcome, made, where,
-                  timeline(received=timing.received, prefill_called=timing.prefill_called,
-                           prefill_returned=timing.prefill_returned, queued=timing.queued,
-                           first_token=timing.first_token, finished=timing.finished))

@@ -60,4 +60,5 @@ def build_app(args: dict[str, Any] | BatonConfig | None = None) -> Application:
     engine = cfg.engine_for("decode")
     return router.bind(decode, cfg.engine.model, cfg.served_model_name, cfg.engine.max_model_len,
                        cfg.router.model_dump(), {"quantization": engine.quantization,
-                                                 "kv_cache_dtype": engine.kv_cache_dtype})
+                                                 "kv_cache_dtype": engine.kv_cache_dtype},
+                       prefill)

@@ -48,7 +48,7 @@ class AsyncEngine:
         self.inputs = self.engine.processor  # its grammar compiler is thread-safe (cached)
         self.feed = StatsFeed(self.engine)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._on_outputs = on_outputs or self._resolve_waiters
+        self._on_outputs = on_outputs or self.resolve_waiters
         self._on_error = on_error
         self._waiters: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future,
                                        FinishedHook | None]] = {}
@@ -112,7 +112,9 @@ class AsyncEngine:
         finally:
             self._waiters.pop(request_id, None)
 
-    def _resolve_waiters(self, outputs: list[RequestOutput]) -> None:
+    def resolve_waiters(self, outputs: list[RequestOutput]) -> None:
+        """The default outputs hook: :meth:`run`'s callers get their requests' last outputs (a
+        role that also streams requests calls it from its own hook)."""
         for out in outputs:
             if out.finished and (entry := self._waiters.get(out.request_id)) is not None:
                 loop, fut, then = entry

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ray import serve
 
-from contracts.messages import PrefillRequest
+from contracts.messages import GenerateRequest, PrefillRequest
 from contracts.role import RoleDeployment
 from engine import EngineConfig
 from kvtransfer.directory import PeerDirectory
@@ -24,3 +24,8 @@ class PrefillDeployment(RoleDeployment):
 
     async def prefill(self, req: PrefillRequest):
         return await self.server.prefill(req)
+
+    async def generate(self, req: GenerateRequest) -> None:
+        """A whole request, decoded here while no decode replica answers the ingress; like the
+        decode deployment's, its tokens and result go to ``req.reply_to``."""
+        await self.server.generate(req)

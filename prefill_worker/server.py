@@ -1,4 +1,6 @@
-"""The prefill deployment: prompts in, KV pushed to a decode replica, first token out.
+"""The prefill deployment: prompts in, KV pushed to a decode replica, first token out; and,
+while no decode replica answers, whole requests decoded here (:meth:`PrefillServer.generate`,
+the ingress's fallback), each holding a full engine.
 
 Queues: a request joins the engine's batch (chunked prefill with the others) → stops after its
 first token with its blocks held → the blocks the decode side lacks are pushed → the blocks go
@@ -21,8 +23,10 @@ import time
 
 from contracts.messages import (TIMELINE, PrefillRequest, PrefillResult, PrefillTiming,
                                timeline)
-from contracts.metrics import EngineMetrics, TransferMetrics, replica_id
+from contracts.metrics import EngineMetrics, PlacementMetrics, TransferMetrics, replica_id
 from contracts.role import load_report
+from contracts.streamed import LOCAL, Placement, StreamedRequests
+from contracts.token_channel import TokenPublisher
 from engine.async_engine import AsyncEngine
 from kvtransfer import (EndpointInfo, PushNotStarted, TransferError, TransferState,
                         endpoint_for)
@@ -37,7 +41,9 @@ class PrefillServer:
         """``directory``: where decode replicas list their KV endpoints; the links to them are
         warmed as they appear (``kvtransfer.directory``). ``push_at_step_end``: see the
         module's docstring."""
-        self.aengine = AsyncEngine(config)
+        self.publisher = TokenPublisher()
+        self.aengine = AsyncEngine(config, on_outputs=self._outputs,
+                                   on_error=self.publisher.fail_all)
         self.endpoint = endpoint_for(self.aengine.engine.kv_cache_spec(), backend, polled=True,
                                      **endpoint_kwargs)
         self.push_at_step_end = push_at_step_end
@@ -48,6 +54,10 @@ class PrefillServer:
             self.metrics = EngineMetrics(self.aengine.feed, self.aengine.info, extra=lambda: {
                 "kv_blocks_held_by_transfers": self.endpoint.held_blocks}).start()
             self.transfers = TransferMetrics("sent")
+        # Whole requests, while no decode replica answers the ingress (it calls generate).
+        self.whole = StreamedRequests(self.aengine, self.publisher,
+                                      Placement(LOCAL, "decode_down"), self.replica,
+                                      PlacementMetrics() if self.replica else None)
         self.warmer = (LinkWarmer(self.endpoint, directory, self.aengine.submit,
                                   on_mismatch=self._count_mismatch).start()
                        if directory is not None else None)
@@ -62,6 +72,15 @@ class PrefillServer:
             self.metrics.stop()
         self.aengine.shutdown()
         self.endpoint.close()
+
+    def _outputs(self, outputs) -> None:  # engine thread: prefills' waiters, streamed tokens
+        self.aengine.resolve_waiters(outputs)
+        self.publisher.publish(outputs)
+
+    async def generate(self, req):
+        """A whole request (``contracts.streamed``), prefilled and decoded here: the ingress
+        sends requests here while no decode replica answers."""
+        return await self.whole.generate(req)
 
     def _count_mismatch(self, _peer: EndpointInfo) -> None:
         self._count(None, "LayoutMismatchError")

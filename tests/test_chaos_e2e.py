@@ -141,6 +141,35 @@ def test_killing_a_decode_replica_loses_no_stream(ray_cluster, expected, decode_
         shutdown_serve()
 
 
+def test_the_only_decode_replica_killed_the_prefill_replica_decodes(ray_cluster, expected):
+    """1P1D, the decode replica SIGKILLed mid-stream: its streams go on, whole, on the prefill
+    replica (same tokens), a request sent after the kill is served there within 5 s, and once
+    Serve has started a new decode replica, requests go to it again."""
+    url = _deploy(1, disaggregated=True)
+    try:
+        threads, got, errors = _start_streams(url)
+        (pid,) = _decode_pids()
+        os.kill(pid, signal.SIGKILL)
+        t0 = time.time()
+        body = requests.post(f"{url}/v1/completions", timeout=60, json={
+            "prompt": PROMPTS[0], **PARAMS[0], "max_tokens": 8}).json()
+        assert time.time() - t0 < 5, body
+        assert body["usage"]["prefilled"] == {"where": "local", "reason": "decode_down"}, body
+        _join_streams(threads, got, errors, expected)
+        assert migrations(url) >= 1
+        deadline, why = time.time() + 90, "decode_down"
+        while why == "decode_down" and time.time() < deadline:  # the new decode replica
+            body = requests.post(f"{url}/v1/completions", timeout=60, json={
+                "prompt": PROMPTS[1], **PARAMS[0], "max_tokens": 4}).json()
+            why = body["usage"]["prefilled"]["reason"]
+            time.sleep(0.5)
+        assert why == "always" and body["usage"]["kv_transfer"]["blocks_sent"] > 0
+        _assert_decode_idle()
+        assert _prefill_used_blocks() == 0
+    finally:
+        shutdown_serve()
+
+
 @pytest.mark.parametrize("layout", ["colocated", "disaggregated"])
 def test_a_split_decode_replica_serves_and_a_dead_rank_loses_no_stream(ray_cluster, expected,
                                                                        layout):

@@ -53,10 +53,11 @@ def bind_direct_grpc(host: str) -> None:
 @serve.ingress(app)
 class Ingress:
     def __init__(self, decode, model: str, served_name: str, max_model_len: int | None,
-                 config: dict | None = None, engine: dict | None = None):
+                 config: dict | None = None, engine: dict | None = None, prefill=None):
         if host := os.environ.get("BATON_GRPC_HOST"):
             bind_direct_grpc(host)
-        self.service = RequestService(decode, model, served_name, max_model_len, config, engine)
+        self.service = RequestService(decode, model, served_name, max_model_len, config, engine,
+                                      fallback=prefill)
         self.http = HttpAdapter(self.service)
         self.grpc = GrpcAdapter(self.service)
         warn_if_open_without_key(self.service.api_key)

@@ -191,7 +191,10 @@ class RequestService:
     GrpcAdapter`) and only translate."""
 
     def __init__(self, decode, model: str, served_name: str, max_model_len: int | None,
-                 config: dict | None = None, engine: dict | None = None):
+                 config: dict | None = None, engine: dict | None = None, fallback=None):
+        """``fallback``: the prefill deployment's handle in a disaggregated app (whole requests
+        go there while no decode replica answers, :class:`~router.ingress.streams.
+        DecodeClient`)."""
         import ray
 
         cfg = RouterConfig(**(config or {}))
@@ -201,7 +204,8 @@ class RequestService:
         source = resolve_model(model)
         self.tokenizer = load_tokenizer(source)
         self.texts = TokenTexts(self.tokenizer)
-        self.client = DecodeClient(decode, self.tokenizer, ray.util.get_node_ip_address())
+        self.client = DecodeClient(decode, self.tokenizer, ray.util.get_node_ip_address(),
+                                   fallback=fallback)
         self.vocab_size = source.config.vocab_size
         self.max_model_len = min(max_model_len or source.config.max_position_embeddings,
                                  source.config.max_position_embeddings)

@@ -21,6 +21,16 @@ tokens join the same stream, so the client sees one stream with nothing missing 
 Greedy tokens are those of an uninterrupted run, and so are seeded ones (draws are keyed by seed
 and position).
 The resumed request is prefilled anew (a prefix-cache hit where the replica holds the blocks).
+
+No decode replica: in a disaggregated app (``fallback``, the prefill deployment), a call lost
+with its replica, or a call without a first token after ``DECODE_SILENT_S`` (Serve holds calls
+while no replica of a deployment runs, without an error), asks the decode deployment whether any
+replica answers (``DECODE_PROBE_TIMEOUT_S``, one question at a time); if none does, the decode
+pool is down: every request on it moves (as above, with the tokens it has), and every request
+after them goes, to the prefill replicas whole (each holds a full engine: it prefills and
+decodes there, ``prefill_worker.server``); the decode pool is asked again every
+``DECODE_PROBE_INTERVAL_S``, and once a replica answers, new requests go to it again (those on
+the prefill replicas finish there).
 A token that ends a request comes in the same delta as its finish reason, so a stream that has
 not finished always has tokens left to make.
 """
@@ -45,6 +55,9 @@ log = serve_logger(__name__)
 
 MAX_MIGRATIONS = 32  # moves of one request; the deadline bounds them too
 MIGRATION_BACKOFF_S = (0.05, 0.2, 0.5, 1.0)  # then 1 s: Serve learns of a death in about that
+DECODE_SILENT_S = 1.0  # a decode call without a first token by then: is any replica alive?
+DECODE_PROBE_TIMEOUT_S = 1.0  # a decode replica that has not answered by then: none alive
+DECODE_PROBE_INTERVAL_S = 0.5  # while the decode pool is down: how often to ask again
 
 
 @dataclass
@@ -92,6 +105,7 @@ class RequestStream:
     result: GenerateResult | None = None
     timing: RouterTiming = field(default_factory=RouterTiming)
     call: object = None  # the current Serve call's DeploymentResponse
+    pool: object = None  # the deployment handle of the current call (decode, or the fallback)
     call_id: str = ""  # the current call's internal request id (another after each migration)
     prompt_token_ids: tuple[int, ...] = ()
     migrations: int = 0
@@ -210,10 +224,17 @@ class RequestStream:
 class DecodeClient:
     """The ingress's side of the decode deployment: starts requests, follows their tokens."""
 
-    def __init__(self, decode_handle, tokenizer, host: str = "127.0.0.1"):
+    def __init__(self, decode_handle, tokenizer, host: str = "127.0.0.1", fallback=None):
+        """``fallback``: where whole requests go while no decode replica answers (the prefill
+        deployment of a disaggregated app; None: nowhere, requests wait for a decode replica)."""
         self.decode = decode_handle
+        self.fallback = fallback
         self.tokenizer = tokenizer
         self.sink = TokenSink(host)
+        self.decode_down = False
+        self._streams: dict[str, RequestStream] = {}  # by request id, until the writer closes
+        self._check: asyncio.Future | None = None  # a lost call's question: any decode alive?
+        self._probe: asyncio.Future | None = None  # while down: until one answers
 
     async def start(self, ids: list[int], params: SamplingParams, request_id: str,
                     on_token=None, received: float | None = None,
@@ -231,8 +252,9 @@ class DecodeClient:
         self._submit(stream)
         return stream
 
-    def _submit(self, stream: RequestStream) -> None:
-        """Call a decode replica for what the stream still lacks (all of it the first time)."""
+    def _submit(self, stream: RequestStream, own_id: bool = False) -> None:
+        """Call a decode replica for what the stream still lacks (all of it the first time).
+        ``own_id``: called from another request's task (see ``own_serve_id``)."""
         have = stream.token_ids
         rid = stream.request_id if not stream.migrations else \
             f"{stream.request_id}~{stream.migrations}"
@@ -246,16 +268,26 @@ class DecodeClient:
                            lambda: asyncio.ensure_future(self._channel_lost(stream, rid)))
         req = GenerateRequest(stream.prompt_token_ids + tuple(have), params, rid,
                               self.sink.address)
-        if stream.own_serve_id:
+        stream.pool = self.fallback if self.decode_down else self.decode
+        if stream.own_serve_id or own_id:
             # Serve tags a handle call with the calling request's internal id; concurrent calls
             # under one id collide in its bookkeeping (measured: the second and third of a
             # batch never reached a replica). Each gets its own, in a copy of the context.
-            stream.call = contextvars.copy_context().run(self._call_with_own_id, req)
+            stream.call = contextvars.copy_context().run(self._call_with_own_id, stream.pool,
+                                                        req)
         else:
-            stream.call = self.decode.generate.remote(req)
+            stream.call = stream.pool.generate.remote(req)
+        self._streams[stream.request_id] = stream
         asyncio.ensure_future(self._follow(stream, rid))
+        if stream.pool is self.decode and self.fallback is not None:
+            asyncio.get_running_loop().call_later(DECODE_SILENT_S, self._if_silent, stream, rid)
 
-    def _call_with_own_id(self, req: GenerateRequest):
+    def _if_silent(self, stream: RequestStream, rid: str) -> None:
+        if stream.call_id == rid and not stream.token_ids and not stream.ended.is_set() \
+                and not stream.cancelled:
+            asyncio.ensure_future(self._check_decode())
+
+    def _call_with_own_id(self, pool, req: GenerateRequest):
         from dataclasses import replace
 
         from ray.serve import context as serve_context
@@ -264,7 +296,7 @@ class DecodeClient:
         current = serve_context._get_serve_request_context()
         serve_context._serve_request_context.set(
             replace(current, _internal_request_id=generate_request_id()))
-        return self.decode.generate.remote(req)
+        return pool.generate.remote(req)
 
     async def _follow(self, stream: RequestStream, rid: str) -> None:
         """The call's outcome: a lost replica moves the request; another error fails the stream
@@ -272,15 +304,21 @@ class DecodeClient:
         try:
             await stream.call
         except BaseException as exc:  # noqa: BLE001 - the writer raises it
+            if stream.call_id != rid:
+                return  # moved elsewhere already (the decode pool went down)
             self.sink.unregister(rid)
+            if replica_lost(exc) and stream.pool is self.decode and self.fallback is not None:
+                await self._check_decode()
             if replica_lost(exc) and await self._may_migrate(stream):
-                self._move(stream, f"decode replica lost ({type(exc).__name__}: {exc})")
+                if stream.call_id == rid:
+                    self._move(stream, f"replica lost ({type(exc).__name__}: {exc})")
                 return
             stream.fail(exc)
             stream.ended.set()
             stream.call_done.set()
             return
-        stream.call_done.set()  # the result comes on the channel (or it was lost there)
+        if stream.call_id == rid:
+            stream.call_done.set()  # the result comes on the channel (or it was lost there)
 
     async def _channel_lost(self, stream: RequestStream, rid: str) -> None:
         """The connection that carried the request's tokens dropped. While its call runs, the
@@ -301,13 +339,51 @@ class DecodeClient:
                                          "closed before its last tokens"))
             stream.ended.set()
 
-    def _move(self, stream: RequestStream, why: str) -> None:
+    async def _check_decode(self) -> None:
+        """A decode call was lost with its replica, or has no first token yet: is any decode
+        replica alive? If none answers, the decode pool is down until one does (one question
+        at a time): the requests on it move to the prefill replicas."""
+        if self.decode_down:
+            return
+        if self._check is None or self._check.done():
+            self._check = asyncio.ensure_future(self._decode_answers())
+        if await asyncio.shield(self._check) or self.decode_down:
+            return
+        self.decode_down = True
+        log.warning("no decode replica answers: whole requests go to the prefill replicas "
+                    "until one does")
+        self._probe = asyncio.ensure_future(self._until_decode_answers())
+        for stream in list(self._streams.values()):
+            if stream.pool is self.decode and not (stream.finished or stream.cancelled
+                                                   or stream.ended.is_set()):
+                old = stream.call
+                self.sink.unregister(stream.call_id)
+                self._move(stream, "no decode replica answers", own_id=True)  # from this task
+                old.cancel()
+
+    async def _decode_answers(self) -> bool:
+        async def ask():
+            await self.decode.kv_load.remote()
+
+        try:
+            await asyncio.wait_for(ask(), DECODE_PROBE_TIMEOUT_S)
+            return True
+        except Exception:  # noqa: BLE001 - dead, restarting or not scheduled: not answering
+            return False
+
+    async def _until_decode_answers(self) -> None:
+        while not await self._decode_answers():
+            await asyncio.sleep(DECODE_PROBE_INTERVAL_S)
+        self.decode_down = False
+        log.warning("a decode replica answers again: requests go to the decode replicas")
+
+    def _move(self, stream: RequestStream, why: str, own_id: bool = False) -> None:
         """Submit the request again for what it still lacks (migration)."""
         log.warning("request %s: %s; moving it with %d tokens", stream.request_id, why,
                     len(stream.token_ids))
         stream.migrations += 1
         stream.moved_at.append(time.time())
-        self._submit(stream)
+        self._submit(stream, own_id)
 
     @staticmethod
     async def _may_migrate(stream: RequestStream) -> bool:
@@ -335,6 +411,7 @@ class DecodeClient:
     def close(self, stream: RequestStream) -> None:
         """The writer is done (or gone): stop routing its tokens, cancel what still runs."""
         self.sink.unregister(stream.call_id)
+        self._streams.pop(stream.request_id, None)
         stream.cancelled = stream.cancelled or not stream.finished
         if not stream.finished:  # a finished request's call ends by itself
             stream.cancel()

@@ -1,0 +1,128 @@
+"""Whole requests run on a role's engine, their tokens streamed to the requester: what a decode
+replica does with every request and a prefill replica with the requests it decodes itself while
+no decode replica answers (``prefill_worker.server``).
+
+Per request: the Serve call names the requester's token sink → dial it (once per requester) and
+route the request to that connection → the prompt is prefilled elsewhere (a role's hook: the
+decode role's hand-over) or queued on this engine → after each engine step the publisher packs
+that step's tokens, one frame per connection, on the engine thread → once the request has
+ended, its :class:`GenerateResult` follows its last tokens on the same connection (the Serve
+call returns nothing). Bad input only a replica can check (:class:`BadRequest`) is answered the
+same way; any other failure aborts the request here and raises.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+from contracts.messages import (TIMELINE, DecodeTiming, GenerateRequest, GenerateResult,
+                                PrefillResult, TransferSummary, serve_logger, timeline)
+from contracts.token_channel import TokenPublisher
+from engine.errors import BadRequest
+
+log = serve_logger(__name__)
+LOCAL, REMOTE = "local", "remote"
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a request's prompt was prefilled, and why (``decode_worker.placement`` decides)."""
+
+    where: str  # LOCAL or REMOTE
+    reason: str  # short | saturated | never | always | long | colocated | decode_down | ...
+
+
+class StreamedRequests:
+    """Runs whole requests on ``aengine``, whose outputs go to ``publisher``; ``placement``:
+    where and why the requests it prefills itself are said to be prefilled; ``placements``: the
+    counter of those (``contracts.metrics.PlacementMetrics``, or None)."""
+
+    def __init__(self, aengine, publisher: TokenPublisher, placement: Placement,
+                 replica: str | None = None, placements=None):
+        self.aengine, self.publisher = aengine, publisher
+        self.placement, self.replica, self.placements = placement, replica, placements
+
+    async def generate(self, req: GenerateRequest) -> GenerateResult:
+        """Run the request to its end; its tokens, then its :class:`GenerateResult`, go to
+        ``req.reply_to``. A request refused as bad input (:class:`BadRequest`: a grammar that
+        does not compile, a prompt the KV cache cannot hold) gets its refusal there too; any
+        other failure raises."""
+        timing = DecodeTiming(received=time.time(), replica=self.replica)
+        rid, prompt = req.request_id, list(req.prompt_token_ids)
+        route = self.publisher.route(rid, await self.publisher.connect(req.reply_to))
+        prefilled: PrefillResult | None = None
+        placement = self.placement
+        try:
+            await self.aengine.compile_grammar(req.params)  # off the engine thread
+            prefilled, placement = await self._prefill_elsewhere(req, prompt, timing)
+            if prefilled is None and not timing.queued:  # not handed over: prefill here
+                def add(engine):  # stamped here: the first token may come before the loop runs
+                    engine.add_request(prompt, req.params, rid)
+                    timing.queued = time.time()
+                await self.aengine.call(add)
+            if self.placements is not None:
+                self.placements.record(placement.where, placement.reason)
+            last = await route.done
+        except BaseException as exc:
+            self.publisher.unroute(rid)
+            self.abort(rid)
+            timing.first_token, timing.finished = route.first_at, time.time()
+            if isinstance(exc, BadRequest):  # the client's error: one line, answered in-band
+                log.info("request %s refused: %s", rid, exc)
+                result = GenerateResult(rid, len(prompt), 0, 0, None, timing=timing,
+                                        error=str(exc))
+                self.publisher.end(route.conn, rid, result.to_wire())
+                return result
+            outcome = "cancelled" if isinstance(exc, asyncio.CancelledError) else \
+                f"error {type(exc).__name__}"
+            log_timeline(rid, outcome, timing, prefilled, None, placement)
+            raise
+        timing.first_token, timing.finished = route.first_at, time.time()
+        if placement.where == LOCAL and timing.first_token and timing.queued:
+            self._prefilled_here(len(prompt) - last.num_cached_tokens,
+                                 timing.first_token - timing.queued)
+        log_timeline(rid, last.finish_reason, timing, prefilled, last.num_output_tokens,
+                     placement)
+        result = GenerateResult(
+            request_id=rid, num_prompt_tokens=len(prompt),
+            num_output_tokens=last.num_output_tokens, num_cached_tokens=last.num_cached_tokens,
+            finish_reason=last.finish_reason,
+            transfer=TransferSummary.of(prefilled.stats) if prefilled is not None else None,
+            prefill_seconds=prefilled.prefill_seconds if prefilled is not None else 0.0,
+            timing=timing, prefilled_where=placement.where, prefilled_why=placement.reason)
+        self.publisher.end(route.conn, rid, result.to_wire())
+        return result
+
+    async def _prefill_elsewhere(self, req: GenerateRequest, prompt: list[int],
+                                 timing: DecodeTiming) -> tuple[PrefillResult | None, Placement]:
+        """A role's hook: have the prompt prefilled by another replica (its result), or decide
+        to prefill it here (None; ``timing.queued`` set if the hook queued it already)."""
+        return None, self.placement
+
+    def _prefilled_here(self, uncached_tokens: int, seconds: float) -> None:
+        """A role's hook: a prompt prefilled here took ``seconds`` to its first token."""
+
+    def abort(self, request_id: str) -> None:
+        """Stop the request wherever it is; harmless twice."""
+        self.aengine.abort(request_id)
+
+
+def log_timeline(rid: str, outcome: str | None, timing: DecodeTiming,
+                 prefilled: PrefillResult | None, tokens: int | None,
+                 placement: Placement) -> None:
+    if not TIMELINE.isEnabledFor(logging.INFO):
+        return
+    where = f"prefilled here ({placement.reason})" if timing.queued else "not prefilled"
+    if prefilled is not None:
+        st = prefilled.stats
+        where = (f"prefilled remotely in {prefilled.prefill_seconds * 1e3:.1f} ms, "
+                 f"{st.blocks_sent} blocks ({st.bytes} B, {st.blocks_skipped} skipped) over "
+                 f"{st.backend} in {st.seconds * 1e3:.1f} ms")
+    made = "" if tokens is None else f", {tokens} tokens"
+    TIMELINE.info("request %s decode: %s%s, %s; %s", rid, outcome, made, where,
+                  timeline(received=timing.received, prefill_called=timing.prefill_called,
+                           prefill_returned=timing.prefill_returned, queued=timing.queued,
+                           first_token=timing.first_token, finished=timing.finished))

@@ -187,10 +187,31 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, host: str 
         env.setdefault("BATON_CACHE", os.environ["BATON_CACHE"])
     runtime_env = dict(init_kwargs.pop("runtime_env", {}))
     runtime_env["env_vars"] = {**env, **runtime_env.get("env_vars", {})}
+    keep_token_private()  # one an earlier run left readable
     ray.init(address=address or "local", num_cpus=None if address else num_cpus,
              include_dashboard=False, log_to_driver=False, logging_level="ERROR",
              runtime_env=runtime_env, **init_kwargs)
+    keep_token_private()  # the one this start may have written
     return settings
+
+
+def token_path() -> Path:
+    """Where Ray keeps the token of its token authentication (Ray 2.60: ``~/.ray/auth_token``)."""
+    return Path.home() / ".ray" / "auth_token"
+
+
+def keep_token_private() -> None:
+    """Make Ray's token file readable by its owner only. A local ``ray.init()`` writes it with
+    the umask's mode (0644 by default), and once it exists, ``ray start --head`` turns token
+    authentication on with it: another local user who reads it can attach to that cluster."""
+    path = token_path()
+    try:
+        if path.exists() and path.stat().st_mode & 0o077:
+            path.chmod(0o600)
+    except OSError as exc:  # not ours, or gone meanwhile: say so, serve anyway
+        import logging
+
+        logging.getLogger(__name__).warning("could not make %s private: %s", path, exc)
 
 
 # Printed by the driver after every `serve.shutdown()`: Serve kills its controller while the

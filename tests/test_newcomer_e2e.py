@@ -111,11 +111,12 @@ def _lines(proc, seen: list[str]) -> None:
 
 
 @pytest.mark.e2e
-def test_baton_serve_tiny_streams_to_the_openai_client_and_ctrl_c_stops_it(ray_cluster):
+def test_baton_serve_tiny_streams_to_the_openai_client_and_ctrl_c_stops_it(ray_cluster, tmp_path):
     from openai import OpenAI
 
     http, grpc_port = ray_env.free_port(), ray_env.free_port()
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+    # a home of its own: the token file its local Ray writes is this test's to check
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", "HOME": str(tmp_path)}
     env.pop("RAY_ADDRESS", None)
     proc = subprocess.Popen(
         [str(BIN / "baton"), "serve", "tiny", "--port", str(http), "--grpc-port",
@@ -131,6 +132,10 @@ def test_baton_serve_tiny_streams_to_the_openai_client_and_ctrl_c_stops_it(ray_c
             assert time.time() < deadline, "".join(seen)
             time.sleep(0.5)
         assert f"http://127.0.0.1:{http}/v1" in "".join(seen)
+        # Ray's token file, which turns token authentication on for a later `ray start`: its
+        # owner's only (Ray writes it 0644)
+        token = tmp_path / ".ray" / "auth_token"
+        assert token.exists() and token.stat().st_mode & 0o777 == 0o600
         # HAProxy, in front of the app's HTTP port, listens only on loopback: its stats and
         # metrics listeners too (Ray's template binds them to every interface).
         listening, backends = _haproxy(http)

@@ -157,6 +157,11 @@ def test_a_body_over_the_bound_is_refused_before_it_is_parsed(server):
                             data=(big[i:i + 8192] for i in range(0, len(big), 8192)),
                             headers={**AUTH, "Content-Type": "application/json"})
     assert chunked.status_code == 413
+    huge = b'{"messages": [{"role": "user", "content": "' + b"a" * (20 << 20) + b'"}]}'
+    for _ in range(5):  # 20 MB: the 413 every time, never a reset while the client still sends
+        r = requests.post(f"{url}/v1/chat/completions", data=huge, timeout=60,
+                          headers={**AUTH, "Content-Type": "application/json"})
+        assert r.status_code == 413
     assert _completion(url, {"prompt": "hi", "max_tokens": 2}).status_code == 200
 
 

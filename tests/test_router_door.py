@@ -154,6 +154,30 @@ def test_a_chunked_body_is_refused_once_it_passes_the_bound(limit):
     assert status == 413 and seen is None
 
 
+@pytest.mark.parametrize("headers", [[("Content-Length", "8000")], []])
+def test_a_refused_body_is_read_to_its_end_before_the_connection_closes(limit, headers):
+    """So that a client still sending gets the 413 and not a reset (the kernel resets a
+    connection closed with unread data)."""
+    chunks = [b"x" * 400] * 20
+    messages = [{"type": "http.request", "body": c, "more_body": i < len(chunks) - 1}
+                for i, c in enumerate(chunks)]
+    sent = []
+
+    async def receive():
+        return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+
+    async def app(scope, receive, send):  # never reached
+        raise AssertionError("the app saw a refused body")
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions",
+             "headers": [(k.lower().encode(), v.encode()) for k, v in headers]}
+    asyncio.run(BodyLimitMiddleware(app)(scope, receive, send))
+    assert sent[0]["status"] == 413 and messages == []
+
+
 def test_bodies_within_the_bound_reach_the_app_whole(limit):
     assert _call(BodyLimitMiddleware, chunks=[b"a" * 300, b"b" * 300])[::2] == \
         (200, b"a" * 300 + b"b" * 300)

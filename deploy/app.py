@@ -10,6 +10,7 @@ from typing import Any
 from ray.serve import Application
 
 from deploy import ray_env
+from deploy.autoscaling import DECODE_POLICY, PREFILL_POLICY
 from deploy.config import BatonConfig, RoleConfig
 
 
@@ -27,7 +28,10 @@ def _options(cfg: BatonConfig, role: str, router_class: str, **router_kwargs) ->
     from ray.serve.config import RequestRouterConfig
 
     rc: RoleConfig = getattr(cfg, role)
-    return dict(num_replicas=rc.num_replicas, max_ongoing_requests=cfg.max_ongoing(role),
+    autoscaling = rc.autoscaling(PREFILL_POLICY if role == "prefill" else DECODE_POLICY)
+    scale = ({"num_replicas": rc.num_replicas} if autoscaling is None else
+             {"autoscaling_config": autoscaling})
+    return dict(**scale, max_ongoing_requests=cfg.max_ongoing(role),
                 max_queued_requests=cfg.max_queued(role), backpressure_config=_backpressure(cfg),
                 ray_actor_options=rc.actor_options(cfg.engine_for(role).tensor_parallel_size),
                 request_router_config=RequestRouterConfig(

@@ -273,11 +273,16 @@ def serve_config_from_flags(args) -> dict:
     if 0 < per_replica < 1:  # replicas sharing a GPU: each sizes its KV cache to its share
         engine["gpu_memory_utilization"] = round(0.9 * per_replica, 3)
     role = {"num_gpus": per_replica, "num_cpus": 0.5}
+    def scaled(replicas: int, autoscaling: str | None) -> dict:
+        if autoscaling is None:
+            return {**role, "num_replicas": replicas}
+        return {**role, "autoscaling_config": json.loads(autoscaling)}
+
     app = {"mode": "disaggregated" if args.prefill else "colocated", "engine": engine,
-           "decode": {**role, "num_replicas": args.decode},
+           "decode": scaled(args.decode, args.decode_autoscaling),
            "router": {"model_name": args.served_model_name} if args.served_model_name else {}}
     if args.prefill:
-        app["prefill"] = {**role, "num_replicas": args.prefill}
+        app["prefill"] = scaled(args.prefill, args.prefill_autoscaling)
         app["disaggregation"] = {"mode": args.disaggregation}
         if args.max_local_prefill_length is not None:
             app["disaggregation"]["max_local_prefill_length"] = args.max_local_prefill_length
@@ -400,6 +405,12 @@ def _serve_parser(sub) -> None:
     serve_cmd.add_argument("--prefill", type=int, default=1,
                            help="prefill replicas (0: colocated, decode replicas prefill)")
     serve_cmd.add_argument("--decode", type=int, default=1, help="decode replicas")
+    for role in ("prefill", "decode"):
+        serve_cmd.add_argument(
+            f"--{role}-autoscaling", default=None, metavar="JSON",
+            help=f"{role} replicas sized from the load: Ray Serve's autoscaling_config as JSON, "
+                 'for example \'{"min_replicas": 1, "max_replicas": 4}\' (Baton\'s policy '
+                 f"unless it names one; --{role} is then ignored)")
     serve_cmd.add_argument("--disaggregation", choices=["auto", "always", "never"],
                            default="auto",
                            help="where each request is prefilled: auto (on the decode replica "

@@ -9,7 +9,9 @@
     admission: when overload is refused (``retry_after_s``)
     disaggregation: where each request is prefilled (``mode``: auto, always, never;
               ``max_local_prefill_length``)
-A prefill:decode ratio change is ``prefill.num_replicas`` / ``decode.num_replicas``.
+A prefill:decode ratio change is ``prefill.num_replicas`` / ``decode.num_replicas``, or, with a
+role's ``autoscaling_config`` (Ray Serve's fields; Baton's policies by default,
+``deploy.autoscaling``), a range the load moves each pool in.
 
 Admission: a replica holds at most ``max_ongoing_requests`` requests (default: twice its
 engine's ``max_num_seqs``, a running batch and one waiting in the engine); up to
@@ -24,7 +26,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from decode_worker.placement import DisaggregationConfig
 from engine.config import EngineConfig
@@ -50,6 +52,35 @@ class RoleConfig(_Strict):
     resources: dict[str, float] = Field(default_factory=dict)
     accelerator_type: str | None = None
     label_selector: dict[str, str] = Field(default_factory=dict)
+    # Ray Serve's autoscaling_config (min_replicas, max_replicas, initial_replicas, delays, ...);
+    # without a "policy", the role's Baton policy (deploy/autoscaling.py) with its targets in
+    # policy.policy_kwargs. None: a fixed num_replicas.
+    autoscaling_config: dict | None = None
+
+    @field_validator("autoscaling_config")
+    @classmethod
+    def _serve_autoscaling(cls, value: dict | None) -> dict | None:
+        if value is not None:
+            from ray.serve.config import AutoscalingConfig
+
+            AutoscalingConfig(**value)  # Serve's own check, now rather than at deploy time
+        return value
+
+    @model_validator(mode="after")
+    def _replicas_or_autoscaling(self) -> "RoleConfig":
+        if self.autoscaling_config is not None and "num_replicas" in self.model_fields_set:
+            raise ValueError("num_replicas and autoscaling_config exclude each other: set "
+                             "autoscaling_config.initial_replicas (or min_replicas) instead")
+        return self
+
+    def autoscaling(self, default_policy: str) -> dict | None:
+        """Serve's autoscaling_config of the role: the role's Baton policy unless it names
+        one."""
+        if self.autoscaling_config is None:
+            return None
+        config = dict(self.autoscaling_config)
+        config.setdefault("policy", {"policy_function": default_policy})
+        return config
 
     def actor_options(self, ranks: int = 1) -> dict:
         """Ray options of one replica of ``ranks`` ranks: the replica's process holds every

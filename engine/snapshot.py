@@ -19,6 +19,7 @@ class EngineSnapshot:
     running: int = 0  # sequences in the running batch
     waiting: int = 0
     transferring: int = 0  # decode role: awaiting pushed KV
+    queued_prompt_tokens: int = 0  # prompt tokens still to prefill (waiting, chunked)
     kv_blocks_used: int = 0
     kv_blocks_free: int = 0
     prefix_cache_queries: int = 0  # prompt tokens looked up
@@ -43,7 +44,8 @@ def snapshot_of(engine) -> EngineSnapshot:
     sched, pool = engine.scheduler, engine.pool
     return EngineSnapshot(
         running=len(sched.running), waiting=len(sched.waiting),
-        transferring=len(sched.transferring), kv_blocks_used=pool.num_used_blocks,
+        transferring=len(sched.transferring), queued_prompt_tokens=sched.queued_prompt_tokens(),
+        kv_blocks_used=pool.num_used_blocks,
         kv_blocks_free=pool.num_free_blocks, prefix_cache_queries=pool.query_tokens,
         prefix_cache_hits=pool.hit_tokens, num_preemptions=sched.num_preemptions,
         finished_by_reason=dict(sched.finished_by_reason), stats=replace(engine.stats))

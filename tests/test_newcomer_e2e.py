@@ -43,7 +43,8 @@ def test_one_line_configs_and_the_open_port_warning():
                               host="0.0.0.0", port=8000, grpc_port=9000, grpc_reflection=False,
                               served_model_name=None, max_model_len=None, max_num_seqs=8,
                               quantization=None, kv_cache_dtype="fp8",
-                              tensor_parallel_size=2))()
+                              tensor_parallel_size=2, prefill_autoscaling=None,
+                              decode_autoscaling=None))()
     config = serve_config_from_flags(args)
     app = config["applications"][0]["args"]
     assert app["mode"] == "colocated" and app["decode"]["num_replicas"] == 2
@@ -60,6 +61,11 @@ def test_one_line_configs_and_the_open_port_warning():
     config["http_options"]["host"] = "127.0.0.1"
     del app["router"]["api_key"]
     assert open_without_key_warning(config) is None
+    args.prefill, args.decode_autoscaling = 1, '{"min_replicas": 1, "max_replicas": 3}'
+    app = serve_config_from_flags(args)["applications"][0]["args"]
+    assert app["decode"]["autoscaling_config"] == {"min_replicas": 1, "max_replicas": 3}
+    assert "num_replicas" not in app["decode"] and app["prefill"]["num_replicas"] == 1
+    BatonConfig(**app)
 
 
 def _listening(proc) -> set[tuple[str, int]]:

@@ -44,7 +44,8 @@ def test_one_line_configs_and_the_open_port_warning():
                               served_model_name=None, max_model_len=None, max_num_seqs=8,
                               quantization=None, kv_cache_dtype="fp8",
                               tensor_parallel_size=2, prefill_autoscaling=None,
-                              decode_autoscaling=None))()
+                              decode_autoscaling=None, disaggregation="auto",
+                              max_local_prefill_length=None))()
     config = serve_config_from_flags(args)
     app = config["applications"][0]["args"]
     assert app["mode"] == "colocated" and app["decode"]["num_replicas"] == 2

@@ -102,3 +102,68 @@ def test_serve_takes_the_policies_with_their_targets():
 def test_a_wrong_autoscaling_config_is_refused_when_the_config_is_read(role, message):
     with pytest.raises(ValidationError, match=message):
         RoleConfig(**role)
+
+
+@pytest.mark.e2e
+def test_a_loaded_decode_pool_grows_and_shrinks_back_when_idle(ray_cluster):
+    """A colocated app whose decode pool autoscales (1 to 2 replicas, KV target low enough that
+    eight streams pass it): the streams bring a second replica, every stream completes with
+    the tokens of an undisturbed run, and once idle the pool is one replica again."""
+    import threading
+    import time
+
+    import requests
+    from ray import serve
+
+    from deploy.app import build_app
+    from deploy.ray_env import free_port
+    from engine import LLM, SamplingParams
+    from tests.conftest import shutdown_serve
+    from tests.models import random_prompts
+
+    prompts = random_prompts([20 + i for i in range(8)], vocab=512, seed=5)
+    params = dict(temperature=0, max_tokens=600, ignore_eos=True)
+    expected = [o.token_ids for o in LLM("tiny").generate(prompts, SamplingParams(**params))]
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build_app({"mode": "colocated",
+                         "engine": {"model": "tiny", "num_blocks": 256, "max_num_seqs": 8},
+                         "decode": {"num_cpus": 0.5, "autoscaling_config": {
+                             "min_replicas": 1, "max_replicas": 2, "upscale_delay_s": 0,
+                             "downscale_delay_s": 2, "look_back_period_s": 2,
+                             "metrics_interval_s": 0.5,
+                             "policy": {"policy_function": "deploy.autoscaling:DecodePolicy",
+                                        "policy_kwargs": {"target_kv_usage": 0.05}}}}}),
+              name="baton", route_prefix="/")
+    url = f"http://127.0.0.1:{port}"
+
+    def replicas() -> int:
+        """The decode pool as Serve's autoscaler set it: replicas starting or running."""
+        states = serve.status().applications["baton"].deployments["DecodeServer"].replica_states
+        return sum(n for state, n in states.items() if state in ("STARTING", "RUNNING"))
+
+    got = [None] * len(prompts)
+
+    def run(i):
+        got[i] = requests.post(f"{url}/v1/completions", timeout=120, json={
+            "prompt": prompts[i], **params}).json()["choices"][0]["token_ids"]
+
+    try:
+        assert replicas() == 1
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        most, deadline = 1, time.time() + 90
+        while any(t.is_alive() for t in threads) and time.time() < deadline:
+            most = max(most, replicas())
+            time.sleep(0.5)
+        for t in threads:
+            t.join(timeout=60)
+        assert got == expected
+        assert most == 2
+        deadline = time.time() + 60
+        while replicas() != 1 and time.time() < deadline:
+            time.sleep(0.5)
+        assert replicas() == 1
+    finally:
+        shutdown_serve()

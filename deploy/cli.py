@@ -394,14 +394,8 @@ def _demo_parser(sub) -> None:
     _engine_flags(demo)
 
 
-def _serve_parser(sub) -> None:
-    serve_cmd = sub.add_parser(
-        "serve", help="serve a model or a Serve config file until Ctrl-C",
-        description="Serve a model (a folder, a Hugging Face repo id in the local cache, "
-                    "dummy:Qwen3-<size> or tiny) or a Serve config file on a local Ray of its "
-                    "own, until Ctrl-C; then stop what it started.")
-    serve_cmd.add_argument("target", metavar="MODEL|CONFIG",
-                           help="a model, or a Serve config file (.yaml)")
+def _pool_flags(serve_cmd) -> None:
+    """The roles' pools: replicas (fixed or autoscaled) and where prompts are prefilled."""
     serve_cmd.add_argument("--prefill", type=int, default=1,
                            help="prefill replicas (0: colocated, decode replicas prefill)")
     serve_cmd.add_argument("--decode", type=int, default=1, help="decode replicas")
@@ -419,6 +413,17 @@ def _serve_parser(sub) -> None:
     serve_cmd.add_argument("--max-local-prefill-length", type=int, default=None,
                            help="auto: the longest uncached part prefilled on the decode "
                                 "replica (default 1000 tokens)")
+
+
+def _serve_parser(sub) -> None:
+    serve_cmd = sub.add_parser(
+        "serve", help="serve a model or a Serve config file until Ctrl-C",
+        description="Serve a model (a folder, a Hugging Face repo id in the local cache, "
+                    "dummy:Qwen3-<size> or tiny) or a Serve config file on a local Ray of its "
+                    "own, until Ctrl-C; then stop what it started.")
+    serve_cmd.add_argument("target", metavar="MODEL|CONFIG",
+                           help="a model, or a Serve config file (.yaml)")
+    _pool_flags(serve_cmd)
     serve_cmd.add_argument("--gpus-per-replica", type=float, default=None,
                            help="GPUs of each replica's rank (default: a GPU each, or equal "
                                 "shares of the GPUs there are; 0 on a machine without one)")

@@ -111,8 +111,11 @@ class HandOvers:
             self._end_lease(engine, h, "request aborted; its prefill has answered")
         elif h.state is State.LANDED:
             self._admit(engine, h)
-        else:  # the answer is the sender's word that its push has ended DONE
+        elif not self.endpoint.receiver_writes:  # the sender's word that its push ended DONE
             self.endpoint.mark_landed(h.dest.transfer_id)
+        # A transport whose receiver completes the write (NCCL, gloo: a posted receive) lands
+        # when that receive has completed, not at the sender's word: admitted then (seen in CI:
+        # admitted on the answer, the receive not yet complete, the request decoded stale KV).
 
     def call_ended(self, engine, request_id: str, reason: str) -> None:
         """The prefill call ended without delivering (refused, its replica gone, its push failed

@@ -6,6 +6,7 @@ publishes (``aengine.feed``), never the engine itself."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import asdict
 
@@ -71,3 +72,58 @@ class RoleDeployment:
     def __del__(self):
         if self.server is not None:
             self.server.close()
+
+
+async def any_replica_answers(handle, timeout_s: float) -> bool:
+    """Whether a replica of the deployment behind ``handle`` is alive: one of its replica
+    actors answers a direct call within ``timeout_s``. Direct, not through Serve: a replica
+    whose queue is full (overload) is busy, not gone. A handle that is not Serve's (tests) is
+    asked for the deployment's ``kv_load``. A registry that cannot be listed counts as alive
+    (not known to be gone)."""
+    prefix = replica_actor_prefix(handle)
+    if prefix is None:
+        async def ask():
+            await handle.kv_load.remote()
+
+        tasks = [asyncio.ensure_future(ask())]
+    else:
+        try:
+            actors = await asyncio.to_thread(replica_actors, prefix)
+        except Exception:  # noqa: BLE001 - the cluster's registry did not answer
+            return True
+        tasks = [asyncio.ensure_future(_ping(a)) for a in actors]
+    if not tasks:
+        return False
+    done, pending = await asyncio.wait(tasks, timeout=timeout_s)
+    for task in pending:
+        task.cancel()
+    return any(t.exception() is None for t in done)
+
+
+def replica_actor_prefix(handle) -> str | None:
+    """The name prefix of a Serve deployment's replica actors (``SERVE_REPLICA::app#name#``);
+    None for a handle that is not Serve's."""
+    app, name = getattr(handle, "app_name", None), getattr(handle, "deployment_name", None)
+    if not isinstance(name, str):
+        return None
+    from ray.serve._private.common import REPLICA_ID_FULL_ID_STR_PREFIX
+
+    return f"{REPLICA_ID_FULL_ID_STR_PREFIX}{f'{app}#' if app else ''}{name}#"
+
+
+def replica_actors(prefix: str) -> list:
+    """The live actors whose name starts with ``prefix`` (blocking: the cluster's registry)."""
+    import ray
+
+    actors = []
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        if entry["name"].startswith(prefix):
+            try:
+                actors.append(ray.get_actor(entry["name"], namespace=entry["namespace"]))
+            except ValueError:  # gone since it was listed
+                continue
+    return actors
+
+
+async def _ping(actor) -> None:
+    await actor.get_num_ongoing_requests.remote()

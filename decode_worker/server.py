@@ -32,7 +32,7 @@ from contracts.messages import (DecodeTiming, GenerateRequest, PrefillRequest, P
 from contracts.streamed import LOCAL, REMOTE, Placement, StreamedRequests
 from contracts.token_channel import TokenPublisher
 from contracts.metrics import EngineMetrics, PlacementMetrics, TransferMetrics, replica_id
-from contracts.role import load_report
+from contracts.role import any_replica_answers, load_report
 from engine.async_engine import AsyncEngine
 from engine.sampling_params import SamplingParams
 from decode_worker.handover import HandOvers, State
@@ -261,10 +261,8 @@ class DecodeServer(StreamedRequests):
     async def _until_prefill_answers(self) -> None:
         while True:
             await asyncio.sleep(PROBE_INTERVAL_S)
-            try:
-                await asyncio.wait_for(self.prefill.kv_load.remote(), PROBE_TIMEOUT_S)
-            except Exception:  # noqa: BLE001 - gone, still starting, or routed to the dead one
-                continue
+            if not await any_replica_answers(self.prefill, PROBE_TIMEOUT_S):
+                continue  # gone, or still starting
             self.placer.prefill_down = False
             log.info("a prefill replica answers again: handing prompts over again")
             return

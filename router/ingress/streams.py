@@ -44,6 +44,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from contracts.messages import GenerateRequest, GenerateResult, TokenDelta, serve_logger
+from contracts.role import any_replica_answers
 from contracts.token_channel import TokenChannelLost, TokenSink
 from engine.sampling_params import SamplingParams
 from engine.errors import BadRequest
@@ -362,29 +363,7 @@ class DecodeClient:
                 old.cancel()
 
     async def _decode_answers(self) -> bool:
-        """Whether a decode replica is alive: one of the deployment's replica actors answers a
-        direct call within ``DECODE_PROBE_TIMEOUT_S``. Direct, not through Serve: a replica
-        whose queue is full (overload) is busy, not gone. A handle that is not Serve's (tests)
-        is asked for the deployment's ``kv_load``."""
-        prefix = replica_actor_prefix(self.decode)
-        if prefix is None:
-            async def ask():
-                await self.decode.kv_load.remote()
-
-            tasks = [asyncio.ensure_future(ask())]
-        else:
-            try:
-                actors = await asyncio.to_thread(replica_actors, prefix)
-            except Exception:  # noqa: BLE001 - the cluster's registry did not answer
-                log.warning("listing the decode replicas failed", exc_info=True)
-                return True  # not known to be down: leave the requests where they are
-            tasks = [asyncio.ensure_future(_ping(a)) for a in actors]
-        if not tasks:
-            return False
-        done, pending = await asyncio.wait(tasks, timeout=DECODE_PROBE_TIMEOUT_S)
-        for task in pending:
-            task.cancel()
-        return any(t.exception() is None for t in done)
+        return await any_replica_answers(self.decode, DECODE_PROBE_TIMEOUT_S)
 
     async def _until_decode_answers(self) -> None:
         while not await self._decode_answers():
@@ -431,31 +410,3 @@ class DecodeClient:
         if not stream.finished:  # a finished request's call ends by itself
             stream.cancel()
 
-
-def replica_actor_prefix(handle) -> str | None:
-    """The name prefix of a Serve deployment's replica actors (``SERVE_REPLICA::app#name#``);
-    None for a handle that is not Serve's."""
-    app, name = getattr(handle, "app_name", None), getattr(handle, "deployment_name", None)
-    if not isinstance(name, str):
-        return None
-    from ray.serve._private.common import REPLICA_ID_FULL_ID_STR_PREFIX
-
-    return f"{REPLICA_ID_FULL_ID_STR_PREFIX}{f'{app}#' if app else ''}{name}#"
-
-
-def replica_actors(prefix: str) -> list:
-    """The live actors whose name starts with ``prefix`` (blocking: the cluster's registry)."""
-    import ray
-
-    actors = []
-    for entry in ray.util.list_named_actors(all_namespaces=True):
-        if entry["name"].startswith(prefix):
-            try:
-                actors.append(ray.get_actor(entry["name"], namespace=entry["namespace"]))
-            except ValueError:  # gone since it was listed
-                continue
-    return actors
-
-
-async def _ping(actor) -> None:
-    await actor.get_num_ongoing_requests.remote()

@@ -25,7 +25,12 @@ Layouts: ``colo`` (one replica that prefills and decodes), ``1p1d`` (a prefill a
 replica, ``--gpus-per-role`` GPUs each), ``colo-tpN`` (one colocated replica split over N GPUs,
 compared with an offline engine split the same way). A disaggregated layout hands every request
 over (``--disaggregation always``, what ``1p1d`` names); ``--disaggregation auto`` measures the
-app's default instead, which prefills short prompts on the decode replica.
+app's default instead, which prefills short prompts on the decode replica. A layout's own
+``:mode`` suffix overrides it, so one run compares them: ``--layouts colo,1p1d:always,1p1d:auto``.
+
+``--long-prompts 0.2:4096`` makes a mixed load: every fifth prompt has 4,096 tokens instead of
+``--input-len``. Each point then also reports the TTFT of each prompt length, and every point the
+inter-token latency (ITL: the gap between a request's chunks, shared by the chunk's tokens).
 """
 
 from __future__ import annotations
@@ -88,11 +93,13 @@ def worker_setup() -> None:
 class Record:
     index: int
     sent: float
+    prompt_len: int = 0
     first: float = 0.0
     end: float = 0.0
     tokens: list[int] = field(default_factory=list)
     chunks: int = 0
     delays: list[tuple[float, int]] = field(default_factory=list)  # (seconds, tokens)
+    arrivals: list[tuple[float, int]] = field(default_factory=list)  # (time, tokens) per chunk
     timing: dict | None = None
     error: str | None = None
 
@@ -101,7 +108,7 @@ async def _http_one(session, url: str, index: int, prompt, max_tokens: int, time
                     timed: bool = True) -> Record:
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True, "include_timing": timed}}
-    rec = Record(index, time.time())
+    rec = Record(index, time.time(), len(prompt))
     try:
         async with session.post(url, json=body, timeout=timeout) as resp:
             if resp.status != 200:
@@ -118,6 +125,7 @@ async def _http_one(session, url: str, index: int, prompt, max_tokens: int, time
                         rec.first = rec.first or now
                         rec.tokens += toks
                         rec.chunks += 1
+                        rec.arrivals.append((now, len(toks)))
                         if "produced_at" in ev:  # asked for with the timings
                             rec.delays.append((now - ev["produced_at"], len(toks)))
                 elif "timing" in (ev.get("usage") or {}):
@@ -131,7 +139,7 @@ async def _http_one(session, url: str, index: int, prompt, max_tokens: int, time
 async def _grpc_one(stub, pb, index: int, prompt, max_tokens: int, timeout: float) -> Record:
     req = pb.GenerateRequest(prompt_token_ids=prompt, max_tokens=max_tokens, temperature=0,
                              ignore_eos=True)
-    rec = Record(index, time.time())
+    rec = Record(index, time.time(), len(prompt))
     try:
         async for msg in stub.GenerateStream(req, timeout=timeout):
             now = time.time()
@@ -139,6 +147,7 @@ async def _grpc_one(stub, pb, index: int, prompt, max_tokens: int, timeout: floa
                 rec.first = rec.first or now
                 rec.tokens += list(msg.token_ids)
                 rec.chunks += 1
+                rec.arrivals.append((now, len(msg.token_ids)))
                 rec.delays.append((now - msg.produced_at, len(msg.token_ids)))
     except Exception as exc:  # noqa: BLE001
         rec.error = f"{type(exc).__name__}: {exc}"
@@ -263,6 +272,30 @@ class CpuMeter:
         return use
 
 
+def inter_token(records: list[dict]) -> list[tuple[float, int]]:
+    """(seconds between tokens, tokens) for every chunk after a request's first: the gap since
+    the request's previous chunk, shared by the chunk's tokens."""
+    pairs = []
+    for r in records:
+        arrivals = r.get("arrivals") or []
+        for (t0, _), (t1, n) in zip(arrivals, arrivals[1:]):
+            pairs.append(((t1 - t0) / n, n))
+    return pairs
+
+
+def ttft_by_length(records: list[dict]) -> dict[int, dict]:
+    """TTFT p50/p99 (ms) of each prompt length, where a point mixes lengths."""
+    lengths = sorted({r["prompt_len"] for r in records})
+    if len(lengths) < 2:
+        return {}
+    out = {}
+    for n in lengths:
+        ttft = [r["first"] - r["sent"] for r in records if r["prompt_len"] == n]
+        out[n] = {"requests": len(ttft), "ttft_p50_ms": _pct(ttft, 0.5) * 1e3,
+                  "ttft_p99_ms": _pct(ttft, 0.99) * 1e3}
+    return out
+
+
 def summarize(records: list[dict], offline_tokens: list[list[int]], wall: float) -> dict:
     """Throughput, latencies, chunking; ``same_tokens``: the share of requests whose tokens equal
     the offline run of the same batch (on random bf16 weights a different batching on the GPU
@@ -270,6 +303,7 @@ def summarize(records: list[dict], offline_tokens: list[list[int]], wall: float)
     ok = [r for r in records if not r["error"]]
     tokens = sum(len(r["tokens"]) for r in ok)
     delays = [pair for r in ok for pair in r["delays"]]
+    gaps = inter_token(ok)
     return {
         "requests": len(records), "errors": len(records) - len(ok),
         "first_error": next((r["error"] for r in records if r["error"]), None),
@@ -278,6 +312,9 @@ def summarize(records: list[dict], offline_tokens: list[list[int]], wall: float)
         "ttft_p99_ms": _pct([r["first"] - r["sent"] for r in ok], 0.99) * 1e3,
         "delay_p50_ms": _weighted_pct(delays, 0.5) * 1e3,
         "delay_p99_ms": _weighted_pct(delays, 0.99) * 1e3,
+        "itl_p50_ms": _weighted_pct(gaps, 0.5) * 1e3,
+        "itl_p99_ms": _weighted_pct(gaps, 0.99) * 1e3,
+        "ttft_by_len": ttft_by_length(ok),
         "tokens_per_chunk": tokens / max(1, sum(r["chunks"] for r in ok)),
         "same_tokens": sum(r["tokens"] == offline_tokens[r["index"]] for r in ok) / max(1, len(ok)),
     }
@@ -381,18 +418,28 @@ def offline_runs(engine_kw: dict, prompts, streams: list[int], max_tokens: int,
 # -- serving --------------------------------------------------------------------------------
 def layout_tp(layout: str) -> int:
     """The ranks a layout's replica is split over (``colo-tp2``: 2; otherwise 1)."""
-    return int(layout.split("-tp", 1)[1]) if "-tp" in layout else 1
+    base = layout.split(":", 1)[0]
+    return int(base.split("-tp", 1)[1]) if "-tp" in base else 1
+
+
+def layout_mode(layout: str, default: str) -> str:
+    """A disaggregated layout's placement: its ``:mode`` suffix (``1p1d:auto``) or ``default``
+    (``--disaggregation``)."""
+    mode = layout.split(":", 1)[1] if ":" in layout else default
+    if mode not in ("always", "auto", "never"):
+        raise SystemExit(f"layout {layout!r}: the placement is always, auto or never")
+    return mode
 
 
 def colocated(layout: str) -> bool:
-    return layout.split("-", 1)[0] == "colo"
+    return layout.split(":", 1)[0].split("-", 1)[0] == "colo"
 
 
 def layout_config(layout: str, engine: dict, args) -> dict:
     """The app config of a layout (``loadtests.layouts``'s, plus ``-tpN``): every replica takes
     whatever it is sent (throughput, not admission, is measured); replicas that share a GPU
     each size their KV cache by their share of it."""
-    shape = parse_layout(layout.split("-tp", 1)[0])
+    shape = parse_layout(layout.split(":", 1)[0].split("-tp", 1)[0])
     gpus = args.colo_gpus if shape.colocated else args.gpus_per_role
     config = shape.app_config(engine, Resources(num_gpus=gpus, num_cpus=args.role_cpus),
                               transfer={"backend": args.backend,
@@ -408,7 +455,7 @@ def layout_config(layout: str, engine: dict, args) -> dict:
     if layout_tp(layout) > 1:
         config["decode"]["tensor_parallel_size"] = layout_tp(layout)
     if not shape.colocated:
-        config["disaggregation"] = {"mode": args.disaggregation}
+        config["disaggregation"] = {"mode": layout_mode(layout, args.disaggregation)}
     return config
 
 
@@ -517,7 +564,8 @@ def serve_protocol(layout, protocol, address, args, pool, prompts, offline_token
                "prefill_engine": rates.get("PrefillServer")}
         out["served"].append(row)
         print(f"  {layout} {protocol} {n:4d} streams: {row['tok_s']:9.0f} tok/s, TTFT p50 "
-              f"{row['ttft_p50_ms']:.0f} ms, delay p99 {row['delay_p99_ms']:.1f} ms, "
+              f"{row['ttft_p50_ms']:.0f} ms, ITL p99 {row['itl_p99_ms']:.1f} ms, "
+              f"delay p99 {row['delay_p99_ms']:.1f} ms, "
               f"{row['tokens_per_chunk']:.2f} tok/chunk, errors {row['errors']}",
               flush=True)
 
@@ -534,13 +582,16 @@ def offline_of(out: dict, layout: str) -> tuple[dict, float]:
 
 def report(out: dict) -> None:
     off = {int(k): v for k, v in out["offline"].items()}
-    print(f"\n{out['model']}: {out['input_len']} in / {out['output_len']} out; engine time to "
+    mix = out["args"].get("long_prompts")
+    print(f"\n{out['model']}: {out['input_len']} in{f' ({mix} long)' if mix else ''} / "
+          f"{out['output_len']} out; engine time to "
           f"first token alone {out['engine_ttft_ms']:.1f} ms; {out['device']}")
     print("offline engine: " + ", ".join(
         f"{n}: step {o['step_ms']:.2f} ms, {o['engine_tok_s']:.0f} tok/s stepping"
         for n, o in off.items()))
-    print(f"{'layout':8} {'proto':5} {'streams':>7} {'offline':>9} {'served':>9} {'%':>5} "
-          f"{'TTFT p50':>9} {'p99':>7} {'delay p50':>9} {'p99':>6} {'tok/chk':>7} {'same':>5} "
+    print(f"{'layout':11} {'proto':5} {'streams':>7} {'offline':>9} {'served':>9} {'%':>5} "
+          f"{'TTFT p50':>9} {'p99':>7} {'ITL p50':>7} {'p99':>6} {'delay p50':>9} {'p99':>6} "
+          f"{'tok/chk':>7} {'same':>5} "
           f"{'step ms':>7} {'busy':>5} cpu")
     for tp, split in out.get("offline_split", {}).items():
         print(f"offline engine split over {tp} ranks: " + ", ".join(
@@ -549,10 +600,16 @@ def report(out: dict) -> None:
     for r in out["served"]:
         o, e = offline_of(out, r["layout"])[0][r["streams"]]["tok_s"], r["decode_engine"]
         cpu = " ".join(f"{k} {v:.2f}" for k, v in sorted(r["cpu"].items()))
-        print(f"{r['layout']:8} {r['protocol']:5} {r['streams']:7d} {o:9.0f} {r['tok_s']:9.0f} "
+        print(f"{r['layout']:11} {r['protocol']:5} {r['streams']:7d} {o:9.0f} {r['tok_s']:9.0f} "
               f"{100 * r['tok_s'] / o:5.1f} {r['ttft_p50_ms']:9.1f} {r['ttft_p99_ms']:7.1f} "
+              f"{r.get('itl_p50_ms', float('nan')):7.1f} {r.get('itl_p99_ms', float('nan')):6.1f} "
               f"{r['delay_p50_ms']:9.1f} {r['delay_p99_ms']:6.1f} {r['tokens_per_chunk']:7.2f} "
               f"{r['same_tokens']:5.2f} {e['step_ms']:7.2f} {e['busy']:5.2f} {cpu}")
+    for r in out["served"]:
+        for n, t in (r.get("ttft_by_len") or {}).items():
+            print(f"  TTFT of {n}-token prompts, {r['layout']} {r['protocol']} {r['streams']}: "
+                  f"p50 {t['ttft_p50_ms']:.0f} ms, p99 {t['ttft_p99_ms']:.0f} ms "
+                  f"({t['requests']} requests)")
     for r in out["served"]:
         if r["hops_ms"]:
             hops = ", ".join(f"{k} {v:.1f}" for k, v in r["hops_ms"].items())
@@ -576,6 +633,9 @@ def main(argv=None) -> None:
     p.add_argument("--model", default="tiny")
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--long-prompts", default=None, metavar="FRACTION:TOKENS",
+                   help="a mixed load: every round(1/FRACTION)-th prompt has TOKENS tokens "
+                   "(0.2:4096: 20%% of 4k-token prompts, the others --input-len)")
     p.add_argument("--streams", default="1,16,64,256")
     p.add_argument("--layouts", default="colo,1p1d")
     p.add_argument("--protocols", default="http,grpc",
@@ -649,6 +709,11 @@ def main(argv=None) -> None:
     from engine.model_source import resolve_model
     vocab = min(resolve_model(args.model).config.vocab_size, 150000)
     prompts = torch.randint(10, vocab, (max(args.streams), args.input_len), generator=g).tolist()
+    if args.long_prompts:  # every k-th prompt is long instead
+        fraction, length = args.long_prompts.split(":")
+        k = max(1, round(1 / float(fraction)))
+        for i in range(k - 1, len(prompts), k):
+            prompts[i] = torch.randint(10, vocab, (int(length),), generator=g).tolist()
 
     def fresh_prompts(n: int) -> list[list[int]]:
         return torch.randint(10, vocab, (n, args.input_len), generator=g).tolist()

@@ -38,6 +38,7 @@ class SweepConfig(BaseModel):
     resources: Resources = Field(default_factory=Resources)
     engine: dict = Field(default_factory=dict)
     transfer_backend: str = "auto"
+    disaggregation: Literal["auto", "always", "never"] = "auto"  # a disaggregated layout's mode
     request_timeout_s: float = Field(300.0, gt=0)
     deploy_timeout_s: float = Field(900.0, gt=0)
     temperature: float = Field(0.0, ge=0)

@@ -252,6 +252,8 @@ def run_layout(layout: Layout, cfg: SweepConfig, files: dict, maker, result: Swe
     app_config = layout.app_config(cfg.engine_config(), cfg.resources,
                                    transfer={"backend": cfg.transfer_backend},
                                    router={"request_timeout_s": cfg.request_timeout_s})
+    if not layout.colocated:
+        app_config["disaggregation"] = {"mode": cfg.disaggregation}
     BatonConfig(**app_config)  # refuse a bad config before anything is deployed
     (cfg.out / layout.name).mkdir(parents=True, exist_ok=True)
     (cfg.out / layout.name / "app_config.json").write_text(json.dumps(app_config, indent=1))
@@ -388,6 +390,8 @@ def parse_args(argv=None) -> SweepConfig:
     d.add_argument("--engine", type=json.loads, default={},
                    help=f"EngineConfig overrides as JSON (CPU default {json.dumps(CPU_ENGINE)})")
     d.add_argument("--transfer-backend", default="auto")
+    d.add_argument("--disaggregation", choices=["auto", "always", "never"], default="auto",
+                   help="where a disaggregated layout prefills (the app's disaggregation.mode)")
     d.add_argument("--address", default=None,
                    help="join this Ray cluster (auto: the one running here) instead of starting "
                         "a local one; only the sweep's own app is removed from it")
@@ -425,7 +429,7 @@ def _config(a, spec: dict, out: Path) -> SweepConfig:
                 attainment=a.slo_attainment),
         out=out, address=a.address, num_cpus=a.num_cpus,
         resources=Resources(num_gpus=a.gpus_per_replica, num_cpus=a.cpus_per_replica),
-        engine=a.engine, transfer_backend=a.transfer_backend,
+        engine=a.engine, transfer_backend=a.transfer_backend, disaggregation=a.disaggregation,
         request_timeout_s=a.request_timeout, deploy_timeout_s=a.deploy_timeout,
         temperature=a.temperature)
 

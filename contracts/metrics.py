@@ -73,6 +73,8 @@ class EngineMetrics:
             ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache"),
             ("prefix_cache_hits", "Prompt tokens found in the prefix cache"),
             ("num_preemptions", "Sequences preempted (recomputed later)"),
+            ("num_starvation_preemptions", "Of the preempted sequences, those preempted for "
+             "a request that waited starvation_timeout_s"),
             ("engine_steps", "Engine steps"))}
         self.finished = m.Counter("baton_request_success", "Requests ended, by finish reason",
                                   tag_keys=("finish_reason",))
@@ -122,6 +124,7 @@ class EngineMetrics:
                   "prefix_cache_queries": snap.prefix_cache_queries,
                   "prefix_cache_hits": snap.prefix_cache_hits,
                   "num_preemptions": snap.num_preemptions,
+                  "num_starvation_preemptions": snap.num_starvation_preemptions,
                   "engine_steps": stats.steps}
         for name, total in totals.items():
             self._rise(self.counters[name], name, total)

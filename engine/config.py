@@ -106,6 +106,11 @@ class EngineConfig(BaseModel):
     max_model_len: int | None = Field(None, ge=1)
     max_num_seqs: int = Field(256, ge=1)
     max_num_batched_tokens: int = Field(8192, ge=1)  # the per-step token budget (chunked prefill)
+    # Bounded wait (engine.scheduler): a request not yet scheduled after this many seconds
+    # preempts (by recompute) the running request of its own priority with the most output
+    # tokens among those that have run this long since admitted, so a short request does not
+    # wait for a batch of long ones to end. None: off (wait for a slot, or a worse priority's).
+    starvation_timeout_s: float | None = Field(1.0, gt=0)
     enable_prefix_caching: bool = True
     attention_backend: Literal["auto", "torch", "flashinfer"] = "auto"
     enforce_eager: bool = False  # True: no CUDA graphs

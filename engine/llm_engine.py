@@ -74,7 +74,8 @@ class LLMEngine:
         self.pool = BlockPool(ex.runner.num_blocks, config.enable_prefix_caching)
         self.kv_manager = KVCacheManager(self.pool, config.block_size)
         self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs,
-                                   config.max_num_batched_tokens, ex.max_model_len)
+                                   config.max_num_batched_tokens, ex.max_model_len,
+                                   starvation_timeout_s=config.starvation_timeout_s)
         self.sampler = Sampler(ex.device, config.seed)
         self.updater = StepUpdater(self.scheduler, self.kv_manager,
                                    self.processor.eos_token_ids, ex.max_model_len)

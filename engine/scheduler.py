@@ -23,6 +23,22 @@ pending token is its last (``max_tokens``, the model's context) or would not fit
 for that token to arrive instead of being scheduled; a preempted sequence is not admitted again
 before its pending token arrives; only known tokens are hashed for the prefix cache.
 
+A bounded wait (``starvation_timeout_s``, :class:`engine.config.EngineConfig`; as SGLang bounds
+a request's wait by preempting): when every slot (or block) is held by sequences of the same
+priority, a waiting sequence would otherwise wait for one of them to end (a 16-token request
+beside 64 of 2,046 tokens: 10-20 s on CPU). So a sequence never scheduled yet that has waited
+``starvation_timeout_s`` since it arrived takes the slot of a running sequence of its own
+priority (never a better one): of those that have run at least ``starvation_timeout_s`` since
+they were last admitted (so a sequence preempted this way is not preempted again before it has
+run that long once re-admitted: no ping-pong), the one with the most output tokens, skipping any
+still prefilling (or recomputing) and any whose pending token is its last. The victim is
+preempted by recompute (tokens kept, so greedy output is unchanged) and waits right behind the
+starving sequence, which is admitted in the same step. Such a starving sequence goes ahead of
+sequences of its priority that have been scheduled before (preempted ones, which have had their
+turn), so a preempted one at the head of the queue cannot hold it back.
+``num_starvation_preemptions`` counts these (they count in ``num_preemptions`` too). ``None``
+turns it off.
+
 Blocks come from :class:`engine.kv_cache_manager.KVCacheManager` (match, allocate, grow, free,
 commit): this module decides who runs, that one whether their tokens fit. Every unfinished
 sequence is in ``requests`` by id.
@@ -32,6 +48,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.kv_cache_manager import KVCacheManager
@@ -55,8 +72,11 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int | None = None):
+                 max_model_len: int | None = None, starvation_timeout_s: float | None = None,
+                 clock: Callable[[], float] = time.monotonic):
         self.kv = kv
+        self.starvation_timeout_s = starvation_timeout_s  # None: no bounded wait
+        self.clock = clock  # time.monotonic (Sequence.arrival_time's clock); tests pass a fake
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -65,7 +85,8 @@ class Scheduler:
         self.transferring: dict[str, Sequence] = {}  # decode role: awaiting pushed KV
         self.held: dict[str, list[int]] = {}  # prefill role: finished, blocks kept for a push
         self.requests: dict[str, Sequence] = {}  # every unfinished sequence, by request id
-        self.num_preemptions = 0
+        self.num_preemptions = 0  # every preemption, the ones below included
+        self.num_starvation_preemptions = 0  # for a sequence that waited starvation_timeout_s
         self.finished_by_reason: dict[str, int] = {}  # sequences ended, ever, by reason
         # Seconds from arrival to first scheduling, of sequences not yet read by the metrics.
         self.queue_times: deque[float] = deque(maxlen=4096)
@@ -136,6 +157,7 @@ class Scheduler:
         seq.num_computed_tokens = seq.num_tokens
         self.kv.commit(seq)
         seq.status = SequenceStatus.RUNNING
+        seq.admitted_time = self.clock()
         _insert(self.running, seq, front=False)
 
     # -- one step ---------------------------------------------------------------------------
@@ -179,10 +201,15 @@ class Scheduler:
                 return False
         return True
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: Sequence, behind: Sequence | None = None) -> None:
+        """Free ``seq``'s blocks and queue it for recompute: in front of the waiting sequences
+        of its priority, or right behind ``behind`` (a waiting sequence of its priority)."""
         self.kv.free(seq)
         seq.reset_for_recompute()
-        _insert(self.waiting, seq, front=True)
+        if behind is None:
+            _insert(self.waiting, seq, front=True)
+        else:
+            self.waiting.insert(self.waiting.index(behind) + 1, seq)
         self.num_preemptions += 1
 
     def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
@@ -194,7 +221,7 @@ class Scheduler:
             if seq.num_pending:
                 break  # preempted while its last token was on the way
             if len(self.running) + len(self.transferring) >= self.max_num_seqs:
-                freed = self._displace(seq, batch)  # a worse priority's slot, if any
+                freed = self._make_room(seq, batch, computing)  # a slot from a running one
                 if freed is None:
                     break
                 budget += freed
@@ -210,13 +237,14 @@ class Scheduler:
             computed = min(hit.num_tokens, seq.num_tokens - 1)
             n = min(seq.num_tokens - computed, budget)
             if not self.kv.allocate(seq, hit, computed + n):
-                freed = self._displace(seq, batch)  # a worse priority's blocks, if any
+                freed = self._make_room(seq, batch, computing)  # blocks from a running one
                 if freed is None:
                     break
                 budget += freed
                 continue
             seq.num_computed_tokens = computed
             seq.status = SequenceStatus.RUNNING
+            seq.admitted_time = self.clock()
             self.waiting.popleft()
             _insert(self.running, seq, front=False)
             self._started(seq)
@@ -226,24 +254,81 @@ class Scheduler:
             computing.update(seq.block_hashes[seq.num_registered_blocks:])
         self.waiting.extendleft(reversed(deferred))
 
+    def _make_room(self, seq: Sequence, batch: ScheduledBatch, computing: set[int]) -> int | None:
+        """A slot and blocks for the head of ``waiting`` (``seq``), taken from a running
+        sequence: of a worse priority (:meth:`_displace`), else of the same priority for a
+        sequence that has waited ``starvation_timeout_s`` (:meth:`_relieve_starvation`).
+        Returns the step budget given back, or None when no running sequence may give way."""
+        freed = self._displace(seq, batch)
+        if freed is None:
+            freed = self._relieve_starvation(batch, computing)
+        return freed
+
     def _displace(self, seq: Sequence, batch: ScheduledBatch) -> int | None:
         """Preempt the newest running sequence of the worst priority if it is worse than
         ``seq``'s (vLLM's priority policy), taking it out of this step if it was in it; returns
         the step budget it gave back, or None when no running sequence ranks below ``seq``."""
         if not self.running or self.running[-1].params.priority <= seq.params.priority:
             return None
-        victim = self.running.pop()
-        freed = 0
-        if victim in batch.seqs:
-            i = batch.seqs.index(victim)
-            del batch.seqs[i]
-            freed = batch.num_new_tokens.pop(i)
+        victim = self.running[-1]
+        freed = self._unschedule(victim, batch)
         self._preempt(victim)
         return freed
 
+    def _relieve_starvation(self, batch: ScheduledBatch, computing: set[int]) -> int | None:
+        """The bounded wait (module docstring): if the first never-scheduled waiting sequence of
+        the head's priority has waited ``starvation_timeout_s``, move it to the head and preempt
+        for it the running sequence of its priority with the most output tokens among those
+        that have run that long since admitted, putting the victim right behind it. Returns
+        the step budget the victim gave back, or None (nothing changed)."""
+        bound = self.starvation_timeout_s
+        if bound is None or not self.running:
+            return None
+        priority = self.waiting[0].params.priority
+        starved = next((s for s in self.waiting if s.params.priority != priority
+                        or s.scheduled_time is None), None)
+        now = self.clock()
+        if starved is None or starved.params.priority != priority \
+                or now - starved.arrival_time < bound:
+            return None
+        hit = self.kv.match(starved)
+        if len(hit.blocks) < len(starved.block_hashes) and \
+                starved.block_hashes[len(hit.blocks)] in computing:
+            return None  # it would wait for a running sequence's block anyway (see above)
+        victim = max((s for s in self.running if s.params.priority == priority
+                      and self._may_give_way(s, now, bound)),
+                     key=lambda s: s.num_output_tokens, default=None)
+        if victim is None:
+            return None
+        if starved is not self.waiting[0]:  # behind sequences preempted earlier
+            self.waiting.remove(starved)
+            self.waiting.appendleft(starved)
+        freed = self._unschedule(victim, batch)
+        self._preempt(victim, behind=starved)
+        self.num_starvation_preemptions += 1
+        return freed
+
+    def _may_give_way(self, seq: Sequence, now: float, bound: float) -> bool:
+        """Whether running ``seq`` may be preempted for a starving sequence: it has run
+        ``bound`` seconds since it was last admitted, is decoding (not prefilling or
+        recomputing: one token to compute) and its pending token, if any, is not its last."""
+        return (seq.admitted_time is not None and now - seq.admitted_time >= bound
+                and seq.num_tokens - seq.num_computed_tokens == 1
+                and not (seq.num_pending and self._length_done(seq)))
+
+    def _unschedule(self, victim: Sequence, batch: ScheduledBatch) -> int:
+        """Take ``victim`` out of ``running`` and, if it was in it, out of this step's batch;
+        return the step budget it gave back."""
+        self.running.remove(victim)
+        if victim not in batch.seqs:
+            return 0
+        i = batch.seqs.index(victim)
+        del batch.seqs[i]
+        return batch.num_new_tokens.pop(i)
+
     def _started(self, seq: Sequence) -> None:
         if seq.scheduled_time is None:  # not again after a preemption (vLLM's queue time)
-            seq.scheduled_time = time.monotonic()
+            seq.scheduled_time = self.clock()
             self.queue_times.append(seq.scheduled_time - seq.arrival_time)
 
     # -- after the forward pass -------------------------------------------------------------

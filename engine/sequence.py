@@ -62,6 +62,7 @@ class Sequence:
     matcher: object | None = None  # structured output: the grammar's state (engine.structured)
     arrival_time: float = field(default_factory=time.monotonic)
     scheduled_time: float | None = None  # first taken into the batch (or given blocks to fill)
+    admitted_time: float | None = None  # last joined the running batch (after a preemption too)
     # params.prompt_logprobs: per prompt position, (logprob, [[id, logprob], ...]) of its token
     # given the ones before (None at position 0 and until computed); sent with the first output
     prompt_logprobs: list | None = None

@@ -25,6 +25,7 @@ class EngineSnapshot:
     prefix_cache_queries: int = 0  # prompt tokens looked up
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
+    num_starvation_preemptions: int = 0  # of those, for a request past starvation_timeout_s
     finished_by_reason: dict[str, int] = field(default_factory=dict)
     stats: object = None  # engine.llm_engine.EngineStats, a copy
 
@@ -48,6 +49,7 @@ def snapshot_of(engine) -> EngineSnapshot:
         kv_blocks_used=pool.num_used_blocks,
         kv_blocks_free=pool.num_free_blocks, prefix_cache_queries=pool.query_tokens,
         prefix_cache_hits=pool.hit_tokens, num_preemptions=sched.num_preemptions,
+        num_starvation_preemptions=sched.num_starvation_preemptions,
         finished_by_reason=dict(sched.finished_by_reason), stats=replace(engine.stats))
 
 

@@ -110,8 +110,9 @@ def test_sequence_larger_than_the_whole_cache_ends_with_length():
 def test_priority_orders_the_waiting_queue_and_preemption(reference):
     """Lower ``priority`` is admitted first (equal ones in arrival order), takes the slot of a
     running sequence of a worse priority, and is preempted last; the tokens stay those of the
-    run without priorities."""
-    llm = LLM("tiny", max_num_seqs=1)
+    run without priorities. (The bounded wait is off: on a slow machine r1 could otherwise
+    preempt r0 after ``starvation_timeout_s``; tests/test_starvation.py tests it.)"""
+    llm = LLM("tiny", max_num_seqs=1, starvation_timeout_s=None)
     engine = llm.engine
     order, tokens = [], {}
     engine.add_request(PROMPTS[0], GREEDY, "r0")
@@ -129,7 +130,7 @@ def test_priority_orders_the_waiting_queue_and_preemption(reference):
     assert [tokens[f"r{i}"] for i in range(4)] == reference[:4]
     _assert_no_leak(llm)
     # Blocks for only some sequences: the worst priority is preempted, never the best.
-    llm = LLM("tiny", num_blocks=13)
+    llm = LLM("tiny", num_blocks=13, starvation_timeout_s=None)
     sched, victims = llm.engine.scheduler, []
     preempt = sched._preempt
     sched._preempt = lambda seq: (victims.append(seq.params.priority), preempt(seq))

@@ -38,8 +38,14 @@ class DecodeGraphs:
         # :class:`engine.model_runner.StepInputs`)
         self.inputs = torch.zeros(4, self.max_batch, dtype=torch.int64, device=dev)
         self.logits = torch.zeros(self.max_batch, vocab, dtype=torch.float32, device=dev)
-        max_pages = runner.num_blocks + self.max_batch
-        self.wrappers = {s: self.backend.graph_decode_wrapper(s, max_pages) for s in self.sizes}
+        # The block table of a full batch: sequences that share prefix blocks each list them,
+        # so it can exceed the cache's own block count (256 sequences of one 4k-token prompt
+        # list 65k blocks). One buffer serves every size: a step's plan is copied in on the
+        # stream after the previous step's graph.
+        per_seq = -(-runner.max_model_len // runner.block_size)
+        pages = torch.zeros(self.max_batch * per_seq + self.max_batch, dtype=torch.int32,
+                            device=dev)
+        self.wrappers = {s: self.backend.graph_decode_wrapper(s, pages) for s in self.sizes}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.capture_s = 0.0
 

@@ -178,6 +178,21 @@ def test_cuda_graph_decode_matches_eager_tokens(flashinfer_engine):
         assert graph_tokens == eager_tokens
 
 
+def test_cuda_graph_decode_of_a_shared_prompt_beyond_the_cache_block_count():
+    """64 sequences of one 512-token prompt list 64 x 33 block indices a step, though the cache
+    has 256 blocks (they share the prompt's 32): the graphs' index buffer holds them (it was
+    sized by the cache's block count, and FlashInfer refused the plan), and the tokens equal
+    the eager engine's."""
+    pytest.importorskip("flashinfer")
+    kw = dict(attention_backend="flashinfer", num_blocks=256, max_num_seqs=64)
+    prompt = random_prompts([512], vocab=VOCAB, seed=11)[0]
+    graphs, eager = _engine(**kw), _engine(**kw, enforce_eager=True)
+    assert graphs.runner.graphs is not None
+    tokens = [_run(engine, [prompt] * 64, 8, prefix="shared") for engine in (graphs, eager)]
+    assert tokens[0] == tokens[1]
+    assert graphs.pool.hit_tokens >= 63 * 496  # the prompt's blocks computed once
+
+
 def test_async_scheduling_matches_one_step_at_a_time(flashinfer_engine):
     """The engine one step ahead (CUDA graphs, pending inputs fed on the device, pinned copies
     back) gives the tokens of the engine that waits for every step; a stop on a token cuts

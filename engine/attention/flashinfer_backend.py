@@ -82,13 +82,15 @@ class FlashInferBackend(AttentionBackend):
                          q_data_type=self.dtype, kv_data_type=self.kv_dtype)
         wrapper._baton_indptr = meta.kv_indptr
 
-    def graph_decode_wrapper(self, batch_size: int, max_pages: int):
+    def graph_decode_wrapper(self, batch_size: int, pages: torch.Tensor):
+        """``pages``: the block-index buffer (int32), long enough for any batch of this size;
+        it may be shared by the wrappers of every size."""
         def buf(n: int) -> torch.Tensor:
             return torch.zeros(n, dtype=torch.int32, device=self.device)
         return flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, "HND", use_cuda_graph=True,
             use_tensor_cores=self.decode_tensor_cores,
-            paged_kv_indptr_buffer=buf(batch_size + 1), paged_kv_indices_buffer=buf(max_pages),
+            paged_kv_indptr_buffer=buf(batch_size + 1), paged_kv_indices_buffer=pages,
             paged_kv_last_page_len_buffer=buf(batch_size))
 
     def forward(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,

@@ -31,6 +31,8 @@ app's default instead, which prefills short prompts on the decode replica. A lay
 ``--long-prompts 0.2:4096`` makes a mixed load: every fifth prompt has 4,096 tokens instead of
 ``--input-len``. Each point then also reports the TTFT of each prompt length, and every point the
 inter-token latency (ITL: the gap between a request's chunks, shared by the chunk's tokens).
+``--rate R`` sends each point's requests at Poisson times (R per second, seed 0) instead of all
+at once, so layouts are compared at a load each carries (the % of offline then says nothing).
 """
 
 from __future__ import annotations
@@ -38,8 +40,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import itertools
 import json
 import os
+import random
 import statistics
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -188,11 +192,15 @@ async def _client(protocol: str, address: str, jobs, start_at: float, max_tokens
 
 
 async def _run_jobs(one, jobs, start_at: float, sequential: bool) -> list[Record]:
+    """``jobs``: (index, prompt) or (index, prompt, seconds after ``start_at`` to send it)."""
     if sequential:
         await one(-1, jobs[0][1])  # warms the connection
-        return [await one(i, p) for i, p in jobs[1:]]
-    await asyncio.sleep(max(0.0, start_at - time.time()))
-    return await asyncio.gather(*[one(i, p) for i, p in jobs])
+        return [await one(i, p) for i, p, *_ in jobs[1:]]
+
+    async def at(i, p, offset=0.0):
+        await asyncio.sleep(max(0.0, start_at + offset - time.time()))
+        return await one(i, p)
+    return await asyncio.gather(*[at(*job) for job in jobs])
 
 
 def client_process(protocol, address, jobs, start_at, max_tokens, timeout,
@@ -459,14 +467,17 @@ def layout_config(layout: str, engine: dict, args) -> dict:
     return config
 
 
-def run_point(pool, protocol, address, prompts, n, max_tokens, clients, timeout):
-    jobs = list(enumerate(prompts[:n]))
+def run_point(pool, protocol, address, prompts, n, max_tokens, clients, timeout,
+              offsets: list[float] | None = None):
+    """``n`` requests at once, or each at its offset (seconds) after the start."""
+    jobs = [(i, p, offsets[i] if offsets else 0.0) for i, p in enumerate(prompts[:n])]
     k = max(1, min(clients, n))
     parts = [jobs[i::k] for i in range(k)]
     start_at = time.time() + 1.0  # every client process ready and connected
     futures = [pool.submit(client_process, protocol, address, part, start_at, max_tokens, timeout)
                for part in parts]
-    records = [r for f in futures for r in f.result(timeout=timeout + 60)]
+    span = max(offsets[:n]) if offsets else 0.0
+    records = [r for f in futures for r in f.result(timeout=timeout + span + 60)]
     wall = max(r["end"] for r in records) - start_at
     return records, wall
 
@@ -552,7 +563,7 @@ def serve_protocol(layout, protocol, address, args, pool, prompts, offline_token
         roles = ("DecodeServer",) + (("PrefillServer",) if not colocated(layout) else ())
         before = {role: engine_stats(role) for role in roles}
         records, wall = run_point(pool, protocol, address, prompts, n, args.output_len,
-                                  args.clients, args.timeout)
+                                  args.clients, args.timeout, args.offsets)
         rates = {role: engine_rates(before[role], engine_stats(role), wall)
                  for role in roles}
         engine_row = rates["DecodeServer"]
@@ -633,6 +644,9 @@ def main(argv=None) -> None:
     p.add_argument("--model", default="tiny")
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--rate", type=float, default=None,
+                   help="send each point's requests at this Poisson rate (req/s) instead of all "
+                   "at once: latencies at a load both layouts carry (tok/s then follows the rate)")
     p.add_argument("--long-prompts", default=None, metavar="FRACTION:TOKENS",
                    help="a mixed load: every round(1/FRACTION)-th prompt has TOKENS tokens "
                    "(0.2:4096: 20%% of 4k-token prompts, the others --input-len)")
@@ -709,6 +723,11 @@ def main(argv=None) -> None:
     from engine.model_source import resolve_model
     vocab = min(resolve_model(args.model).config.vocab_size, 150000)
     prompts = torch.randint(10, vocab, (max(args.streams), args.input_len), generator=g).tolist()
+    args.offsets = None
+    if args.rate:  # an open loop: Poisson send times, the same for every point and layout
+        rng = random.Random(0)
+        args.offsets = list(itertools.accumulate(rng.expovariate(args.rate)
+                                                 for _ in range(max(args.streams))))
     if args.long_prompts:  # every k-th prompt is long instead
         fraction, length = args.long_prompts.split(":")
         k = max(1, round(1 / float(fraction)))

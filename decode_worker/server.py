@@ -160,9 +160,7 @@ class DecodeServer(StreamedRequests):
         try:
             result = await self._handed_over(rid, h, call, timing)
         finally:
-            answered = timing.prefill_returned - timing.prefill_called \
-                if timing.prefill_returned else None
-            self.placer.answered(uncached, answered)
+            self.placer.answered(uncached, delivered=bool(timing.prefill_returned))
         return result, (placement if result is not None else
                         Placement(LOCAL, "prefill_unavailable"))
 

@@ -399,15 +399,24 @@ def test_a_short_prompt_is_prefilled_where_it_decodes_a_long_one_handed_over(off
 
 def test_a_saturated_prefill_pool_sends_long_prompts_local(offline):
     """auto: once both rates are measured (a short prompt here, a long one over there, slow),
-    a long prompt whose first token would come later from the prefill pool than from here is
-    prefilled here ('saturated'), with the same tokens."""
+    a long prompt whose first token would come later from the prefill pool, busy with another
+    of this replica's prompts, than from here is prefilled here ('saturated'), with the same
+    tokens; once the pool has nothing of ours, a long prompt is handed over again."""
     async def main(prefill, handle, decode, sink):
         _, short = await generate(decode, sink, PROMPTS[0], "a", GREEDY)
         _, handed = await generate(decode, sink, random_prompts([48], 512, 7)[0], "b", GREEDY)
+        busy_call = asyncio.ensure_future(
+            generate(decode, sink, random_prompts([48], 512, 8)[0], "b2", GREEDY))
+        while not decode.placer.outstanding:  # b2 is at the prefill replica
+            await asyncio.sleep(0.01)
         tokens, busy = await generate(decode, sink, PROMPTS[1], "c", GREEDY)
-        assert [(r.prefilled_where, r.prefilled_why) for r in (short, handed, busy)] == [
-            ("local", "short"), ("remote", "long"), ("local", "saturated")]
-        assert tokens == offline[1] and handle.calls == 1
+        _, second = await busy_call
+        _, idle = await generate(decode, sink, random_prompts([48], 512, 9)[0], "d", GREEDY)
+        assert [(r.prefilled_where, r.prefilled_why) for r in (short, handed, second, busy,
+                                                                 idle)] == [
+            ("local", "short"), ("remote", "long"), ("remote", "long"), ("local", "saturated"),
+            ("remote", "long")]
+        assert tokens == offline[1] and handle.calls == 3
         assert decode.placer.outstanding == 0
 
     _run_placed(main, DisaggregationConfig(max_local_prefill_length=16), {"delay": 0.5})

@@ -100,6 +100,27 @@ async def any_replica_answers(handle, timeout_s: float) -> bool:
     return any(t.exception() is None for t in done)
 
 
+async def role_gone(handle, timeout_s: float) -> bool:
+    """Whether the deployment behind ``handle`` has, for certain, no live replica: the cluster
+    lists none of its replica actors, or every one listed fails a direct call (dead). A replica
+    that does not answer within ``timeout_s`` (busy, starting) is not gone, nor is a handle that
+    is not Serve's or a registry that cannot be listed: only what is known counts."""
+    prefix = replica_actor_prefix(handle)
+    if prefix is None:
+        return False
+    try:
+        actors = await asyncio.to_thread(replica_actors, prefix)
+    except Exception:  # noqa: BLE001 - the cluster's registry did not answer
+        return False
+    if not actors:
+        return True
+    tasks = [asyncio.ensure_future(_ping(a)) for a in actors]
+    done, pending = await asyncio.wait(tasks, timeout=timeout_s)
+    for task in pending:
+        task.cancel()
+    return not pending and all(t.exception() is not None for t in done)
+
+
 def replica_actor_prefix(handle) -> str | None:
     """The name prefix of a Serve deployment's replica actors (``SERVE_REPLICA::app#name#``);
     None for a handle that is not Serve's."""

@@ -32,7 +32,7 @@ from contracts.messages import (DecodeTiming, GenerateRequest, PrefillRequest, P
 from contracts.streamed import LOCAL, REMOTE, Placement, StreamedRequests
 from contracts.token_channel import TokenPublisher
 from contracts.metrics import EngineMetrics, PlacementMetrics, TransferMetrics, replica_id
-from contracts.role import any_replica_answers, load_report
+from contracts.role import any_replica_answers, load_report, role_gone
 from engine.async_engine import AsyncEngine
 from engine.sampling_params import SamplingParams
 from decode_worker.handover import HandOvers, State
@@ -45,13 +45,21 @@ log = serve_logger(__name__)
 COLOCATED = Placement(LOCAL, "colocated")
 PROBE_INTERVAL_S = 0.5  # while no prefill replica answers: how often to ask again
 PROBE_TIMEOUT_S = 1.0
+# A prefill call silent this long makes the replica ask whether the prefill pool is gone for
+# certain (no live replica actor): Serve routes calls to a dead replica, and fails them, only
+# seconds later (7.8 s measured on CPU), where this gives up on them in about one.
+SILENT_CALL_S = 1.0
+
+
+class PrefillPoolGone(Exception):
+    """No prefill replica is alive (the cluster lists none, or every one listed is dead)."""
 
 
 def replica_gone(exc: BaseException) -> bool:
     """The prefill replica that was called is dead (not merely full)."""
     from ray.exceptions import RayActorError
 
-    return isinstance(exc, RayActorError)
+    return isinstance(exc, (RayActorError, PrefillPoolGone))
 
 
 def prefill_unavailable(exc: BaseException) -> bool:
@@ -72,7 +80,7 @@ def prefill_unavailable(exc: BaseException) -> bool:
 
     if isinstance(exc, LayoutMismatchError):
         return False
-    return isinstance(exc, (BackPressureError, RayActorError, TransferError))
+    return isinstance(exc, (BackPressureError, RayActorError, TransferError, PrefillPoolGone))
 
 
 class DecodeServer(StreamedRequests):
@@ -93,6 +101,8 @@ class DecodeServer(StreamedRequests):
         self.timeout_s = transfer_timeout_s
         self.placer = Placer(disaggregation)
         self._probe: asyncio.Future | None = None  # the prefill replicas' probe, while down
+        self._gone_check: asyncio.Future | None = None  # is the prefill pool gone? (shared)
+        self._gone_at = 0.0
         self.endpoint = self.handovers = None
         self._calls: dict[str, tuple] = {}  # request id -> (its hand-over, its prefill call)
         if prefill is not None:
@@ -202,7 +212,11 @@ class DecodeServer(StreamedRequests):
         # The call's answer carries the first token; the lease may end before it (its
         # deadline: a frozen or slow prefill replica). A cancel here leaves the call running:
         # the caller's abort decides about it.
-        await asyncio.wait({call, h.outcome}, return_when=asyncio.FIRST_COMPLETED)
+        while not (await asyncio.wait({call, h.outcome}, timeout=SILENT_CALL_S,
+                                      return_when=asyncio.FIRST_COMPLETED))[0]:
+            if await self._prefill_pool_gone():  # a dead writer writes no more
+                call.cancel()
+                return self._call_failed(rid, PrefillPoolGone("no prefill replica is alive"))
         if not call.done():  # released (its deadline) while the call runs: the writer has
             call.cancel()  # stopped, it gives up at the deadline, before us
             self._calls.pop(rid, None)
@@ -247,6 +261,16 @@ class DecodeServer(StreamedRequests):
                       "configuration error: both roles must serve the same model, dtype, KV "
                       "cache dtype and block size): %s", rid, exc)
         raise exc
+
+    async def _prefill_pool_gone(self) -> bool:
+        """:func:`contracts.role.role_gone` for the prefill pool, one check at a time for every
+        silent call (its answer is shared for ``PROBE_INTERVAL_S``)."""
+        now = time.monotonic()
+        if self._gone_check is None or (self._gone_check.done()
+                                        and now - self._gone_at > PROBE_INTERVAL_S):
+            self._gone_at = now
+            self._gone_check = asyncio.ensure_future(role_gone(self.prefill, PROBE_TIMEOUT_S))
+        return await asyncio.shield(self._gone_check)
 
     def _prefill_down(self) -> None:
         """A prefill replica is gone: until one answers again, prompts are prefilled here (Serve

@@ -39,11 +39,12 @@ def roles():
     """A prefill and a decode server sharing an in-process fabric; shut down afterwards."""
     made = []
 
-    def make(handle_kw=None, disaggregated=True):
+    def make(handle_kw=None, disaggregated=True, timeout_s=2.0):
         fabric = LocalFabric()
         prefill = PrefillServer(CONFIG, "local", fabric=fabric) if disaggregated else None
         handle = PrefillHandle(prefill, **(handle_kw or {})) if disaggregated else None
-        decode = DecodeServer(CONFIG, "local", handle, 2.0, fabric=fabric, disaggregation=ALWAYS)
+        decode = DecodeServer(CONFIG, "local", handle, timeout_s, fabric=fabric,
+                              disaggregation=ALWAYS)
         made.extend(s for s in (prefill, decode) if s is not None)
         return prefill, handle, decode
 
@@ -170,6 +171,45 @@ def test_a_prefill_that_never_answers_is_replaced_at_the_deadline(roles, offline
         tokens, result = await generate(decode, sink, PROMPTS[1], "r", GREEDY)
         assert tokens == offline[1] and result.transfer is None and handle.calls == 1
         assert 2.0 <= loop.time() - t0 < 8.0
+        await until_idle(decode)
+        await sink.close()
+
+    asyncio.run(main())
+
+
+def test_a_silent_call_to_a_prefill_pool_that_is_gone_is_given_up_at_once(roles, offline,
+                                                                           monkeypatch):
+    """A call that has not answered for SILENT_CALL_S while the prefill pool has, for certain,
+    no live replica (its actors are gone: Serve would fail the call only seconds later) is
+    given up then, not at its lease's deadline: the request is prefilled here with the same
+    tokens, and the next one without calling (prefill_down); nothing leaks. While the pool is
+    not known to be gone (busy, starting), the call is waited for."""
+    import decode_worker.server as server
+
+    gone = {"now": False}
+
+    async def role_gone(handle, timeout_s):
+        return gone["now"]
+
+    monkeypatch.setattr(server, "role_gone", role_gone)
+    monkeypatch.setattr(server, "SILENT_CALL_S", 0.2)
+    _, handle, decode = roles({"hang": True}, timeout_s=30.0)
+
+    async def main():
+        sink = TokenSink()
+        loop = asyncio.get_running_loop()
+        first = asyncio.ensure_future(generate(decode, sink, PROMPTS[1], "r", GREEDY))
+        await asyncio.sleep(0.7)  # silent, but the pool is not known to be gone: waited for
+        assert not first.done() and handle.calls == 1
+        gone["now"] = True
+        t0 = loop.time()
+        tokens, result = await asyncio.wait_for(first, 5)
+        assert loop.time() - t0 < 1.0
+        assert tokens == offline[1] and result.transfer is None
+        assert result.prefilled_why == "prefill_unavailable" and decode.placer.prefill_down
+        tokens, result = await generate(decode, sink, PROMPTS[0], "s", GREEDY)
+        assert tokens == offline[0] and result.prefilled_why == "prefill_down"
+        assert handle.calls == 1
         await until_idle(decode)
         await sink.close()
 

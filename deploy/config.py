@@ -13,8 +13,9 @@ A prefill:decode ratio change is ``prefill.num_replicas`` / ``decode.num_replica
 role's ``autoscaling_config`` (Ray Serve's fields; Baton's policies by default,
 ``deploy.autoscaling``), a range the load moves each pool in.
 
-Admission: a replica holds at most ``max_ongoing_requests`` requests (default: twice its
-engine's ``max_num_seqs``, a running batch and one waiting in the engine); up to
+Admission: a replica holds at most ``max_ongoing_requests`` requests (default: four times its
+engine's ``max_num_seqs`` for a decode replica, a running batch and three waiting in the engine,
+where ``priority`` and the bounded wait apply; twice for a prefill replica); up to
 ``max_queued_requests`` more (default: one batch, ``max_num_seqs``) wait in Serve at each caller,
 and the rest are refused at once: HTTP 429 with ``Retry-After``, gRPC ``RESOURCE_EXHAUSTED``.
 Serve counts a request as queued until it is assigned to a replica, so a bound smaller than the
@@ -43,7 +44,8 @@ class RoleConfig(_Strict):
     num_gpus: float = Field(0.0, ge=0)  # per rank: a replica of N ranks asks for N times this
     # Ranks each replica's model is split over (engine.parallel); None: the engine's setting.
     tensor_parallel_size: int | None = Field(None, ge=1)
-    max_ongoing_requests: int | None = Field(None, ge=1)  # None: 2 x the engine's max_num_seqs
+    # None: 4 (decode) or 2 (prefill) x the engine's max_num_seqs
+    max_ongoing_requests: int | None = Field(None, ge=1)
     max_queued_requests: int | None = Field(None, ge=-1)  # None: max_num_seqs; -1: unbounded
     engine: dict = Field(default_factory=dict)  # per-role EngineConfig overrides
     # Placement (Ray's own): custom resources each replica needs (a node pool advertises them,
@@ -153,8 +155,14 @@ class BatonConfig(_Strict):
         return EngineConfig(**{**self.engine.model_dump(), **ranks, **rc.engine})
 
     def max_ongoing(self, role: Literal["prefill", "decode"]) -> int:
+        """A decode replica holds a running batch and three waiting in its engine, where
+        ``priority`` and the bounded wait order them (a request still in Serve's queue at the
+        caller has neither: beside 128 long requests on the CPU config a short one, even of a
+        better priority, waited there for its 429 at the first-token bound, with two batches
+        held); a prefill replica a batch and one waiting."""
         cfg = self.prefill if role == "prefill" else self.decode
-        return cfg.max_ongoing_requests or 2 * self.engine_for(role).max_num_seqs
+        batches = 2 if role == "prefill" else 4
+        return cfg.max_ongoing_requests or batches * self.engine_for(role).max_num_seqs
 
     def max_queued(self, role: Literal["prefill", "decode"]) -> int:
         cfg = self.prefill if role == "prefill" else self.decode

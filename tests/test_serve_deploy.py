@@ -33,6 +33,16 @@ def test_shipped_configs_validate(path):
     assert config["grpc_options"]["enable_reflection"] is False  # opt in, not on by default
 
 
+def test_admission_bounds_default_to_batches_held_in_the_engine():
+    """A decode replica holds four batches (where priority and the bounded wait order them),
+    a prefill replica two; one batch more waits in Serve at each caller; a role's own bound
+    wins."""
+    cfg = BatonConfig(engine={"max_num_seqs": 64}, prefill={"max_ongoing_requests": 5})
+    assert (cfg.max_ongoing("decode"), cfg.max_queued("decode")) == (256, 64)
+    assert cfg.max_ongoing("prefill") == 5
+    assert BatonConfig(engine={"max_num_seqs": 64}).max_ongoing("prefill") == 128
+
+
 def test_bad_config_is_refused_at_build_time():
     from deploy.app import build_app
     with pytest.raises(ValueError, match="num_replicas"):

@@ -9,7 +9,8 @@ stream (its longest gap between two tokens) against the others' longest gap.
     python -m benchmarks.chaos_bench --model dummy:Qwen3-8B --gpus-per-role 0.3
     python -m benchmarks.chaos_bench --model tiny           # CPU
 
-``--kill prefill`` (or ``--kill decode --steady``): requests arrive at ``--rate`` per second for
+``--kill prefill``, ``--kill router`` (an ingress replica; ``--routers`` of them, 2 by default) or
+``--kill decode --steady``: requests arrive at ``--rate`` per second for
 ``--seconds`` (each of ``--output-len`` tokens) and a third of the way in that role's (first)
 replica's process gets SIGKILL; reported: failures, refusals (429) and the time to first token of
 the requests sent after the kill (median and the slowest), against those sent before. With one
@@ -109,7 +110,8 @@ def main() -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     p.add_argument("--backend", default="auto")
     p.add_argument("--timeout", type=float, default=300)
-    p.add_argument("--kill", choices=["decode", "prefill"], default="decode")
+    p.add_argument("--kill", choices=["decode", "prefill", "router"], default="decode")
+    p.add_argument("--routers", type=int, default=2, help="ingress replicas")
     p.add_argument("--steady", action="store_true",
                    help="--kill decode under steady arrivals (as --kill prefill always is)")
     p.add_argument("--rate", type=float, default=3.0, help="steady load: requests per second")
@@ -129,7 +131,7 @@ def main() -> None:
     role = {"num_gpus": share, "num_cpus": 1.0 if gpu else 0.5}
     config = {"mode": "disaggregated", "engine": engine, "prefill": role,
               "decode": {**role, "num_replicas": args.decode_replicas},
-              "router": {"num_replicas": 2, "request_timeout_s": args.timeout},
+              "router": {"num_replicas": args.routers, "request_timeout_s": args.timeout},
               "disaggregation": {"mode": args.disaggregation},
               "transfer": {"backend": args.backend}}
     with local_ray(), served(config, args.timeout) as app:
@@ -155,9 +157,9 @@ def kill_under_load(url: str, args) -> dict:
     vocab = min(resolve_model(args.model).config.vocab_size, 150000)
     prompts = torch.randint(10, vocab, (args.streams, args.input_len), generator=g).tolist()
     stream(url, prompts[0][:16], 4, {}, args.timeout)  # warm-up
-    if args.kill == "prefill" or args.steady:
-        return kill_under_steady_load(url, args, prompts,
-                                      "PrefillServer" if args.kill == "prefill" else "DecodeServer")
+    if args.kill != "decode" or args.steady:
+        role = {"prefill": "PrefillServer", "router": "Router"}.get(args.kill, "DecodeServer")
+        return kill_under_steady_load(url, args, prompts, role)
     recs = [{} for _ in prompts]
     threads = [threading.Thread(target=stream, args=(url, pr, args.output_len, r, args.timeout))
                for pr, r in zip(prompts, recs)]

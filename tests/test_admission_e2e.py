@@ -32,7 +32,7 @@ def app(ray_cluster):
                 grpc_options={"port": grpc_port, "grpc_servicer_functions": [GRPC_SERVICER]})
     serve.run(build_app({
         "mode": "colocated", "engine": {"model": "tiny", "num_blocks": 256, "max_num_seqs": 2},
-        "decode": {"max_ongoing_requests": 2, "max_queued_requests": 1},
+        "decode": {"max_ongoing_requests": 3, "max_queued_requests": 1},
         "admission": {"retry_after_s": 2}, "router": {"request_timeout_s": 60}}),
         name="baton", route_prefix="/")
     yield f"http://127.0.0.1:{port}", f"127.0.0.1:{grpc_port}"
@@ -91,3 +91,38 @@ def test_grpc_refuses_with_resource_exhausted(app):
     refused = [o for o in outcomes if o[0] == grpc.StatusCode.RESOURCE_EXHAUSTED]
     assert refused and any(isinstance(o[0], int) for o in outcomes), outcomes
     assert all("retry after 2 s" in details for _, details in refused), refused
+
+
+def test_a_short_request_beside_slot_filling_long_ones_starts_within_the_bounded_wait(
+        app, offline):
+    """Two long streams hold both sequence slots; a short request that reaches the engine
+    waits the bounded wait (1 s), then a long one yields its slot (preempted, recomputed): the
+    short one ends while both long ones still run, and the long ones' tokens are the offline
+    engine's."""
+    url, _ = app
+    long_params = dict(PARAMS, max_tokens=1500)
+    expected = [o.token_ids for o in LLM("tiny").generate(PROMPTS[:2],
+                                                           SamplingParams(**long_params))]
+    ends = {}
+
+    def long(i):
+        resp = requests.post(f"{url}/v1/completions", timeout=120, json={
+            "prompt": PROMPTS[i], **long_params}).json()
+        ends[i] = time.time()
+        assert "choices" in resp, resp
+        return resp["choices"][0]["token_ids"]
+
+    with ThreadPoolExecutor(2) as pool:
+        running = []
+        for i in range(2):  # one at a time: Serve counts a burst as queued (bound: 1)
+            running.append(pool.submit(long, i))
+            time.sleep(0.5)
+        time.sleep(0.5)  # both admitted and decoding
+        t0 = time.time()
+        short = requests.post(f"{url}/v1/completions", timeout=60, json={
+            "prompt": PROMPTS[5], **PARAMS, "max_tokens": 4})
+        short_done = time.time()
+        tokens = [f.result(timeout=120) for f in running]
+    assert short.status_code == 200, short.text
+    assert short_done < min(ends.values()), (short_done - t0, ends)
+    assert tokens == expected

@@ -167,3 +167,74 @@ def test_a_loaded_decode_pool_grows_and_shrinks_back_when_idle(ray_cluster):
         assert replicas() == 1
     finally:
         shutdown_serve()
+
+
+@pytest.mark.e2e
+def test_a_prefill_heavy_load_grows_the_prefill_pool_and_idle_shrinks_it(ray_cluster):
+    """A disaggregated app whose prefill pool autoscales (1 to 2 replicas, a TTFT target so
+    small that any queued prompt passes it), every prompt handed over: clients that keep long
+    prompts coming bring a second prefill replica, every answer has the offline engine's
+    tokens, and once idle the pool is one replica again."""
+    import threading
+    import time
+
+    import requests
+    from ray import serve
+
+    from deploy.app import build_app
+    from deploy.ray_env import free_port
+    from engine import LLM, SamplingParams
+    from tests.conftest import shutdown_serve
+    from tests.models import random_prompts
+
+    prompts = random_prompts([1200 + 7 * i for i in range(8)], vocab=512, seed=9)
+    params = dict(temperature=0, max_tokens=2, ignore_eos=True)
+    expected = [o.token_ids for o in LLM("tiny").generate(prompts, SamplingParams(**params))]
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    # Every prompt computed again each time, in chunks of 64 tokens: a queue the reports see.
+    engine = {"model": "tiny", "num_blocks": 512, "max_num_seqs": 8,
+              "enable_prefix_caching": False, "max_num_batched_tokens": 64}
+    serve.run(build_app({
+        "mode": "disaggregated", "engine": engine, "disaggregation": {"mode": "always"},
+        "decode": {"num_cpus": 0.25},
+        "prefill": {"num_cpus": 0.25, "autoscaling_config": {
+            "min_replicas": 1, "max_replicas": 2, "upscale_delay_s": 0, "downscale_delay_s": 2,
+            "look_back_period_s": 2, "metrics_interval_s": 0.5,
+            "policy": {"policy_function": "deploy.autoscaling:PrefillPolicy",
+                       "policy_kwargs": {"target_ttft_s": 1e-6}}}}}),
+        name="baton", route_prefix="/")
+    url = f"http://127.0.0.1:{port}"
+
+    def replicas() -> int:
+        states = serve.status().applications["baton"].deployments["PrefillServer"].replica_states
+        return sum(n for state, n in states.items() if state in ("STARTING", "RUNNING"))
+
+    stop, wrong = threading.Event(), []
+
+    def client(i):
+        while not stop.is_set():
+            body = requests.post(f"{url}/v1/completions", timeout=60, json={
+                "prompt": prompts[i], **params}).json()
+            if body.get("choices", [{}])[0].get("token_ids") != expected[i]:
+                wrong.append(body)
+
+    try:
+        assert replicas() == 1
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        deadline = time.time() + 60
+        while replicas() < 2 and time.time() < deadline:
+            time.sleep(0.5)
+        grown = replicas()
+        stop.set()
+        for t in threads:
+            t.join(timeout=60)
+        assert grown == 2 and not wrong, wrong[:1]
+        deadline = time.time() + 60
+        while replicas() != 1 and time.time() < deadline:
+            time.sleep(0.5)
+        assert replicas() == 1
+    finally:
+        shutdown_serve()

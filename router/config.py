@@ -26,6 +26,11 @@ class RouterConfig(BaseModel):
     # earlier work) is aborted and answered 429 with Retry-After, rather than left in a queue.
     # None: no bound but request_timeout_s.
     first_token_timeout_s: float | None = Field(60.0, gt=0)
+    # A request no decode replica has taken this long after it was submitted (every live one
+    # holds its max_ongoing_requests) is answered 429 with Retry-After at once, rather than
+    # left in Serve's queue, where neither priority nor the engine's bounded wait reaches it.
+    # None: it waits there (up to first_token_timeout_s).
+    queue_timeout_s: float | None = Field(1.0, gt=0)
     # Sequences one request may run (prompts of a batch × n or best_of): more is a 400 at once,
     # not a request that holds every slot (or could never be admitted).
     max_sequences_per_request: int = Field(256, ge=1)

@@ -222,3 +222,82 @@ def test_the_answer_comes_back_on_the_channel_only(tok, decode_server):
         await client.sink.close()
 
     asyncio.run(main())
+
+
+class _QueuedCall:
+    """A Serve call waiting in the handle's queue: no replica has taken it (yet)."""
+
+    def __init__(self):
+        import concurrent.futures
+
+        self._replica_result_future = concurrent.futures.Future()
+        self._done = asyncio.get_running_loop().create_future()
+        self.cancelled = False
+
+    def __await__(self):
+        return self._done.__await__()
+
+    def cancel(self):
+        self.cancelled = True
+        self._replica_result_future.cancel()
+        self._done.cancel()
+
+
+class _Pool:
+    """A decode deployment's handle whose calls stay queued; ``alive``: its replicas answer a
+    trivial call (they are full, not gone)."""
+
+    def __init__(self, alive: bool):
+        self.generate, self.kv_load, self.alive, self.calls = self, _Ping(self), alive, []
+
+    def remote(self, req):
+        self.calls.append(_QueuedCall())
+        return self.calls[-1]
+
+
+class _Ping:
+    def __init__(self, pool):
+        self.pool = pool
+
+    def remote(self):
+        async def ping():
+            if not self.pool.alive:
+                raise ConnectionError("no decode replica")
+            return {}
+        return asyncio.ensure_future(ping())
+
+
+@pytest.mark.parametrize("alive", [True, False])
+def test_a_request_no_live_replica_takes_in_time_is_refused_at_once(tok, alive):
+    """router.queue_timeout_s: a request still in Serve's queue then, while a decode replica is
+    alive (every one full), gets 429 "at capacity" at once and its queued call is cancelled;
+    while none is alive it waits (for the fallback or the replacement). A call a replica has
+    taken is never refused so."""
+    import grpc
+
+    from router.ingress.errors import AtCapacity, describe
+    from router.ingress.streams import DecodeClient
+
+    async def main():
+        pool = _Pool(alive)
+        client = DecodeClient(pool, tok, queue_timeout_s=0.2)
+        stream = await client.start([5, 6, 7], SamplingParams(max_tokens=4), "q")
+        taken = await client.start([5, 6, 7], SamplingParams(max_tokens=4), "t")
+        pool.calls[1]._replica_result_future.set_result(None)  # a replica took it
+        t0 = time.monotonic()
+        if alive:
+            with pytest.raises(AtCapacity) as err:
+                await _collect(stream, deadline_s=5.0)
+            assert time.monotonic() - t0 < 1.0 and pool.calls[0].cancelled
+            failure = describe(err.value, "q")
+            assert (failure.status, failure.code, failure.retry_after) == \
+                (429, grpc.StatusCode.RESOURCE_EXHAUSTED, 1)
+            assert "at capacity" in failure.message
+        else:
+            with pytest.raises(RequestTimeout):
+                await _collect(stream, deadline_s=0.8)
+            assert not pool.calls[0].cancelled
+        assert taken.error is None and not pool.calls[1].cancelled
+        await client.sink.close()
+
+    asyncio.run(main())

@@ -37,6 +37,16 @@ class NotStarted(Exception):
 NOT_STARTED_RETRY_S = 5
 
 
+class AtCapacity(Exception):
+    """No decode replica took the request within ``router.queue_timeout_s``: every live one
+    holds all it may (``max_ongoing_requests``). Answered 429 with Retry-After at once (its
+    Serve call was cancelled before it reached a replica)."""
+
+    def __init__(self, message: str, retry_after_s: float = 1.0):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
 class UnknownModel(Exception):
     """The request names a model this app does not serve (OpenAI and vLLM answer 404)."""
 
@@ -96,7 +106,7 @@ def describe(exc: BaseException, request_id: str) -> Failure:
     from ray.serve.exceptions import BackPressureError
 
     cause = root_cause(exc)
-    if isinstance(cause, BackPressureError):  # a bounded queue is full: come back shortly
+    if isinstance(cause, (BackPressureError, AtCapacity)):  # full: come back shortly
         retry = math.ceil(cause.retry_after_s or 1)
         return Failure(429, grpc.StatusCode.RESOURCE_EXHAUSTED, "overloaded_error",
                        f"the server is at capacity; retry after {retry} s", retry_after=retry)

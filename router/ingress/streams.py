@@ -50,7 +50,7 @@ from engine.sampling_params import SamplingParams
 from engine.errors import BadRequest
 from engine.detokenizer import IncrementalDetokenizer
 from engine.outputs import append_tokens
-from router.ingress.errors import NotStarted, RequestTimeout, replica_lost
+from router.ingress.errors import AtCapacity, NotStarted, RequestTimeout, replica_lost
 
 log = serve_logger(__name__)
 
@@ -222,14 +222,25 @@ class RequestStream:
         return chunk
 
 
+def _assigned(call) -> bool:
+    """Whether Serve has given the call to a replica (a handle that does not say: yes)."""
+    future = getattr(call, "_replica_result_future", None)
+    return future is None or future.done()
+
+
 class DecodeClient:
     """The ingress's side of the decode deployment: starts requests, follows their tokens."""
 
-    def __init__(self, decode_handle, tokenizer, host: str = "127.0.0.1", fallback=None):
+    def __init__(self, decode_handle, tokenizer, host: str = "127.0.0.1", fallback=None,
+                 queue_timeout_s: float | None = None):
         """``fallback``: where whole requests go while no decode replica answers (the prefill
-        deployment of a disaggregated app; None: nowhere, requests wait for a decode replica)."""
+        deployment of a disaggregated app; None: nowhere, requests wait for a decode replica).
+        ``queue_timeout_s``: a request no decode replica has taken by then, while one is alive,
+        is refused (:class:`AtCapacity`)."""
         self.decode = decode_handle
         self.fallback = fallback
+        self.queue_timeout_s = queue_timeout_s
+        self._check_at = 0.0
         self.tokenizer = tokenizer
         self.sink = TokenSink(host)
         self.decode_down = False
@@ -282,6 +293,33 @@ class DecodeClient:
         asyncio.ensure_future(self._follow(stream, rid))
         if stream.pool is self.decode and self.fallback is not None:
             asyncio.get_running_loop().call_later(DECODE_SILENT_S, self._if_silent, stream, rid)
+        if stream.pool is self.decode and self.queue_timeout_s is not None and not have:
+            asyncio.get_running_loop().call_later(self.queue_timeout_s, self._if_queued,
+                                                  stream, rid)
+
+    def _if_queued(self, stream: RequestStream, rid: str) -> None:
+        if stream.call_id == rid and not stream.token_ids and not stream.ended.is_set() \
+                and not stream.cancelled and not _assigned(stream.call):
+            asyncio.ensure_future(self._refuse_queued(stream, rid))
+
+    async def _refuse_queued(self, stream: RequestStream, rid: str) -> None:
+        """The request is still in Serve's queue: if no decode replica is alive it waits (for
+        the fallback, which ``_check_decode`` moves it to, or for Serve's replacement);
+        otherwise every one holds all it may, and the request is refused now."""
+        if self.fallback is not None:
+            await self._check_decode()
+        elif not await self._decode_alive():
+            return
+        if stream.call_id != rid or stream.token_ids or stream.ended.is_set() \
+                or stream.cancelled or _assigned(stream.call):
+            return  # moved, taken by a replica meanwhile, or over
+        stream.call_id = ""  # its call's end (cancelled) is not a failure to act on
+        self.sink.unregister(rid)
+        stream.call.cancel()
+        stream.fail(AtCapacity(f"request {stream.request_id}: no decode replica took it within "
+                               f"{self.queue_timeout_s:g} s"))
+        stream.ended.set()
+        stream.call_done.set()
 
     def _if_silent(self, stream: RequestStream, rid: str) -> None:
         if stream.call_id == rid and not stream.token_ids and not stream.ended.is_set() \
@@ -346,9 +384,7 @@ class DecodeClient:
         at a time): the requests on it move to the prefill replicas."""
         if self.decode_down:
             return
-        if self._check is None or self._check.done():
-            self._check = asyncio.ensure_future(self._decode_answers())
-        if await asyncio.shield(self._check) or self.decode_down:
+        if await self._decode_alive() or self.decode_down:
             return
         self.decode_down = True
         log.warning("no decode replica answers: whole requests go to the prefill replicas "
@@ -361,6 +397,16 @@ class DecodeClient:
                 self.sink.unregister(stream.call_id)
                 self._move(stream, "no decode replica answers", own_id=True)  # from this task
                 old.cancel()
+
+    async def _decode_alive(self) -> bool:
+        """Whether a decode replica answers: one question at a time, its answer kept for
+        ``DECODE_PROBE_INTERVAL_S``."""
+        now = time.monotonic()
+        if self._check is None or (self._check.done()
+                                   and now - self._check_at > DECODE_PROBE_INTERVAL_S):
+            self._check_at = now
+            self._check = asyncio.ensure_future(self._decode_answers())
+        return await asyncio.shield(self._check)
 
     async def _decode_answers(self) -> bool:
         return await any_replica_answers(self.decode, DECODE_PROBE_TIMEOUT_S)

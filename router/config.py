@@ -31,6 +31,8 @@ class RouterConfig(BaseModel):
     # left in Serve's queue, where neither priority nor the engine's bounded wait reaches it.
     # None: it waits there (up to first_token_timeout_s).
     queue_timeout_s: float | None = Field(1.0, gt=0)
+    # The Retry-After of those refusals: the app builder sets it to admission.retry_after_s.
+    retry_after_s: float = Field(1.0, gt=0)
     # Sequences one request may run (prompts of a batch × n or best_of): more is a 400 at once,
     # not a request that holds every slot (or could never be admitted).
     max_sequences_per_request: int = Field(256, ge=1)

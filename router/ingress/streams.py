@@ -232,14 +232,14 @@ class DecodeClient:
     """The ingress's side of the decode deployment: starts requests, follows their tokens."""
 
     def __init__(self, decode_handle, tokenizer, host: str = "127.0.0.1", fallback=None,
-                 queue_timeout_s: float | None = None):
+                 queue_timeout_s: float | None = None, retry_after_s: float = 1.0):
         """``fallback``: where whole requests go while no decode replica answers (the prefill
         deployment of a disaggregated app; None: nowhere, requests wait for a decode replica).
         ``queue_timeout_s``: a request no decode replica has taken by then, while one is alive,
         is refused (:class:`AtCapacity`)."""
         self.decode = decode_handle
         self.fallback = fallback
-        self.queue_timeout_s = queue_timeout_s
+        self.queue_timeout_s, self.retry_after_s = queue_timeout_s, retry_after_s
         self._check_at = 0.0
         self.tokenizer = tokenizer
         self.sink = TokenSink(host)
@@ -317,7 +317,7 @@ class DecodeClient:
         self.sink.unregister(rid)
         stream.call.cancel()
         stream.fail(AtCapacity(f"request {stream.request_id}: no decode replica took it within "
-                               f"{self.queue_timeout_s:g} s"))
+                               f"{self.queue_timeout_s:g} s", self.retry_after_s))
         stream.ended.set()
         stream.call_done.set()
 

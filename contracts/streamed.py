@@ -22,6 +22,7 @@ from contracts.messages import (TIMELINE, DecodeTiming, GenerateRequest, Generat
                                 PrefillResult, TransferSummary, serve_logger, timeline)
 from contracts.token_channel import TokenPublisher
 from engine.errors import BadRequest
+from engine.outputs import RequestOutput
 
 log = serve_logger(__name__)
 LOCAL, REMOTE = "local", "remote"
@@ -53,6 +54,9 @@ class StreamedRequests:
         timing = DecodeTiming(received=time.time(), replica=self.replica)
         rid, prompt = req.request_id, list(req.prompt_token_ids)
         route = self.publisher.route(rid, await self.publisher.connect(req.reply_to))
+        # An empty first delta: the ingress's word that a replica has taken the request (its
+        # queue-time bound then stops, router.queue_timeout_s).
+        self.publisher.publish([RequestOutput(rid, [])])
         prefilled: PrefillResult | None = None
         placement = self.placement
         try:

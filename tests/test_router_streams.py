@@ -228,9 +228,6 @@ class _QueuedCall:
     """A Serve call waiting in the handle's queue: no replica has taken it (yet)."""
 
     def __init__(self):
-        import concurrent.futures
-
-        self._replica_result_future = concurrent.futures.Future()
         self._done = asyncio.get_running_loop().create_future()
         self.cancelled = False
 
@@ -239,7 +236,6 @@ class _QueuedCall:
 
     def cancel(self):
         self.cancelled = True
-        self._replica_result_future.cancel()
         self._done.cancel()
 
 
@@ -268,22 +264,22 @@ class _Ping:
 
 
 @pytest.mark.parametrize("alive", [True, False])
-def test_a_request_no_live_replica_takes_in_time_is_refused_at_once(tok, alive):
-    """router.queue_timeout_s: a request still in Serve's queue then, while a decode replica is
-    alive (every one full), gets 429 "at capacity" at once and its queued call is cancelled;
-    while none is alive it waits (for the fallback or the replacement). A call a replica has
-    taken is never refused so."""
+def test_a_request_no_replica_takes_in_time_is_refused_at_once(tok, alive):
+    """router.queue_timeout_s: a request still in Serve's queue then gets 429 "at capacity" at
+    once and its queued call is cancelled; in a disaggregated app whose decode replicas are all
+    gone it goes to the prefill replicas instead (the fallback). A call a replica has taken
+    (it sends an empty first delta) is never refused so."""
     import grpc
 
     from router.ingress.errors import AtCapacity, describe
     from router.ingress.streams import DecodeClient
 
     async def main():
-        pool = _Pool(alive)
-        client = DecodeClient(pool, tok, queue_timeout_s=0.2)
+        pool, fallback = _Pool(alive), _Pool(True)
+        client = DecodeClient(pool, tok, queue_timeout_s=0.2, fallback=fallback)
         stream = await client.start([5, 6, 7], SamplingParams(max_tokens=4), "q")
         taken = await client.start([5, 6, 7], SamplingParams(max_tokens=4), "t")
-        pool.calls[1]._replica_result_future.set_result(None)  # a replica took it
+        taken.feed(TokenDelta("t", []), time.time())  # a replica took it (its empty delta)
         t0 = time.monotonic()
         if alive:
             with pytest.raises(AtCapacity) as err:
@@ -293,11 +289,12 @@ def test_a_request_no_live_replica_takes_in_time_is_refused_at_once(tok, alive):
             assert (failure.status, failure.code, failure.retry_after) == \
                 (429, grpc.StatusCode.RESOURCE_EXHAUSTED, 1)
             assert "at capacity" in failure.message
+            assert taken.error is None and not pool.calls[1].cancelled
         else:
-            with pytest.raises(RequestTimeout):
-                await _collect(stream, deadline_s=0.8)
-            assert not pool.calls[0].cancelled
-        assert taken.error is None and not pool.calls[1].cancelled
+            while not fallback.calls:
+                await asyncio.sleep(0.05)
+            assert time.monotonic() - t0 < 2.5 and stream.error is None
+            assert stream.pool is fallback and client.decode_down  # every stream moved
         await client.sink.close()
 
     asyncio.run(main())

@@ -114,6 +114,7 @@ class RequestStream:
     deadline: float = float("inf")  # time.monotonic() by which it must have ended
     start_by: float = float("inf")  # time.monotonic() by which its first token must be here
     cancelled: bool = False
+    accepted: bool = False  # a replica has taken the current call (it said so on the channel)
     own_serve_id: bool = False  # one of a batch: its Serve calls get their own request id
     call_done: asyncio.Event = field(default_factory=asyncio.Event)
     ended: asyncio.Event = field(default_factory=asyncio.Event)  # its result came (or never will)
@@ -134,6 +135,7 @@ class RequestStream:
 
     # -- fed by the token sink (event loop) -------------------------------------------------
     def feed(self, delta: TokenDelta, produced_at: float) -> None:
+        self.accepted = True  # a replica has it (its first delta may carry no token)
         if self.finished:
             return
         if delta.token_ids:
@@ -222,12 +224,6 @@ class RequestStream:
         return chunk
 
 
-def _assigned(call) -> bool:
-    """Whether Serve has given the call to a replica (a handle that does not say: yes)."""
-    future = getattr(call, "_replica_result_future", None)
-    return future is None or future.done()
-
-
 class DecodeClient:
     """The ingress's side of the decode deployment: starts requests, follows their tokens."""
 
@@ -235,8 +231,8 @@ class DecodeClient:
                  queue_timeout_s: float | None = None, retry_after_s: float = 1.0):
         """``fallback``: where whole requests go while no decode replica answers (the prefill
         deployment of a disaggregated app; None: nowhere, requests wait for a decode replica).
-        ``queue_timeout_s``: a request no decode replica has taken by then, while one is alive,
-        is refused (:class:`AtCapacity`)."""
+        ``queue_timeout_s``: a request no decode replica has taken by then is refused
+        (:class:`AtCapacity`), unless it goes to the fallback (no decode replica alive)."""
         self.decode = decode_handle
         self.fallback = fallback
         self.queue_timeout_s, self.retry_after_s = queue_timeout_s, retry_after_s
@@ -275,7 +271,7 @@ class DecodeClient:
             "max_tokens": p.max_tokens - len(have), "min_tokens": max(p.min_tokens - len(have), 0),
             "num_resumed_tokens": len(have),  # they count as output for the penalties
             "prompt_logprobs": None})  # the first call's first delta brought them
-        stream.call_id = rid
+        stream.call_id, stream.accepted = rid, False
         self.sink.register(rid, stream.feed, stream.end,
                            lambda: asyncio.ensure_future(self._channel_lost(stream, rid)))
         req = GenerateRequest(stream.prompt_token_ids + tuple(have), params, rid,
@@ -299,19 +295,17 @@ class DecodeClient:
 
     def _if_queued(self, stream: RequestStream, rid: str) -> None:
         if stream.call_id == rid and not stream.token_ids and not stream.ended.is_set() \
-                and not stream.cancelled and not _assigned(stream.call):
+                and not stream.cancelled and not stream.accepted:
             asyncio.ensure_future(self._refuse_queued(stream, rid))
 
     async def _refuse_queued(self, stream: RequestStream, rid: str) -> None:
-        """The request is still in Serve's queue: if no decode replica is alive it waits (for
-        the fallback, which ``_check_decode`` moves it to, or for Serve's replacement);
-        otherwise every one holds all it may, and the request is refused now."""
+        """The request is still in Serve's queue: every decode replica holds all it may, and
+        the request is refused now; in a disaggregated app, unless no decode replica is alive,
+        in which case ``_check_decode`` moves it to the prefill replicas."""
         if self.fallback is not None:
             await self._check_decode()
-        elif not await self._decode_alive():
-            return
         if stream.call_id != rid or stream.token_ids or stream.ended.is_set() \
-                or stream.cancelled or _assigned(stream.call):
+                or stream.cancelled or stream.accepted:
             return  # moved, taken by a replica meanwhile, or over
         stream.call_id = ""  # its call's end (cancelled) is not a failure to act on
         self.sink.unregister(rid)

@@ -11,6 +11,10 @@ probe's status and seconds, the slowest ``/health`` answer meanwhile (how long t
 held), and the ingress replica's resident memory before and after (its process is found by
 title, ``ray::ServeReplica:<app>:Router``).
 
+``burst``: ``--streams`` (1,000) streaming requests at once against the shipped CPU config:
+served, refused (429) and how fast, the served ones' TTFT (``python -m benchmarks.probe burst
+--streams 1000``).
+
 ``admission``: how long a short request waits beside long ones, and how fast an impossible one
 is refused, on the shipped CPU config (``deploy/serve_config.yaml``: tiny, 1 prefill + 1 decode
 replica).
@@ -27,6 +31,7 @@ Prints one line per probe.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import threading
 import time
@@ -192,7 +197,69 @@ def probe(url: str, long: int) -> dict:
     return out
 
 
-TOOLS = {"door": door_main, "admission": admission_main}
+# -- burst ---------------------------------------------------------------------------------------
+async def _burst(url: str, n: int, max_tokens: int, timeout: float) -> list[dict]:
+    import aiohttp
+
+    body = {"prompt": "The request of a burst", "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+
+    async def one(session) -> dict:
+        t0 = time.monotonic()
+        try:
+            async with session.post(f"{url}/v1/completions", json=body) as resp:
+                if resp.status != 200:
+                    await resp.read()
+                    return {"status": resp.status, "seconds": time.monotonic() - t0}
+                first = None
+                async for event in sse.aevents(resp.content):
+                    if first is None and event.get("choices"):
+                        first = time.monotonic() - t0
+                return {"status": 200, "seconds": time.monotonic() - t0, "ttft": first}
+        except Exception as exc:  # noqa: BLE001 - counted
+            return {"status": type(exc).__name__, "seconds": time.monotonic() - t0}
+
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                     timeout=aiohttp.ClientTimeout(total=timeout)) as session:
+        return await asyncio.gather(*[one(session) for _ in range(n)])
+
+
+def _pcts(values: list[float]) -> dict:
+    values = sorted(values)
+    if not values:
+        return {}
+    return {q: round(values[min(len(values) - 1, int(p * len(values)))], 2)
+            for q, p in (("p50", 0.5), ("p99", 0.99))} | {"max": round(values[-1], 2)}
+
+
+def burst_main(argv=None) -> None:
+    """``burst``: ``--streams`` streaming requests at once against the shipped CPU config:
+    how many are served and refused, how fast the refusals come, the served ones' TTFT."""
+    p = argparse.ArgumentParser(description="a burst beyond the admission bounds")
+    p.add_argument("--streams", type=int, default=1000)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--timeout", type=float, default=300)
+    p.add_argument("--queue-timeout", type=float, default=None,
+                   help="router.queue_timeout_s (default: the config's; 0: none)")
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    app_args = yaml.safe_load(Path("deploy/serve_config.yaml").read_text())["applications"][0]
+    if args.queue_timeout is not None:
+        app_args["args"].setdefault("router", {})["queue_timeout_s"] = args.queue_timeout or None
+    with local_ray(), served(app_args["args"]) as app:
+        rows = asyncio.run(_burst(app.url, args.streams, args.max_tokens, args.timeout))
+    refused = [r["seconds"] for r in rows if r["status"] == 429]
+    served_ = [r for r in rows if r["status"] == 200]
+    out = {"streams": args.streams, "served": len(served_), "refused_429": len(refused),
+           "other": sorted({str(r["status"]) for r in rows} - {"200", "429"}),
+           "refusal_seconds": _pcts(refused),
+           "served_ttft_seconds": _pcts([r["ttft"] for r in served_ if r.get("ttft")])}
+    print(json.dumps(out), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1))
+
+
+TOOLS = {"door": door_main, "admission": admission_main, "burst": burst_main}
 
 
 def main(argv=None) -> None:

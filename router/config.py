@@ -26,9 +26,10 @@ class RouterConfig(BaseModel):
     # earlier work) is aborted and answered 429 with Retry-After, rather than left in a queue.
     # None: no bound but request_timeout_s.
     first_token_timeout_s: float | None = Field(60.0, gt=0)
-    # A request no decode replica has taken this long after it was submitted (every live one
-    # holds its max_ongoing_requests) is answered 429 with Retry-After at once, rather than
-    # left in Serve's queue, where neither priority nor the engine's bounded wait reaches it.
+    # A request no decode replica has taken this long after it was submitted (each holds its
+    # max_ongoing_requests) is answered 429 with Retry-After at once, rather than left in
+    # Serve's queue, where neither priority nor the engine's bounded wait reaches it (with no
+    # decode replica alive, a disaggregated app sends it to the prefill replicas instead).
     # None: it waits there (up to first_token_timeout_s).
     queue_timeout_s: float | None = Field(1.0, gt=0)
     # The Retry-After of those refusals: the app builder sets it to admission.retry_after_s.

@@ -40,10 +40,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import itertools
 import json
 import os
-import random
 import statistics
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -51,7 +49,7 @@ from dataclasses import asdict, dataclass, field
 from multiprocessing import get_context
 
 from benchmarks.lib import local_ray, served
-from loadtests import sse
+from loadtests import sse, workloads
 from loadtests.layouts import Resources, parse_layout
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -723,16 +721,10 @@ def main(argv=None) -> None:
     from engine.model_source import resolve_model
     vocab = min(resolve_model(args.model).config.vocab_size, 150000)
     prompts = torch.randint(10, vocab, (max(args.streams), args.input_len), generator=g).tolist()
-    args.offsets = None
-    if args.rate:  # an open loop: Poisson send times, the same for every point and layout
-        rng = random.Random(0)
-        args.offsets = list(itertools.accumulate(rng.expovariate(args.rate)
-                                                 for _ in range(max(args.streams))))
-    if args.long_prompts:  # every k-th prompt is long instead
-        fraction, length = args.long_prompts.split(":")
-        k = max(1, round(1 / float(fraction)))
-        for i in range(k - 1, len(prompts), k):
-            prompts[i] = torch.randint(10, vocab, (int(length),), generator=g).tolist()
+    # An open loop: Poisson send times, the same for every point and layout.
+    args.offsets = workloads.arrival_offsets(args.rate, max(args.streams)) if args.rate else None
+    for i, length in workloads.long_prompts(args.long_prompts, len(prompts)).items():
+        prompts[i] = torch.randint(10, vocab, (length,), generator=g).tolist()  # a long one
 
     def fresh_prompts(n: int) -> list[list[int]]:
         return torch.randint(10, vocab, (n, args.input_len), generator=g).tolist()

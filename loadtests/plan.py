@@ -22,16 +22,15 @@ the layouts by that goodput per GPU. ``--rate`` also reports every layout at tha
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
-import random
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from loadtests.simulate import (Profile, SimLayout, poisson, requests_for, simulate)
+from loadtests import workloads
+from loadtests.simulate import Profile, SimLayout, requests_for, simulate
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -177,14 +176,9 @@ def profile(args) -> dict:
 
 
 # -- plan (anywhere) -------------------------------------------------------------------------------
-def workload(rate: float, duration_s: float, input_len: int, output_len: int, seed: int = 0,
-             long_prompts: tuple[float, int] | None = None):
-    arrivals = poisson(rate, duration_s, seed)
-    inputs = [input_len] * len(arrivals)
-    if long_prompts:
-        k = max(1, round(1 / long_prompts[0]))
-        inputs = [long_prompts[1] if i % k == k - 1 else n for i, n in enumerate(inputs)]
-    return requests_for(arrivals, inputs, [output_len] * len(arrivals))
+def workload(rate: float, duration_s: float, input_len: int, output_len: int, seed: int = 0):
+    arrivals = workloads.arrival_times(rate, duration_s, "poisson", seed)
+    return requests_for(arrivals, [input_len] * len(arrivals), [output_len] * len(arrivals))
 
 
 def layouts_for(gpus: int, tps: list[int]) -> list[SimLayout]:
@@ -276,8 +270,10 @@ def validate_sweep(run: Path, profiles) -> list[dict]:
     rows = []
     for point in measured:
         layout = _sim_layout(point["layout"], cfg.resources.num_gpus, cfg.disaggregation)
-        reqs = requests_for(poisson(point["load"], cfg.duration_s, cfg.seed_for(point["load"])),
-                            [spec.input_len] * 10**6, [spec.output_len] * 10**6)
+        arrivals = workloads.arrival_times(point["load"], cfg.duration_s, cfg.arrival,
+                                           cfg.seed_for(point["load"]))
+        reqs = requests_for(arrivals, [spec.input_len] * len(arrivals),
+                            [spec.output_len] * len(arrivals))
         pred = simulate(layout, profiles, reqs, ttft_ms=cfg.slo.ttft_ms, itl_ms=cfg.slo.itl_ms,
                         window_s=cfg.duration_s)
         rows.append({"source": run.name, "layout": point["layout"], "load": point["load"],
@@ -288,24 +284,18 @@ def validate_sweep(run: Path, profiles) -> list[dict]:
 def validate_burst(path: Path, profiles) -> list[dict]:
     """Each served point of a ``benchmarks.serving_bench`` JSON: all its streams at once."""
     run = json.loads(path.read_text())
-    mix = run["args"].get("long_prompts")
-    long_prompts = (float(mix.split(":")[0]), int(mix.split(":")[1])) if mix else None
     rows = []
     for point in run["served"]:
         if "-tp" in point["layout"]:
             continue
         n = point["streams"]
-        inputs = [run["input_len"]] * n
-        if long_prompts:
-            k = max(1, round(1 / long_prompts[0]))
-            inputs = [long_prompts[1] if i % k == k - 1 else x for i, x in enumerate(inputs)]
+        long = workloads.long_prompts(run["args"].get("long_prompts"), n)
+        inputs = [long.get(i, run["input_len"]) for i in range(n)]
         gpus = run["args"]["colo_gpus"] if point["layout"].startswith("colo") \
             else run["args"]["gpus_per_role"]
         layout = _sim_layout(point["layout"], gpus, run["args"].get("disaggregation", "always"))
-        arrivals = [0.0] * n
-        if rate := run["args"].get("rate"):  # serving_bench's open loop: the same send times
-            rng = random.Random(0)
-            arrivals = list(itertools.accumulate(rng.expovariate(rate) for _ in range(n)))
+        rate = run["args"].get("rate")  # serving_bench's open loop: the same send times
+        arrivals = workloads.arrival_offsets(rate, n) if rate else [0.0] * n
         pred = simulate(layout, profiles, requests_for(arrivals, inputs,
                                                        [run["output_len"]] * n))
         measured = {"ttft_p50_ms": point["ttft_p50_ms"], "ttft_p99_ms": point["ttft_p99_ms"],

@@ -23,10 +23,11 @@ import bisect
 import heapq
 import itertools
 import math
-import random
 from dataclasses import dataclass, field
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from loadtests import metrics
 
 
 class Profile(BaseModel):
@@ -332,12 +333,9 @@ class Simulation:
 
 # -- what a run gives -----------------------------------------------------------------------------
 def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q / 100
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+    """``loadtests.metrics.percentile``, NaN for no values."""
+    p = metrics.percentile(values, q)
+    return float("nan") if p is None else p
 
 
 def summarize(requests: list[SimRequest], ttft_ms: float | None = None,
@@ -368,12 +366,3 @@ def simulate(layout: SimLayout, profiles: dict[int, Profile], requests: list[Sim
              **slo) -> dict:
     Simulation(layout, profiles).run(requests)
     return summarize(requests, **slo)
-
-
-def poisson(rate: float, duration_s: float, seed: int = 0) -> list[float]:
-    rng, t, out = random.Random(seed), 0.0, []
-    while True:
-        t += rng.expovariate(rate)
-        if t >= duration_s:
-            return out
-        out.append(t)

@@ -19,6 +19,7 @@ Prompts are token ids for models without a tokenizer (``dummy:``) and text where
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import random
@@ -264,6 +265,23 @@ def arrival_times(rate: float, duration_s: float, process: Literal["poisson", "c
         if t >= duration_s:
             return out
         out.append(t)
+
+
+def arrival_offsets(rate: float, n: int, seed: int = 0) -> list[float]:
+    """Send times (seconds from the start) of ``n`` requests at a Poisson ``rate``, fixed by
+    ``seed`` (``benchmarks.serving_bench --rate``, and the planner's replay of it)."""
+    rng = random.Random(seed)
+    return list(itertools.accumulate(rng.expovariate(rate) for _ in range(n)))
+
+
+def long_prompts(spec: str | None, n: int) -> dict[int, int]:
+    """``FRACTION:TOKENS`` (``serving_bench --long-prompts``): every round(1/FRACTION)-th of
+    ``n`` prompts has TOKENS tokens; ``{index: tokens}`` of those, in order."""
+    if not spec:
+        return {}
+    fraction, tokens = spec.split(":")
+    k = max(1, round(1 / float(fraction)))
+    return {i: int(tokens) for i in range(k - 1, n, k)}
 
 
 def save(requests: list[LoadRequest], path: Path) -> None:

@@ -104,6 +104,24 @@ def test_a_wrong_autoscaling_config_is_refused_when_the_config_is_read(role, mes
         RoleConfig(**role)
 
 
+def _replicas(deployment: str) -> int:
+    """A pool as Serve's autoscaler set it: replicas starting or running."""
+    from ray import serve
+
+    states = serve.status().applications["baton"].deployments[deployment].replica_states
+    return sum(n for state, n in states.items() if state in ("STARTING", "RUNNING"))
+
+
+def _until_one_replica(replicas) -> None:
+    """Idle, the pool shrinks back to one replica (within a minute)."""
+    import time
+
+    deadline = time.time() + 60
+    while replicas() != 1 and time.time() < deadline:
+        time.sleep(0.5)
+    assert replicas() == 1
+
+
 @pytest.mark.e2e
 def test_a_loaded_decode_pool_grows_and_shrinks_back_when_idle(ray_cluster):
     """A colocated app whose decode pool autoscales (1 to 2 replicas, KV target low enough that
@@ -138,9 +156,7 @@ def test_a_loaded_decode_pool_grows_and_shrinks_back_when_idle(ray_cluster):
     url = f"http://127.0.0.1:{port}"
 
     def replicas() -> int:
-        """The decode pool as Serve's autoscaler set it: replicas starting or running."""
-        states = serve.status().applications["baton"].deployments["DecodeServer"].replica_states
-        return sum(n for state, n in states.items() if state in ("STARTING", "RUNNING"))
+        return _replicas("DecodeServer")
 
     got = [None] * len(prompts)
 
@@ -161,10 +177,7 @@ def test_a_loaded_decode_pool_grows_and_shrinks_back_when_idle(ray_cluster):
             t.join(timeout=60)
         assert got == expected
         assert most == 2
-        deadline = time.time() + 60
-        while replicas() != 1 and time.time() < deadline:
-            time.sleep(0.5)
-        assert replicas() == 1
+        _until_one_replica(replicas)
     finally:
         shutdown_serve()
 
@@ -207,8 +220,7 @@ def test_a_prefill_heavy_load_grows_the_prefill_pool_and_idle_shrinks_it(ray_clu
     url = f"http://127.0.0.1:{port}"
 
     def replicas() -> int:
-        states = serve.status().applications["baton"].deployments["PrefillServer"].replica_states
-        return sum(n for state, n in states.items() if state in ("STARTING", "RUNNING"))
+        return _replicas("PrefillServer")
 
     stop, wrong = threading.Event(), []
 
@@ -232,9 +244,6 @@ def test_a_prefill_heavy_load_grows_the_prefill_pool_and_idle_shrinks_it(ray_clu
         for t in threads:
             t.join(timeout=60)
         assert grown == 2 and not wrong, wrong[:1]
-        deadline = time.time() + 60
-        while replicas() != 1 and time.time() < deadline:
-            time.sleep(0.5)
-        assert replicas() == 1
+        _until_one_replica(replicas)
     finally:
         shutdown_serve()

@@ -100,6 +100,23 @@ async def any_replica_answers(handle, timeout_s: float) -> bool:
     return any(t.exception() is None for t in done)
 
 
+class SharedAnswer:
+    """One question about the cluster asked at a time for every caller, its answer kept for
+    ``keep_s`` once it has come (many silent calls, one probe)."""
+
+    def __init__(self, ask, keep_s: float):
+        self.ask, self.keep_s = ask, keep_s
+        self._answer: asyncio.Future | None = None
+        self._at = 0.0
+
+    async def get(self):
+        now = time.monotonic()
+        if self._answer is None or (self._answer.done() and now - self._at > self.keep_s):
+            self._at = now
+            self._answer = asyncio.ensure_future(self.ask())
+        return await asyncio.shield(self._answer)
+
+
 async def role_gone(handle, timeout_s: float) -> bool:
     """Whether the deployment behind ``handle`` has, for certain, no live replica: the cluster
     lists none of its replica actors, or every one listed fails a direct call (dead). A replica
@@ -119,6 +136,29 @@ async def role_gone(handle, timeout_s: float) -> bool:
     for task in pending:
         task.cancel()
     return not pending and all(t.exception() is not None for t in done)
+
+
+async def role_full(handle, max_ongoing: int | None, timeout_s: float) -> bool:
+    """Whether every live replica of the deployment behind ``handle`` holds ``max_ongoing``
+    requests, so a request waiting in Serve's queue waits for one of them to end. A replica
+    that does not answer within ``timeout_s`` is busy (full); one still starting reports room;
+    with none listed, or the registry not answering, the deployment is not known to be full.
+    A handle that is not Serve's, or no bound: full when a replica answers."""
+    prefix = replica_actor_prefix(handle)
+    if prefix is None or max_ongoing is None:
+        return await any_replica_answers(handle, timeout_s)
+    try:
+        actors = await asyncio.to_thread(replica_actors, prefix)
+    except Exception:  # noqa: BLE001 - the cluster's registry did not answer
+        return False
+    tasks = [asyncio.ensure_future(actor.get_num_ongoing_requests.remote()) for actor in actors]
+    if not tasks:
+        return False
+    done, pending = await asyncio.wait(tasks, timeout=timeout_s)
+    for task in pending:
+        task.cancel()
+    counts = [t.result() for t in done if t.exception() is None]
+    return bool(counts or pending) and all(n >= max_ongoing for n in counts)
 
 
 def replica_actor_prefix(handle) -> str | None:

@@ -32,7 +32,7 @@ from contracts.messages import (DecodeTiming, GenerateRequest, PrefillRequest, P
 from contracts.streamed import LOCAL, REMOTE, Placement, StreamedRequests
 from contracts.token_channel import TokenPublisher
 from contracts.metrics import EngineMetrics, PlacementMetrics, TransferMetrics, replica_id
-from contracts.role import any_replica_answers, load_report, role_gone
+from contracts.role import SharedAnswer, any_replica_answers, load_report, role_gone
 from engine.async_engine import AsyncEngine
 from engine.sampling_params import SamplingParams
 from decode_worker.handover import HandOvers, State
@@ -101,8 +101,9 @@ class DecodeServer(StreamedRequests):
         self.timeout_s = transfer_timeout_s
         self.placer = Placer(disaggregation)
         self._probe: asyncio.Future | None = None  # the prefill replicas' probe, while down
-        self._gone_check: asyncio.Future | None = None  # is the prefill pool gone? (shared)
-        self._gone_at = 0.0
+        # Is the prefill pool gone? One question for every silent call.
+        self._prefill_gone = SharedAnswer(lambda: role_gone(self.prefill, PROBE_TIMEOUT_S),
+                                          PROBE_INTERVAL_S)
         self.endpoint = self.handovers = None
         self._calls: dict[str, tuple] = {}  # request id -> (its hand-over, its prefill call)
         if prefill is not None:
@@ -214,7 +215,7 @@ class DecodeServer(StreamedRequests):
         # the caller's abort decides about it.
         while not (await asyncio.wait({call, h.outcome}, timeout=SILENT_CALL_S,
                                       return_when=asyncio.FIRST_COMPLETED))[0]:
-            if await self._prefill_pool_gone():  # a dead writer writes no more
+            if await self._prefill_gone.get():  # a dead writer writes no more
                 call.cancel()
                 return self._call_failed(rid, PrefillPoolGone("no prefill replica is alive"))
         if not call.done():  # released (its deadline) while the call runs: the writer has
@@ -261,16 +262,6 @@ class DecodeServer(StreamedRequests):
                       "configuration error: both roles must serve the same model, dtype, KV "
                       "cache dtype and block size): %s", rid, exc)
         raise exc
-
-    async def _prefill_pool_gone(self) -> bool:
-        """:func:`contracts.role.role_gone` for the prefill pool, one check at a time for every
-        silent call (its answer is shared for ``PROBE_INTERVAL_S``)."""
-        now = time.monotonic()
-        if self._gone_check is None or (self._gone_check.done()
-                                        and now - self._gone_at > PROBE_INTERVAL_S):
-            self._gone_at = now
-            self._gone_check = asyncio.ensure_future(role_gone(self.prefill, PROBE_TIMEOUT_S))
-        return await asyncio.shield(self._gone_check)
 
     def _prefill_down(self) -> None:
         """A prefill replica is gone: until one answers again, prompts are prefilled here (Serve

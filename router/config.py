@@ -34,6 +34,10 @@ class RouterConfig(BaseModel):
     queue_timeout_s: float | None = Field(1.0, gt=0)
     # The Retry-After of those refusals: the app builder sets it to admission.retry_after_s.
     retry_after_s: float = Field(1.0, gt=0)
+    # What one decode replica holds (its max_ongoing_requests), set by the app builder: a queued
+    # request is refused only while every live decode replica holds this many (a replica that
+    # is starting has room: the request waits for it).
+    decode_max_ongoing: int | None = Field(None, ge=1)
     # Sequences one request may run (prompts of a batch × n or best_of): more is a 400 at once,
     # not a request that holds every slot (or could never be admitted).
     max_sequences_per_request: int = Field(256, ge=1)

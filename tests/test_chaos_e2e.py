@@ -161,6 +161,7 @@ def test_the_only_decode_replica_killed_the_prefill_replica_decodes(ray_cluster,
         while why == "decode_down" and time.time() < deadline:  # the new decode replica
             body = requests.post(f"{url}/v1/completions", timeout=60, json={
                 "prompt": PROMPTS[1], **PARAMS[0], "max_tokens": 4}).json()
+            assert "usage" in body, body
             why = body["usage"]["prefilled"]["reason"]
             time.sleep(0.5)
         assert why == "always" and body["usage"]["kv_transfer"]["blocks_sent"] > 0

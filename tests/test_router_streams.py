@@ -298,3 +298,35 @@ def test_a_request_no_replica_takes_in_time_is_refused_at_once(tok, alive):
         await client.sink.close()
 
     asyncio.run(main())
+
+
+def test_a_role_is_full_only_while_every_live_replica_holds_its_bound(monkeypatch):
+    """contracts.role.role_full, over fake replica actors: full when each answers with its bound
+    (or is too busy to answer); not while one has room (a replica still starting says 0), nor
+    with none listed (restarting: the request waits for it)."""
+    import contracts.role as role
+
+    class Actor:
+        def __init__(self, ongoing):
+            self.get_num_ongoing_requests, self.ongoing = self, ongoing
+
+        def remote(self):
+            async def answer():
+                if self.ongoing is None:
+                    await asyncio.sleep(10)  # busy
+                return self.ongoing
+            return asyncio.ensure_future(answer())
+
+    listed = []
+    monkeypatch.setattr(role, "replica_actor_prefix", lambda handle: "SERVE_REPLICA::x#")
+    monkeypatch.setattr(role, "replica_actors", lambda prefix: listed)
+
+    async def full(*ongoing) -> bool:
+        listed[:] = [Actor(n) for n in ongoing]
+        return await role.role_full(object(), 4, 0.2)
+
+    async def main():
+        assert await full(4, 5) and await full(4, None) and await full(None)
+        assert not await full(4, 0) and not await full()
+
+    asyncio.run(main())

@@ -44,7 +44,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from contracts.messages import GenerateRequest, GenerateResult, TokenDelta, serve_logger
-from contracts.role import any_replica_answers
+from contracts.role import SharedAnswer, any_replica_answers, role_full
 from contracts.token_channel import TokenChannelLost, TokenSink
 from engine.sampling_params import SamplingParams
 from engine.errors import BadRequest
@@ -228,20 +228,24 @@ class DecodeClient:
     """The ingress's side of the decode deployment: starts requests, follows their tokens."""
 
     def __init__(self, decode_handle, tokenizer, host: str = "127.0.0.1", fallback=None,
-                 queue_timeout_s: float | None = None, retry_after_s: float = 1.0):
+                 queue_timeout_s: float | None = None, retry_after_s: float = 1.0,
+                 decode_max_ongoing: int | None = None):
         """``fallback``: where whole requests go while no decode replica answers (the prefill
         deployment of a disaggregated app; None: nowhere, requests wait for a decode replica).
         ``queue_timeout_s``: a request no decode replica has taken by then is refused
-        (:class:`AtCapacity`), unless it goes to the fallback (no decode replica alive)."""
+        (:class:`AtCapacity`) while every live one holds ``decode_max_ongoing`` requests, unless
+        it goes to the fallback (no decode replica alive)."""
         self.decode = decode_handle
         self.fallback = fallback
         self.queue_timeout_s, self.retry_after_s = queue_timeout_s, retry_after_s
-        self._check_at = 0.0
         self.tokenizer = tokenizer
         self.sink = TokenSink(host)
         self.decode_down = False
         self._streams: dict[str, RequestStream] = {}  # by request id, until the writer closes
-        self._check: asyncio.Future | None = None  # a lost call's question: any decode alive?
+        # A silent or lost call's question, one at a time: is any decode replica alive?
+        self._decode_alive = SharedAnswer(self._decode_answers, DECODE_PROBE_INTERVAL_S).get
+        self._decode_full = SharedAnswer(lambda: role_full(
+            decode_handle, decode_max_ongoing, DECODE_PROBE_TIMEOUT_S), DECODE_PROBE_INTERVAL_S).get
         self._probe: asyncio.Future | None = None  # while down: until one answers
 
     async def start(self, ids: list[int], params: SamplingParams, request_id: str,
@@ -299,14 +303,21 @@ class DecodeClient:
             asyncio.ensure_future(self._refuse_queued(stream, rid))
 
     async def _refuse_queued(self, stream: RequestStream, rid: str) -> None:
-        """The request is still in Serve's queue: every decode replica holds all it may, and
-        the request is refused now; in a disaggregated app, unless no decode replica is alive,
-        in which case ``_check_decode`` moves it to the prefill replicas."""
+        """The request is still in Serve's queue. If every live decode replica holds all it
+        may, it is refused now; if one has room (it is starting), it is asked again after
+        another ``queue_timeout_s``; in a disaggregated app with no decode replica alive,
+        ``_check_decode`` moves it to the prefill replicas."""
         if self.fallback is not None:
             await self._check_decode()
         if stream.call_id != rid or stream.token_ids or stream.ended.is_set() \
                 or stream.cancelled or stream.accepted:
             return  # moved, taken by a replica meanwhile, or over
+        if not await self._decode_full():
+            asyncio.get_running_loop().call_later(self.queue_timeout_s, self._if_queued,
+                                                  stream, rid)
+            return
+        if stream.call_id != rid or stream.accepted or stream.ended.is_set():
+            return
         stream.call_id = ""  # its call's end (cancelled) is not a failure to act on
         self.sink.unregister(rid)
         stream.call.cancel()
@@ -391,16 +402,6 @@ class DecodeClient:
                 self.sink.unregister(stream.call_id)
                 self._move(stream, "no decode replica answers", own_id=True)  # from this task
                 old.cancel()
-
-    async def _decode_alive(self) -> bool:
-        """Whether a decode replica answers: one question at a time, its answer kept for
-        ``DECODE_PROBE_INTERVAL_S``."""
-        now = time.monotonic()
-        if self._check is None or (self._check.done()
-                                   and now - self._check_at > DECODE_PROBE_INTERVAL_S):
-            self._check_at = now
-            self._check = asyncio.ensure_future(self._decode_answers())
-        return await asyncio.shield(self._check)
 
     async def _decode_answers(self) -> bool:
         return await any_replica_answers(self.decode, DECODE_PROBE_TIMEOUT_S)

@@ -31,7 +31,7 @@ class RouterConfig(BaseModel):
     # Serve's queue, where neither priority nor the engine's bounded wait reaches it (with no
     # decode replica alive, a disaggregated app sends it to the prefill replicas instead).
     # None: it waits there (up to first_token_timeout_s).
-    queue_timeout_s: float | None = Field(1.0, gt=0)
+    queue_timeout_s: float | None = Field(None, gt=0)
     # The Retry-After of those refusals: the app builder sets it to admission.retry_after_s.
     retry_after_s: float = Field(1.0, gt=0)
     # What one decode replica holds (its max_ongoing_requests), set by the app builder: a queued

@@ -33,7 +33,8 @@ def app(ray_cluster):
     serve.run(build_app({
         "mode": "colocated", "engine": {"model": "tiny", "num_blocks": 256, "max_num_seqs": 2},
         "decode": {"max_ongoing_requests": 3, "max_queued_requests": 1},
-        "admission": {"retry_after_s": 2}, "router": {"request_timeout_s": 60}}),
+        "admission": {"retry_after_s": 2},
+        "router": {"request_timeout_s": 60, "queue_timeout_s": 1.0}}),
         name="baton", route_prefix="/")
     yield f"http://127.0.0.1:{port}", f"127.0.0.1:{grpc_port}"
     shutdown_serve()
@@ -100,7 +101,7 @@ def test_a_short_request_beside_slot_filling_long_ones_starts_within_the_bounded
     short one ends while both long ones still run, and the long ones' tokens are the offline
     engine's."""
     url, _ = app
-    long_params = dict(PARAMS, max_tokens=1500)
+    long_params = dict(PARAMS, max_tokens=2000)
     expected = [o.token_ids for o in LLM("tiny").generate(PROMPTS[:2],
                                                            SamplingParams(**long_params))]
     ends = {}

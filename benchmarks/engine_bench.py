@@ -14,6 +14,9 @@ Tasks (models are ``dummy:`` specs: random weights, real shapes):
 - ``hf``: transformers ``generate`` at batch 1 (same shape, bf16) for the ratio.
 - ``sizes``: per model, with default settings: batch-1 decode ms/token and % of floor, a decode
   step of 64 sequences, throughput at the largest batch whose sequences all fit in the cache.
+- ``mixed``: per model, a new prompt (16/128/480 tokens) joining a decoding batch (0/8/64
+  sequences) every step: ms per step with the piecewise graphs and eagerly, against the batch's
+  decode steps.
 - ``onerow``: the decode graph alone (device time of one replay) at batch 1 with each one-row
   projection path (Triton skinny matmul with and without the RMSNorm folded in, cuBLAS), next to
   batch 64: how the engine's per-shape choice was made.
@@ -292,6 +295,58 @@ def prefill(model: str, ceil: dict, lengths=(1024, 2048, 8192)) -> list[dict]:
     return rows
 
 
+def mixed(model: str, batches=(0, 8, 64), prompt_lens=(16, 128, 480), steps: int = 30
+          ) -> list[dict]:
+    """Steps that prefill a prompt beside a decoding batch, with the piecewise graphs and
+    eagerly (``cuda_graph_max_tokens`` 0): ``batch`` sequences decode (128-token prompts, no
+    end) while one new prompt of ``prompt_len`` tokens (``max_tokens`` 1) joins every step.
+    Wall ms per step (the engine one step ahead: a step's launch and the wait for the one
+    before), against the same batch's decode steps with no prompt joining."""
+    rows = []
+    for graphed in (True, False):
+        rows += _mixed_rows(model, graphed, batches, prompt_lens, steps)
+        while _ENGINES:
+            _ENGINES.pop().shutdown()
+        gc.collect()
+        torch.cuda.empty_cache()
+    return rows
+
+
+def _mixed_rows(model: str, graphed: bool, batches, prompt_lens, steps: int) -> list[dict]:
+    engine = _engine(model, max_num_seqs=max(batches) + 2,
+                     cuda_graph_max_tokens=512 if graphed else 0)
+    seeds = iter(range(1000, 10**6))
+
+    def timed(n: int, prompt_len: int | None) -> float:
+        t = []
+        for _ in range(n):
+            if prompt_len:
+                engine.add_request(_prompt(engine, prompt_len, next(seeds)),
+                                   SamplingParams(temperature=0, max_tokens=1))
+            t0 = time.perf_counter()
+            engine.step()
+            t.append(time.perf_counter() - t0)
+        return statistics.median(t[n // 3:]) * 1e3
+
+    rows = []
+    for b in batches:
+        ids = [engine.add_request(_prompt(engine, 128, i), SamplingParams(
+            temperature=0, max_tokens=100_000, ignore_eos=True)) for i in range(b)]
+        timed(8, None)  # prefilled, decoding
+        decode_ms = timed(steps, None) if b else 0.0
+        for n in prompt_lens:
+            timed(4, n)  # warm
+            rows.append({"task": "mixed", "model": model, **_options(engine),
+                         "piecewise_graphs": graphed, "batch": b, "prompt_tokens": n,
+                         "decode_step_ms": round(decode_ms, 2),
+                         "mixed_step_ms": round(timed(steps, n), 2)})
+        for rid in ids:
+            engine.abort_request(rid)
+        while engine.has_unfinished_requests():
+            engine.step()
+    return rows
+
+
 def hf_generate(model: str, prompt_len: int = 128, new: int = 128) -> dict:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -357,6 +412,8 @@ def main() -> None:
             emit(throughput(model, ceil))
         if "allreduce" in args.tasks and args.tensor_parallel_size > 1:
             emit(allreduce(model))
+        if "mixed" in args.tasks:
+            emit(mixed(model))
         if "hf" in args.tasks:
             emit(hf_generate(model))
     if "long" in args.tasks:

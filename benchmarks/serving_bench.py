@@ -375,6 +375,10 @@ def engine_rates(before: dict, after: dict, wall: float) -> dict:
             "step_ms": 1e3 * d["step_seconds"] / max(1, d["steps"]),
             "tokens_per_step": d["output_tokens"] / max(1, d["steps"]),
             "steps": d["steps"], "scheduled_per_step": d["scheduled_tokens"] / max(1, d["steps"]),
+            "prompt_steps": d["prompt_steps"],
+            "prompt_step_ms": 1e3 * d["prompt_step_seconds"] / max(1, d["prompt_steps"]),
+            "other_step_ms": 1e3 * (d["step_seconds"] - d["prompt_step_seconds"])
+            / max(1, d["steps"] - d["prompt_steps"]),
             "busy": d["step_seconds"] / wall if wall > 0 else 0.0}
 
 
@@ -462,6 +466,8 @@ def layout_config(layout: str, engine: dict, args) -> dict:
         config["decode"]["tensor_parallel_size"] = layout_tp(layout)
     if not shape.colocated:
         config["disaggregation"] = {"mode": layout_mode(layout, args.disaggregation)}
+        if args.itl_target_ms:
+            config["disaggregation"]["itl_target_ms"] = args.itl_target_ms
     return config
 
 
@@ -624,6 +630,11 @@ def report(out: dict) -> None:
             hops = ", ".join(f"{k} {v:.1f}" for k, v in r["hops_ms"].items())
             print(f"  TTFT hops (median ms), {r['layout']} {r['protocol']} {r['streams']}: {hops}")
     for r in out["served"]:
+        if (e := r["decode_engine"]).get("prompt_steps"):
+            print(f"  decode engine, {r['layout']} {r['protocol']} {r['streams']}: "
+                  f"{e['prompt_steps']} of {e['steps']} steps carried prompt tokens, "
+                  f"{e['prompt_step_ms']:.1f} ms each (the others {e['other_step_ms']:.1f} ms)")
+    for r in out["served"]:
         if p := r.get("prefill_engine"):
             print(f"  prefill engine, {r['layout']} {r['protocol']} {r['streams']}: "
                   f"{p['steps']} steps of {p['scheduled_per_step']:.0f} tokens, "
@@ -655,6 +666,9 @@ def main(argv=None) -> None:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--num-blocks", type=int, default=None)
+    p.add_argument("--engine-option", action="append", default=[], metavar="KEY=JSON",
+                   help="an EngineConfig field for every engine, offline and served "
+                        "(e.g. cuda_graph_max_tokens=0); repeatable")
     p.add_argument("--quantization", choices=["fp8"], default=None)
     p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
@@ -666,6 +680,8 @@ def main(argv=None) -> None:
     p.add_argument("--push-at-step-end", action="store_true",
                    help="transfer.push_at_step_end: prefill replicas start each push as the "
                         "prefilling step returns")
+    p.add_argument("--itl-target-ms", type=float, default=None,
+                   help="disaggregation.itl_target_ms of every disaggregated layout")
     p.add_argument("--disaggregation", choices=["always", "auto", "never"], default="always",
                    help="where a disaggregated layout prefills each request (always: every "
                         "request handed over, what the layout's name says; auto: the app's "
@@ -716,6 +732,9 @@ def main(argv=None) -> None:
     if args.stub_forward:
         stub_forward()
         engine["enforce_eager"] = True
+    for option in args.engine_option:
+        key, _, value = option.partition("=")
+        engine[key] = json.loads(value)
 
     g = torch.Generator().manual_seed(0)
     from engine.model_source import resolve_model

@@ -177,7 +177,7 @@ class TransferMetrics:
 
 class PlacementMetrics:
     """Where a decode replica had its requests prefilled, and why (``decode_worker.placement``):
-    ``where`` local or remote; ``reason`` short, saturated, long, always, never, no_room,
+    ``where`` local or remote; ``reason`` short, saturated, long, itl, always, never, no_room,
     prefill_unavailable, prompt_logprobs or colocated."""
 
     def __init__(self):

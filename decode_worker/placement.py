@@ -1,6 +1,7 @@
 """Where each request is prefilled: on this decode replica or by a prefill replica, decided per
 request by the decode replica, which knows its own prefix cache (Dynamo's conditional
-disaggregation: ``max_local_prefill_length``, and a prefill queue that is too long).
+disaggregation: ``max_local_prefill_length``, and a prefill queue that is too long), and an
+optional inter-token target.
 
 Modes (``disaggregation.mode``):
 
@@ -11,7 +12,12 @@ Modes (``disaggregation.mode``):
   prefill chunk costs the running batch), or when the prefill pool looks saturated: the prompt
   tokens this replica has sent to prefill replicas and not yet had answered, at the rate their
   answers have come, would make the first token later than prefilling here behind the local
-  queue, at the local prefill rate; handed over otherwise.
+  queue, at the local prefill rate; handed over otherwise. With ``itl_target_ms`` set, a prompt
+  these rules keep here is handed over instead (reason ``itl``) when this replica's step with
+  its tokens in it would exceed the target (the engine's measured decode step plus each prompt
+  token's measured cost, :mod:`engine.step_cost`): on a GPU that the prefill replica shares,
+  prefilling here stretches every running stream's step, where a hand-over costs only this
+  request's first token.
 
 In every mode, once a prefill call has found its replica dead, prompts are prefilled here until
 a prefill replica answers again (``prefill_down``): Serve goes on routing calls to a dead
@@ -50,6 +56,11 @@ class DisaggregationConfig(BaseModel):
     # auto: also prefill here when the prefill pool's estimated first token is later than the
     # local one by this factor (1.0: as soon as it is later)
     saturation_factor: float = Field(1.0, gt=0)
+    # auto: an inter-token target (ms). A prompt that the rules above would prefill here is
+    # handed over instead when this replica's step, with that prompt's tokens in it, would take
+    # longer (its decode step and each prompt token's cost, measured: engine.step_cost). None:
+    # no target (Dynamo's rule alone).
+    itl_target_ms: float | None = Field(None, gt=0)
 
 
 ALWAYS = DisaggregationConfig(mode="always")  # every prompt handed over (tests, tools)
@@ -118,14 +129,20 @@ class Placer:
         self.prefill_down = False
         self.counts: dict[tuple[str, str], int] = {}
 
-    def decide(self, uncached: int, local_queue: int) -> Placement:
+    def decide(self, uncached: int, local_queue: int, step_s: float | None = None
+               ) -> Placement:
         """``uncached``: the prompt tokens the local prefix cache lacks; ``local_queue``: the
-        prompt tokens already waiting to be prefilled here."""
-        mode = self.config.mode
+        prompt tokens already waiting to be prefilled here; ``step_s``: how long a step of
+        this replica that computes them would take (None: not measured yet)."""
+        mode, target = self.config.mode, self.config.itl_target_ms
         if self.prefill_down:
             placement = Placement(LOCAL, "prefill_down")
         elif mode != "auto":
             placement = Placement(LOCAL if mode == "never" else REMOTE, mode)
+        elif target is not None and step_s is not None and step_s * 1e3 > target and (
+                uncached <= self.config.max_local_prefill_length
+                or self._saturated(uncached, local_queue)):
+            placement = Placement(REMOTE, "itl")
         elif uncached <= self.config.max_local_prefill_length:
             placement = Placement(LOCAL, "short")
         elif self._saturated(uncached, local_queue):

@@ -185,7 +185,9 @@ class DecodeServer(StreamedRequests):
 
         def place(engine):
             uncached = len(prompt) - engine.kv_manager.cached_tokens(prompt)
-            placement = self.placer.decide(uncached, engine.scheduler.queued_prompt_tokens())
+            step_s = engine.step_cost.estimate(min(uncached, engine.config.max_num_batched_tokens))
+            placement = self.placer.decide(uncached, engine.scheduler.queued_prompt_tokens(),
+                                           step_s)
             if placement.where == REMOTE:
                 h = self.handovers.reserve(engine, prompt, params, rid, deadline, loop)
                 if h is not None:

@@ -286,6 +286,8 @@ def serve_config_from_flags(args) -> dict:
         app["disaggregation"] = {"mode": args.disaggregation}
         if args.max_local_prefill_length is not None:
             app["disaggregation"]["max_local_prefill_length"] = args.max_local_prefill_length
+        if args.itl_target_ms is not None:
+            app["disaggregation"]["itl_target_ms"] = args.itl_target_ms
     return {"proxy_location": "EveryNode",
             "http_options": {"host": args.host, "port": args.port},
             "grpc_options": {"port": args.grpc_port, "enable_reflection": args.grpc_reflection,
@@ -413,6 +415,9 @@ def _pool_flags(serve_cmd) -> None:
     serve_cmd.add_argument("--max-local-prefill-length", type=int, default=None,
                            help="auto: the longest uncached part prefilled on the decode "
                                 "replica (default 1000 tokens)")
+    serve_cmd.add_argument("--itl-target-ms", type=float, default=None,
+                           help="auto: hand a prompt over rather than prefill it on a decode "
+                                "replica whose step would then exceed this inter-token time")
 
 
 def _serve_parser(sub) -> None:

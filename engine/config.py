@@ -115,6 +115,10 @@ class EngineConfig(BaseModel):
     attention_backend: Literal["auto", "torch", "flashinfer"] = "auto"
     enforce_eager: bool = False  # True: no CUDA graphs
     cuda_graph_max_batch: int = Field(256, ge=1)  # largest captured decode batch
+    # Piecewise graphs (attention eager between them) for the other steps of up to this many
+    # tokens: prefill chunks and prompts joining a decode batch (vLLM's piecewise CUDA graphs,
+    # whose largest size is its max_cudagraph_capture_size). 0: such steps run eagerly.
+    cuda_graph_max_tokens: int = Field(512, ge=0)
     # FlashInfer decode on tensor cores; None: where it pays (GQA ratio of 8 or more, an FP8 KV
     # cache) or where the CUDA-core kernel has no build for the ratio (Qwen3-14B's 5).
     decode_tensor_cores: bool | None = None

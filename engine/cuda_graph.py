@@ -111,3 +111,136 @@ class DecodeGraphs:
             kv_indices=torch.cat([meta.kv_indices, null.kv_indices]),
             kv_last_page_len=torch.cat([meta.kv_last_page_len, null.kv_last_page_len]),
             block_size=meta.block_size, is_decode_only=True)
+
+
+def mixed_sizes(max_tokens: int) -> list[int]:
+    """Token counts a piecewise graph is captured for: every 16 to 128, every 32 to 256, every
+    64 beyond (a step pads to the next one: at most 25% more rows, which cost little at these
+    sizes, where a step is bound by its launches)."""
+    sizes = [s for s in range(16, 129, 16)] + list(range(160, 257, 32))
+    sizes = [s for s in sizes if s <= max_tokens] + list(range(320, max_tokens + 1, 64))
+    if not sizes or sizes[-1] != max_tokens:
+        sizes.append(max_tokens)
+    return sizes
+
+
+class MixedGraphs:
+    """Piecewise CUDA graphs for the steps a decode graph cannot take: prefill chunks and steps
+    that mix prompt tokens with decoding sequences, of up to ``max_tokens`` tokens.
+
+    An eager step of Qwen3-8B launches ~20 kernels a layer from Python, ~25 ms of host time
+    for a few ms of GPU work when a short prompt joins a decode batch, and every running
+    sequence's next token waits for it. Here everything but attention is captured, per token
+    count in :func:`mixed_sizes`: piece 0 is the embedding and layer 0 up to its queries (the
+    K/V stored), piece ``i`` is layer ``i-1`` after attention and layer ``i`` up to its queries,
+    and the last piece is the last layer after attention and the final norm. Attention runs
+    eagerly between the pieces, with the step's own FlashInfer plan (its shape differs every
+    step: vLLM's piecewise graphs split there for the same reason). A step of ``n`` tokens pads
+    to the next size: the padding rows are token 0 at position 0 with slot -1 (nothing stored);
+    attention runs on the ``n`` real rows only, and every other operation is row-wise, so the
+    padding never touches a real row.
+
+    Without ``capture`` (CPU, tests) the pieces run as plain calls over the same buffers.
+    """
+
+    def __init__(self, runner, max_tokens: int, capture: bool = True):
+        self.runner = runner
+        self.model = runner.model.model  # Qwen3Model: embed_tokens, layers, norm
+        self.sizes = mixed_sizes(max_tokens)
+        self.max_tokens = self.sizes[-1]
+        self.use_graphs = capture
+        cfg, dev = runner.model.config, runner.device
+        attn = self.model.layers[0].self_attn
+        m = self.max_tokens
+        # ids, positions, slots (read by the pieces), the pending-token rows
+        self.inputs = torch.zeros(4, m, dtype=torch.int64, device=dev)
+        self.queries = torch.zeros(m, attn.num_heads, attn.head_dim, dtype=runner.dtype,
+                                   device=dev)
+        self.attn_out = torch.zeros_like(self.queries)
+        self.residual = torch.zeros(m, cfg.hidden_size, dtype=runner.dtype, device=dev)
+        self.hidden = torch.zeros(m, cfg.hidden_size, dtype=runner.dtype, device=dev)
+        self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
+        self.capture_s = 0.0
+
+    def size_for(self, n: int) -> int | None:
+        return next((s for s in self.sizes if s >= n), None)
+
+    def _piece(self, size: int, i: int) -> None:
+        """Piece ``i`` of a step of ``size`` rows, from and into the static buffers."""
+        layers, pos = self.model.layers, self.inputs[1, :size]
+        if i == 0:
+            x, residual = self.model.embed_tokens(self.inputs[0, :size]), None
+        else:
+            x, residual = layers[i - 1].after_attention(self.attn_out[:size],
+                                                        self.residual[:size])
+        if i == len(layers):
+            self.hidden[:size].copy_(self.model.norm(x, residual)[0])
+            return
+        q, residual = layers[i].before_attention(pos, x, residual)
+        self.queries[:size].copy_(q)
+        self.residual[:size].copy_(residual)
+
+    def _meta_for_capture(self, size: int) -> AttentionMetadata:
+        meta = null_meta(size, 1, self.runner.block_size)
+        meta.slot_mapping = self.inputs[2, :size]
+        return meta
+
+    @torch.inference_mode()
+    def capture(self, progress: bool = True) -> None:
+        t0 = time.perf_counter()
+        pool = self.runner.graphs.graphs[max(self.runner.graphs.graphs)].pool() \
+            if self.runner.graphs is not None and self.runner.graphs.graphs else None
+        pieces = len(self.model.layers) + 1
+        self.inputs[2].fill_(-1)
+        for size in tqdm(sorted(self.sizes, reverse=True), desc="capturing mixed-step graphs",
+                         disable=not progress, leave=False):
+            with set_forward_context(self._meta_for_capture(size)):
+                for i in range(pieces):  # eager once: compiles kernels, settles allocations
+                    self._piece(size, i)
+                torch.cuda.synchronize()
+                graphs = []
+                for i in range(pieces):
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool):
+                        self._piece(size, i)
+                    pool = graph.pool()
+                    graphs.append(graph)
+            self.graphs[size] = graphs
+        torch.cuda.synchronize()
+        self.capture_s = time.perf_counter() - t0
+
+    def release(self) -> None:
+        """As :meth:`DecodeGraphs.release`."""
+        torch.cuda.synchronize(self.inputs.device)
+        for graphs in self.graphs.values():
+            for graph in graphs:
+                graph.reset()
+        self.graphs.clear()
+
+    def run(self, step, prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """Queue the pieces and the eager attention of ``step`` (:class:`StepInputs`, of at most
+        ``max_tokens`` tokens); returns the final hidden states of its ``n`` rows."""
+        n = len(step.ids)
+        size = self.size_for(n)
+        rows = step.host_rows(size)
+        self.inputs[:, :size].copy_(rows.pin_memory() if self.use_graphs else rows,
+                                    non_blocking=True)
+        step.feed_pending(self.inputs[0], self.inputs[3], prev_tokens)
+        meta = step.meta
+        meta.slot_mapping = self.inputs[2, :n]
+        self.runner.backend.plan(meta)
+        graphs = self.graphs.get(size) if self.use_graphs else None
+        layers = self.model.layers
+        with set_forward_context(meta):
+            for i, layer in enumerate(layers):
+                self._replay(graphs, size, i)
+                layer.self_attn.attend(self.queries[:n], out=self.attn_out[:n])
+            self._replay(graphs, size, len(layers))
+        return self.hidden[:n]
+
+    def _replay(self, graphs, size: int, i: int) -> None:
+        if graphs is None:
+            with set_forward_context(self._meta_for_capture(size)):
+                self._piece(size, i)
+        else:
+            graphs[i].replay()

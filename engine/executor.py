@@ -87,7 +87,7 @@ class Executor:
     def shutdown(self) -> None:
         """Stop the other ranks (nothing to do with one)."""
         if self.others is not None:
-            if getattr(self, "runner", None) is not None and self.runner.graphs is not None:
-                self.runner.graphs.release()  # before the group ends (DecodeGraphs.release)
+            if getattr(self, "runner", None) is not None:
+                self.runner.release_graphs()  # before the group ends (DecodeGraphs.release)
             self.others.close()
             self.others = None

@@ -44,6 +44,7 @@ from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import FinishReason, Sequence
+from engine.step_cost import StepCost
 from engine.step_update import LaunchedStep, StepUpdater
 
 log = logging.getLogger(__name__)
@@ -55,10 +56,14 @@ __all__ = ["EngineStats", "KVCacheSpec", "LLMEngine", "LaunchedStep", "Prompt"]
 class EngineStats:
     """Counters since the engine started: steps, seconds spent inside ``step()``, tokens
     scheduled (prompt and decode), output tokens produced, prompt tokens of the requests taken
-    (a disaggregated request counts in both roles' engines)."""
+    (a disaggregated request counts in both roles' engines); the steps that carried prompt
+    tokens and their seconds (with the engine one step ahead, a step's seconds are its launch
+    and the wait for the step before it)."""
 
     steps: int = 0
     step_seconds: float = 0.0
+    prompt_steps: int = 0
+    prompt_step_seconds: float = 0.0
     scheduled_tokens: int = 0
     output_tokens: int = 0
     prompt_tokens: int = 0
@@ -84,6 +89,7 @@ class LLMEngine:
         # (seconds, sequences) of recent steps, drained by a metrics reader (bounded: unread
         # samples are dropped, never piled up).
         self.step_samples: deque[tuple[float, int]] = deque(maxlen=4096)
+        self.step_cost = StepCost(self.device)
         self.startup_s = time.perf_counter() - t0
         log.info("engine ready in %.1fs (%s, %s, weights %s, KV cache %s, attention %s, "
                  "warm-up %.1fs)", self.startup_s, self.device, str(self.dtype)[6:],
@@ -269,6 +275,8 @@ class LLMEngine:
             due.append(launched)
         for step in due:
             outputs += self.updater.resolve(step)
+            if step.started is not None and step.done_at is not None:
+                self.step_cost.record(step.started, step.done_at, step.prompt_tokens)
         self._count(batch, outputs, time.perf_counter() - t0)
         return outputs
 
@@ -278,15 +286,21 @@ class LLMEngine:
         stats.step_seconds += elapsed
         self.step_samples.append((elapsed, len(batch.seqs)))
         stats.scheduled_tokens += batch.num_tokens
+        if batch.num_tokens > len(batch.seqs):
+            stats.prompt_steps += 1
+            stats.prompt_step_seconds += elapsed
         stats.output_tokens += sum(len(o.new_token_ids) for o in outputs)
 
     def _launch(self, batch: ScheduledBatch) -> LaunchedStep:
         """Queue the batch, its sampling and the copy of the sampled ids; nothing waits."""
         running = self._running_step
         prev = running.tokens if running is not None else None
+        prompt_tokens = sum(n for s, n in zip(batch.seqs, batch.num_new_tokens)
+                            if s.num_computed_tokens < s.num_prompt_tokens)
+        started = self.step_cost.mark()
         logits = self.executor.execute(batch, prev)
         due = self.scheduler.advance(batch)
-        step = LaunchedStep(due)
+        step = LaunchedStep(due, started=started, prompt_tokens=prompt_tokens)
         if (p := self.runner.prompt_out) is not None:
             p.logprobs, p.top_ids, p.top_logprobs = (self._to_host(t) for t in (
                 p.logprobs, p.top_ids, p.top_logprobs))
@@ -301,9 +315,9 @@ class LLMEngine:
                                            out.top_logprobs))
             for row, seq in enumerate(due):
                 seq.add_pending(row)
+        step.done_at = self.step_cost.mark()
         if self.device.type == "cuda":
-            step.done = torch.cuda.Event()
-            step.done.record()
+            step.done = step.done_at
         step.releases = self.scheduler.num_releases
         return step
 

@@ -1,8 +1,10 @@
 """Model runner: owns the model, the paged KV cache and the attention backend.
 
 One call of :meth:`ModelRunner.execute` is prepare inputs → forward context → forward → logits
-of the sequences due a token. Decode-only steps replay a captured CUDA graph when there is one
-(:mod:`engine.cuda_graph`); everything else runs eagerly.
+of the sequences due a token. Decode-only steps replay a captured CUDA graph when there is one;
+other steps of up to ``cuda_graph_max_tokens`` tokens (prefill chunks, prompts joining a decode
+batch) replay piecewise graphs with attention run eagerly between them (:mod:`engine.cuda_graph`);
+larger steps run eagerly.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import torch
 
 from engine.attention import get_backend
 from engine.config import EngineConfig
-from engine.cuda_graph import DecodeGraphs
+from engine.cuda_graph import DecodeGraphs, MixedGraphs
 from engine.forward_context import AttentionMetadata, null_meta, set_forward_context
 from engine.models.qwen3 import Qwen3ForCausalLM
 from engine.scheduler import ScheduledBatch
@@ -64,12 +66,16 @@ class ModelRunner:
             attn.kv_cache = self.kv_cache[i]
             attn.backend = self.backend
         self.graphs = None
+        self.mixed: MixedGraphs | None = None
         self.prompt_out: PromptLogprobs | None = None  # the last step's prompt logprobs
         self.others = None  # rank 0 of a tensor-parallel engine: engine.tp_ranks.RankProcesses
         if device.type == "cuda" and not config.enforce_eager \
                 and self.backend.supports_cuda_graphs:
             self.graphs = DecodeGraphs(self, min(config.max_num_seqs,
                                                  config.cuda_graph_max_batch))
+            if config.cuda_graph_max_tokens:
+                self.mixed = MixedGraphs(self, min(config.cuda_graph_max_tokens,
+                                                   config.max_num_batched_tokens))
         self.warm_up_s = 0.0
         self.gemv_choices: dict = {}  # projection name -> GemvConfig of its one-row kernel
         self.norm_fused: list[str] = []  # projections with the RMSNorm folded in (one row)
@@ -128,11 +134,22 @@ class ModelRunner:
                       self._on_device(null_meta(1, 1, self.block_size)), [0])
         if self.graphs is not None:
             self.graphs.capture(progress)
+        if self.mixed is not None:
+            self.mixed.capture(progress)
         torch.cuda.synchronize(self.device)
         self.warm_up_s = time.perf_counter() - t0
-        log.info("warm-up %.1fs (%d decode graphs in %.1fs)", self.warm_up_s,
+        log.info("warm-up %.1fs (%d decode graphs in %.1fs, mixed-step graphs for %d token "
+                 "counts in %.1fs)", self.warm_up_s,
                  len(self.graphs.graphs) if self.graphs else 0,
-                 self.graphs.capture_s if self.graphs else 0.0)
+                 self.graphs.capture_s if self.graphs else 0.0,
+                 len(self.mixed.graphs) if self.mixed else 0,
+                 self.mixed.capture_s if self.mixed else 0.0)
+
+    def release_graphs(self) -> None:
+        """Free the captured graphs (see :meth:`DecodeGraphs.release`)."""
+        for graphs in (self.graphs, self.mixed):
+            if graphs is not None:
+                graphs.release()
 
     def _choose_gemv(self) -> None:
         """One-row steps (batch-1 decode) run every projection through the Triton skinny matmul
@@ -220,6 +237,8 @@ class ModelRunner:
         if (self.graphs is not None and step.meta.is_decode_only and not step.prompt.rows
                 and step.meta.num_seqs <= self.graphs.max_batch):
             logits = self.graphs.run(step, prev_tokens)
+        elif self.mixed is not None and len(step.ids) <= self.mixed.max_tokens:
+            return self._logits(self.mixed.run(step, prev_tokens), step.logit_rows, step.prompt)
         else:
             dev = upload(step.host_rows(), torch.int64, self.device)
             step.meta.slot_mapping = dev[2]
@@ -234,6 +253,11 @@ class ModelRunner:
         self.backend.plan(meta)
         with set_forward_context(meta):
             hidden = self.model(input_ids, positions)
+        return self._logits(hidden, logit_rows, prompt)
+
+    def _logits(self, hidden: torch.Tensor, logit_rows: list[int],
+                prompt: PromptRows | None = None) -> torch.Tensor | None:
+        """Prompt logprobs (kept in ``prompt_out``) and the logits of ``logit_rows``."""
         if prompt is not None and prompt.rows:
             self.prompt_out = self._prompt_logprobs(hidden, prompt)
         if not logit_rows:

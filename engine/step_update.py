@@ -35,6 +35,10 @@ class LaunchedStep:
     prompt: object | None = None  # model_runner.PromptLogprobs, host copies
     done: torch.cuda.Event | None = None
     releases: int = 0  # the scheduler's release count right after the launch
+    # engine.step_cost.StepCost marks around the launch, and the prompt tokens it computes
+    started: object | None = None
+    done_at: object | None = None
+    prompt_tokens: int = 0
 
     def wait(self) -> None:
         if self.done is not None:

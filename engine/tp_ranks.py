@@ -80,8 +80,8 @@ def _worker(rank: int, size: int, init_method: str, config: dict, conn) -> None:
         log.exception("tensor-parallel rank %d failed", rank)
         raise
     finally:
-        if runner is not None and runner.graphs is not None:
-            runner.graphs.release()  # before the group ends (see DecodeGraphs.release)
+        if runner is not None:
+            runner.release_graphs()  # before the group ends (see DecodeGraphs.release)
         destroy_tp(group)
 
 

@@ -462,6 +462,20 @@ def test_a_saturated_prefill_pool_sends_long_prompts_local(offline):
     _run_placed(main, DisaggregationConfig(max_local_prefill_length=16), {"delay": 0.5})
 
 
+def test_an_inter_token_target_hands_over_a_short_prompt_once_steps_are_measured(offline):
+    """auto with ``itl_target_ms``: before this replica has measured a step, a short prompt is
+    prefilled here; once it has, a short prompt whose step would exceed the (here impossibly
+    small) target is handed over ('itl'), with the same tokens."""
+    async def main(prefill, handle, decode, sink):
+        got = [await generate(decode, sink, p, f"r{i}", GREEDY) for i, p in
+               enumerate(PROMPTS)]
+        assert [(r.prefilled_where, r.prefilled_why) for _, r in got] == [
+            ("local", "short"), ("remote", "itl")]
+        assert [t for t, _ in got] == offline[:2] and handle.calls == 1
+
+    _run_placed(main, DisaggregationConfig(itl_target_ms=1e-6))
+
+
 @pytest.mark.parametrize("mode,where", [("always", "remote"), ("never", "local")])
 def test_always_and_never_place_every_prompt_alike(offline, mode, where):
     async def main(prefill, handle, decode, sink):

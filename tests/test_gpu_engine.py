@@ -4,8 +4,9 @@
   (:class:`TwoBackends`): attention outputs of every layer within 1e-2, logits of every step
   within 2e-2; for prefill, prefill behind a cached prefix, chunked prefill, and decode at
   several batch sizes.
-- CUDA-graph decode vs eager: identical greedy tokens; with penalties, bias, min_tokens, min_p
-  and top logprobs too (engine one step ahead vs eager step by step).
+- CUDA-graph decode and piecewise mixed-step graphs vs eager: identical greedy tokens; with
+  penalties, bias, min_tokens, min_p and top logprobs too (engine one step ahead vs eager step
+  by step).
 - Greedy tokens identical to transformers in float32 on a Qwen3-0.6B-shaped model, 64 tokens.
 """
 
@@ -22,6 +23,7 @@ from engine.attention.torch_backend import TorchAttentionBackend
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from tests.models import random_prompts
+from tests.test_mixed_graphs import staggered
 
 pytestmark = pytest.mark.gpu
 MODEL = "dummy:Qwen3-0.6B"
@@ -64,11 +66,12 @@ class TwoBackends:
         cfg = engine.model.config
         self.torch = TorchAttentionBackend(cfg.num_attention_heads, cfg.num_key_value_heads,
                                            cfg.head_dim, cfg.head_dim ** -0.5, runner.block_size)
-        self.flashinfer, self.graphs, self.per_layer = runner.backend, runner.graphs, per_layer
+        self.flashinfer, self.per_layer = runner.backend, per_layer
+        self.graphs = (runner.graphs, runner.mixed)
         self.steps, self.layers = [], []
         self.execute = runner.execute
         if per_layer:
-            self._use(self, graphs=None)
+            self._use(self, graphs=(None, None))
         else:
             runner.execute = self._both
 
@@ -77,8 +80,8 @@ class TwoBackends:
         self.torch.plan(meta)
         self.flashinfer.plan(meta)
 
-    def forward(self, q, kv_cache, meta, k_scale=1.0, v_scale=1.0):
-        out = self.flashinfer.forward(q, kv_cache, meta, k_scale, v_scale)
+    def forward(self, q, kv_cache, meta, k_scale=1.0, v_scale=1.0, out=None):
+        out = self.flashinfer.forward(q, kv_cache, meta, k_scale, v_scale, out=out)
         ref = self.torch.forward(q, kv_cache, meta, k_scale, v_scale)
         self.layers.append(("decode" if meta.is_decode_only else "prefill", meta.num_seqs,
                             ((out.float() - ref.float()).norm() / ref.float().norm()).item()))
@@ -86,12 +89,13 @@ class TwoBackends:
 
     # -- per step ---------------------------------------------------------------------------
     def _use(self, backend, graphs):
-        self.runner.backend, self.runner.graphs = backend, graphs
+        self.runner.backend = backend
+        self.runner.graphs, self.runner.mixed = graphs
         for attn in self.runner.model.attention_layers():
             attn.backend = backend
 
     def _both(self, batch, prev_tokens=None):
-        self._use(self.torch, None)
+        self._use(self.torch, (None, None))
         try:
             ref = self.execute(batch, prev_tokens)
         finally:
@@ -176,6 +180,43 @@ def test_cuda_graph_decode_matches_eager_tokens(flashinfer_engine):
         graph_tokens = _run(flashinfer_engine, prompts, 32, prefix=f"g{n}-")
         eager_tokens = _run(eager, prompts, 32, prefix=f"g{n}-")
         assert graph_tokens == eager_tokens
+
+
+def test_piecewise_graphs_of_mixed_steps_replay_what_the_pieces_compute(flashinfer_engine):
+    """Prompts that join a decoding batch (one every 3 steps; one of 400 tokens, padded to 448
+    rows) and one behind a cached prefix. The graphs give exactly the tokens and logprobs of the
+    same pieces run as plain calls (same shapes, same kernels); against the eager engine, whose
+    matmuls see the unpadded row count and so may round differently in bf16, every request's
+    first token is the same and the logprobs of the tokens before any divergence agree within
+    0.05. (That padding never touches a real row is checked exactly in float32 on the CPU:
+    tests/test_mixed_graphs.py.)"""
+    runner = flashinfer_engine.runner
+    mixed = runner.mixed
+    assert mixed is not None and set(mixed.graphs) == set(mixed.sizes)
+    calls, run = [], mixed.run
+
+    def counting(step, prev=None):
+        calls.append(len(step.ids))
+        return run(step, prev)
+    shared = random_prompts([100], vocab=VOCAB, seed=21)[0]
+    prompts = random_prompts([30, 5, 70, 17, 400, 9], vocab=VOCAB, seed=22)
+    prompts += [shared + [1, 2], shared + [3]]
+    mixed.run = counting
+    try:
+        graphed = staggered(flashinfer_engine, prompts, max_tokens=24)
+        mixed.use_graphs = False
+        pieces = staggered(flashinfer_engine, prompts, max_tokens=24)
+    finally:
+        mixed.run, mixed.use_graphs = run, True
+    assert len(calls) >= len(prompts) and max(calls) > 400  # both runs, 448-row steps too
+    assert graphed == pieces
+    eager = staggered(_engine(attention_backend="flashinfer", enforce_eager=True), prompts,
+                      max_tokens=24)
+    for rid, (tokens, logprobs, _) in eager.items():
+        ours = graphed[rid]
+        assert ours[0][0] == tokens[0], rid
+        same = next((i for i, (a, b) in enumerate(zip(ours[0], tokens)) if a != b), len(tokens))
+        assert ours[1][:same] == pytest.approx(logprobs[:same], abs=0.05), rid
 
 
 def test_cuda_graph_decode_of_a_shared_prompt_beyond_the_cache_block_count():

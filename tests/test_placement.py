@@ -67,3 +67,46 @@ def test_an_idle_pool_is_never_saturated_whatever_its_measured_rate():
     placer.answered(1000, delivered=True, now=10.0)  # 100 tokens/s there, once
     assert placer.decide(5000, 0).where == "remote"
     assert placer.counts == {("remote", "long"): 1}
+
+
+def test_an_inter_token_target_hands_over_what_would_stretch_the_step_past_it():
+    """With ``itl_target_ms`` a prompt kept here by the short or saturated rule is handed over
+    ('itl') when the step computing it would exceed the target; not before the step is
+    measured, never when the prefill pool is down, and never outside ``auto``."""
+    placer = _placer(itl_target_ms=20)
+    assert placer.decide(50, 0, step_s=0.015).reason == "short"
+    assert placer.decide(50, 0).reason == "short"  # not measured yet
+    assert (placer.decide(50, 0, step_s=0.025).where,
+            placer.decide(50, 0, step_s=0.025).reason) == ("remote", "itl")
+    placer.sent(20000, now=1.0)  # saturated: a long prompt would stay here, but for the target
+    assert placer.decide(5000, 0, step_s=0.015).reason == "saturated"
+    assert placer.decide(5000, 0, step_s=0.5).reason == "itl"
+    placer.prefill_down = True
+    assert placer.decide(50, 0, step_s=0.5).reason == "prefill_down"
+    never = Placer(DisaggregationConfig(mode="never", itl_target_ms=1))
+    assert never.decide(50, 0, step_s=0.5).reason == "never"
+    assert _placer().decide(50, 0, step_s=10.0).reason == "short"  # no target: Dynamo's rule
+
+
+def test_step_cost_from_decode_steps_and_what_prompt_tokens_add():
+    import torch
+
+    from engine.step_cost import StepCost
+    cost = StepCost(torch.device("cpu"))
+    assert cost.estimate(100) is None
+    cost.record(0.0, 0.010, 0)  # a 10 ms decode step
+    cost.record(0.0, 0.030, 100)  # 100 prompt tokens made it 30 ms: 0.2 ms each
+    assert cost.estimate(0) == pytest.approx(0.010)
+    assert cost.estimate(50) == pytest.approx(0.020)
+    cost.record(0.0, 0.020, 0)  # decode steps slow down: the average moves a fifth of the way
+    assert cost.decode_s == pytest.approx(0.012)
+
+
+def test_the_engine_measures_its_steps_as_it_runs():
+    from engine import LLM, SamplingParams
+    from tests.models import random_prompts
+    llm = LLM("tiny", show_progress=False)
+    llm.generate(random_prompts([40, 60]), SamplingParams(max_tokens=8, ignore_eos=True))
+    cost = llm.engine.step_cost
+    assert cost.decode_s > 0 and cost.prompt_token_s is not None
+    assert cost.estimate(100) > cost.decode_s

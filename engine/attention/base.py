@@ -33,9 +33,11 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
-        """``q``: ``[num_tokens, num_heads, head_dim]`` → ``[num_tokens, num_heads, head_dim]``.
-        An FP8 ``kv_cache`` holds K / ``k_scale`` and V / ``v_scale``."""
+                k_scale: float = 1.0, v_scale: float = 1.0,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+        """``q``: ``[num_tokens, num_heads, head_dim]`` → ``[num_tokens, num_heads, head_dim]``
+        (written into ``out`` when given). An FP8 ``kv_cache`` holds K / ``k_scale`` and V /
+        ``v_scale``."""
 
 
 # GQA group sizes FlashInfer's CUDA-core decode kernel is built for (``DISPATCH_GQA_GROUP_SIZE``

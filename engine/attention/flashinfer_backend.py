@@ -94,10 +94,12 @@ class FlashInferBackend(AttentionBackend):
             paged_kv_last_page_len_buffer=buf(batch_size))
 
     def forward(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+                k_scale: float = 1.0, v_scale: float = 1.0,
+                out: torch.Tensor | None = None) -> torch.Tensor:
         if kv_cache.dtype == self.dtype:
-            return meta.extras["wrapper"].run(q, kv_cache)
-        return meta.extras["wrapper"].run(q, kv_cache, k_scale=k_scale, v_scale=v_scale)
+            return meta.extras["wrapper"].run(q, kv_cache, out=out)
+        return meta.extras["wrapper"].run(q, kv_cache, k_scale=k_scale, v_scale=v_scale,
+                                          out=out)
 
 
 @contextmanager

@@ -19,8 +19,9 @@ class TorchAttentionBackend(AttentionBackend):
         meta.extras["kv_indptr"] = meta.kv_indptr.tolist()
 
     def forward(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
-        out = torch.empty_like(q)
+                k_scale: float = 1.0, v_scale: float = 1.0,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+        out = torch.empty_like(q) if out is None else out
         qsl, indptr = meta.query_start_loc, meta.extras["kv_indptr"]
         indices = meta.extras["kv_indices"]
         for i, ctx in enumerate(meta.context_lens):

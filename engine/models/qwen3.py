@@ -48,13 +48,23 @@ class Qwen3Attention(nn.Module):
 
     def forward(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
         """From the packed projection (the layer runs ``qkv_proj``, its norm maybe fused in)."""
-        meta = get_forward_context()
-        # q/k norm, RoPE and the K/V store in one kernel on CUDA.
-        q = qk_norm_rope_store(qkv, positions, self.q_norm.weight,
-                               self.k_norm.weight, self.q_norm.eps, self.rope.cos_sin,
-                               self.kv_cache, meta.slot_mapping, self.num_heads,
-                               self.num_kv_heads, self.k_scale, self.v_scale)
-        o = self.backend.forward(q, self.kv_cache, meta, self.k_scale, self.v_scale)
+        return self.output(self.attend(self.queries(positions, qkv)))
+
+    # The three parts, apart for the piecewise CUDA graphs (engine.cuda_graph.MixedGraphs):
+    # ``attend`` reads the step's plan and runs eagerly between the captured pieces.
+    def queries(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
+        """q/k norm, RoPE and the K/V store in one kernel on CUDA; the rotated ``[T, H, D]``
+        queries."""
+        return qk_norm_rope_store(qkv, positions, self.q_norm.weight,
+                                  self.k_norm.weight, self.q_norm.eps, self.rope.cos_sin,
+                                  self.kv_cache, get_forward_context().slot_mapping,
+                                  self.num_heads, self.num_kv_heads, self.k_scale, self.v_scale)
+
+    def attend(self, q: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        return self.backend.forward(q, self.kv_cache, get_forward_context(), self.k_scale,
+                                    self.v_scale, out=out)
+
+    def output(self, o: torch.Tensor) -> torch.Tensor:
         return all_reduce(self.o_proj(o.reshape(-1, self.q_size)), self.group)
 
 
@@ -81,9 +91,19 @@ class Qwen3DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, positions, x, residual):
-        attn, mlp = self.self_attn, self.mlp
+        q, residual = self.before_attention(positions, x, residual)
+        return self.after_attention(self.self_attn.attend(q), residual)
+
+    def before_attention(self, positions, x, residual):
+        """Norm, qkv projection, q/k norm, RoPE, the K/V store: ``(queries, residual)``."""
+        attn = self.self_attn
         qkv, residual = norm_then(attn.qkv_proj, self.input_layernorm, x, residual)
-        x = attn(positions, qkv)
+        return attn.queries(positions, qkv), residual
+
+    def after_attention(self, o, residual):
+        """Output projection, norm, MLP: ``(x, residual)`` for the next layer."""
+        mlp = self.mlp
+        x = self.self_attn.output(o)
         gate_up, residual = norm_then(mlp.gate_up_proj, self.post_attention_layernorm, x, residual)
         return mlp(gate_up), residual
 

@@ -1,0 +1,98 @@
+"""The piecewise path of steps that are not decode-only (engine.cuda_graph.MixedGraphs), checked
+on the CPU with its pieces run as plain calls over the same static buffers the CUDA graphs use:
+steps padded to a captured size, the model split around attention, prompt tokens beside decoding
+sequences, chunked prefill, prefix-cache hits and prompt logprobs give the greedy tokens and
+logprobs of the eager forward. (The captured graphs themselves: tests/test_gpu_engine.py.)"""
+
+import pytest
+
+from engine import SamplingParams
+from engine.config import EngineConfig
+from engine.cuda_graph import MixedGraphs, mixed_sizes
+from engine.llm_engine import LLMEngine
+from tests.models import random_prompts
+
+
+def test_mixed_sizes_pad_by_at_most_a_quarter():
+    assert mixed_sizes(16) == [16]
+    assert mixed_sizes(100) == [16, 32, 48, 64, 80, 96, 100]
+    sizes = mixed_sizes(512)
+    assert sizes[0] == 16 and sizes[-1] == 512 and 256 in sizes
+    assert all(b - a <= a / 4 for a, b in zip(sizes[7:], sizes[8:]))
+
+
+def _engine(piecewise: bool, **kw) -> LLMEngine:
+    engine = LLMEngine(EngineConfig(**{**dict(model="tiny", show_progress=False, seed=0), **kw}))
+    runner = engine.runner
+    assert runner.mixed is None  # no piecewise graphs on the CPU by default
+    if piecewise:
+        runner.mixed = MixedGraphs(runner, 96, capture=False)
+    return engine
+
+
+def staggered(engine: LLMEngine, prompts, max_tokens=12, every=3, **params) -> dict:
+    """Greedy; one prompt joins every ``every`` steps, so most prompts are prefilled in a step
+    beside decoding sequences. Returns {request id: (tokens, logprobs, prompt logprobs)}."""
+    p = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=1,
+                       **params)
+    out, pending, step = {}, list(enumerate(prompts)), 0
+    while pending or engine.has_unfinished_requests():
+        if pending and step % every == 0:
+            i, prompt = pending.pop(0)
+            engine.add_request(prompt, p, request_id=f"r{i}")
+        for o in engine.step():
+            rec = out.setdefault(o.request_id, [[], [], None])
+            rec[0] += o.new_token_ids
+            rec[1] += o.new_logprobs or []
+            if o.prompt_logprobs is not None:
+                rec[2] = o.prompt_logprobs
+        step += 1
+    return out
+
+
+@pytest.mark.parametrize("budget", [8192, 40], ids=["whole-prompts", "chunked"])
+def test_piecewise_steps_give_the_eager_tokens(budget):
+    shared = random_prompts([48], seed=3)[0]
+    prompts = random_prompts([30, 5, 70, 17, 120, 9], seed=4)
+    prompts += [shared + [11, 12], shared + [13]]  # the second one hits the first's blocks
+    runs = [staggered(_engine(pw, max_num_batched_tokens=budget), prompts) for pw in (True,
+                                                                                       False)]
+    assert runs[0].keys() == runs[1].keys() and len(runs[0]) == len(prompts)
+    for rid in runs[0]:
+        assert runs[0][rid][0] == runs[1][rid][0], rid
+        assert runs[0][rid][1] == pytest.approx(runs[1][rid][1], abs=1e-3), rid
+
+
+def test_steps_wider_than_the_largest_size_run_eagerly():
+    """A 200-token prompt's step is wider than the largest size (96): it runs eagerly; the
+    other prompts' steps run the pieces (counted by a wrapper around ``run``)."""
+    engine = _engine(True)
+    mixed, calls = engine.runner.mixed, []
+    run = mixed.run
+
+    def counting(step, prev=None):
+        calls.append(len(step.ids))
+        return run(step, prev)
+    mixed.run = counting
+    prompts = random_prompts([20, 200, 30], seed=5)
+    reference = staggered(_engine(False), prompts)
+    assert _tokens(staggered(engine, prompts)) == _tokens(reference)
+    assert calls and max(calls) <= 96  # the prompts of 20 and 30 tokens, beside decoding
+
+
+def _tokens(run: dict) -> dict:
+    return {rid: rec[0] for rid, rec in run.items()}
+
+
+def test_prompt_logprobs_through_the_piecewise_path():
+    prompts = random_prompts([25, 40], seed=6)
+    runs = [staggered(_engine(pw), prompts, prompt_logprobs=2) for pw in (True, False)]
+    for rid in runs[1]:
+        ours, ref = runs[0][rid][2], runs[1][rid][2]
+        assert ref is not None and len(ours) == len(ref)
+        for a, b in zip(ours, ref):
+            if b is None:
+                assert a is None
+                continue
+            assert a[0] == pytest.approx(b[0], abs=1e-3)
+            assert [i for i, _ in a[1]] == [i for i, _ in b[1]]

@@ -172,6 +172,41 @@ def replica_actor_prefix(handle) -> str | None:
     return f"{REPLICA_ID_FULL_ID_STR_PREFIX}{f'{app}#' if app else ''}{name}#"
 
 
+class ReplicaCount:
+    """How many replica actors of a Serve deployment the cluster lists, for callers that cannot
+    wait (an HTTP door): ``value`` is the last count (None before the first, or for a handle
+    that is not Serve's); reading it starts a recount in the background once it is
+    ``refresh_s`` old. Must be read on the event loop."""
+
+    def __init__(self, handle, refresh_s: float = 2.0):
+        self.prefix = replica_actor_prefix(handle)
+        self.refresh_s = refresh_s
+        self._value: int | None = None
+        self._at = -refresh_s
+        self._counting = False
+
+    @property
+    def value(self) -> int | None:
+        now = time.monotonic()
+        if self.prefix is not None and not self._counting and now - self._at >= self.refresh_s:
+            self._counting, self._at = True, now
+            asyncio.ensure_future(self._count())
+        return self._value
+
+    async def _count(self) -> None:
+        import ray
+
+        def count() -> int:
+            return sum(1 for e in ray.util.list_named_actors(all_namespaces=True)
+                       if e["name"].startswith(self.prefix))
+        try:
+            self._value = await asyncio.to_thread(count)
+        except Exception:  # noqa: BLE001 - the registry did not answer: keep the last count
+            pass
+        finally:
+            self._counting = False
+
+
 def replica_actors(prefix: str) -> list:
     """The live actors whose name starts with ``prefix`` (blocking: the cluster's registry)."""
     import ray

@@ -63,7 +63,8 @@ def build_app(args: dict[str, Any] | BatonConfig | None = None) -> Application:
                             ray_actor_options={"num_cpus": cfg.router.num_cpus})
     engine = cfg.engine_for("decode")
     router_cfg = {**cfg.router.model_dump(), "retry_after_s": cfg.admission.retry_after_s,
-                  "decode_max_ongoing": cfg.max_ongoing("decode")}
+                  "decode_max_ongoing": cfg.max_ongoing("decode"),
+                  "decode_max_queued": cfg.max_queued("decode")}
     return router.bind(decode, cfg.engine.model, cfg.served_model_name, cfg.engine.max_model_len,
                        router_cfg, {"quantization": engine.quantization,
                                                  "kv_cache_dtype": engine.kv_cache_dtype},

@@ -38,6 +38,14 @@ class RouterConfig(BaseModel):
     # request is refused only while every live decode replica holds this many (a replica that
     # is starting has room: the request waits for it).
     decode_max_ongoing: int | None = Field(None, ge=1)
+    # And what its Serve queue holds (max_queued_requests), set by the app builder too.
+    decode_max_queued: int | None = Field(None, ge=-1)
+    # Refuse a generation request at the door (429 with Retry-After, before its body is parsed
+    # or its prompt tokenized) while this ingress replica has its share of what the decode pool
+    # holds open: live decode replicas x (max_ongoing_requests + max_queued_requests) over the
+    # ingress replicas. Beyond that Serve would refuse it anyway, after the ingress had worked
+    # through every request ahead of it. HTTP only (gRPC calls reach Serve's bound).
+    early_refusal: bool = True
     # Sequences one request may run (prompts of a batch × n or best_of): more is a 400 at once,
     # not a request that holds every slot (or could never be admitted).
     max_sequences_per_request: int = Field(256, ge=1)

@@ -11,7 +11,7 @@ from importlib import resources
 import pytest
 
 from engine.model_source import load_tokenizer, resolve_model
-from router.ingress.door import APIKeyMiddleware, BodyLimitMiddleware
+from router.ingress.door import APIKeyMiddleware, BodyLimitMiddleware, OpenRequestsMiddleware
 from router.ingress.errors import RequestTimeout, describe, log_failure
 from router.ingress.prompts import INLINE_CHARS, SLICE_CHARS, PromptEncoder
 
@@ -195,6 +195,69 @@ def test_the_api_key_is_checked_everywhere_but_the_probes(monkeypatch):
     assert _call(APIKeyMiddleware, method="GET", path="/openapi.json")[0] == 401
     for probe in ("/health", "/livez", "/metrics"):
         assert _call(APIKeyMiddleware, method="GET", path=probe)[0] == 200
+
+
+def test_beyond_the_open_bound_a_generation_request_is_refused_at_the_door(monkeypatch):
+    """With two generation requests open (held in the app) and a bound of two, a third gets a
+    429 with Retry-After at once, its body read but never parsed; other paths pass; once one
+    ends, a request goes in again; the count comes back to zero whatever the app did."""
+    monkeypatch.setattr(OpenRequestsMiddleware, "limit", lambda: 2)
+    monkeypatch.setattr(OpenRequestsMiddleware, "retry_after_s", 1.5)
+    monkeypatch.setattr(OpenRequestsMiddleware, "open", 0)
+    release, reached = asyncio.Event(), []
+
+    async def app(scope, receive, send):
+        reached.append(scope["path"])
+        if scope["path"] == "/v1/completions":
+            await release.wait()
+        if scope["path"] == "/boom":
+            raise RuntimeError("the app failed")
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok", "more_body": False})
+
+    async def one(path):
+        sent, body = [], [{"type": "http.request", "body": b"{}", "more_body": False}]
+
+        async def receive():
+            return body.pop(0) if body else {"type": "http.disconnect"}
+
+        async def send(message):
+            sent.append(message)
+        scope = {"type": "http", "method": "POST", "path": path, "headers": []}
+        try:
+            await OpenRequestsMiddleware(app)(scope, receive, send)
+        except RuntimeError:
+            return 500, {}
+        return sent[0]["status"], dict(sent[0]["headers"])
+
+    async def main():
+        held = [asyncio.ensure_future(one("/v1/completions")) for _ in range(2)]
+        await asyncio.sleep(0.01)
+        status, headers = await asyncio.wait_for(one("/v1/chat/completions"), 1)
+        assert (status, headers[b"retry-after"]) == (429, b"2")
+        assert reached == ["/v1/completions"] * 2  # the refused one never reached the app
+        assert (await one("/tokenize"))[0] == 200  # not a generation path
+        release.set()
+        assert [s for s, _ in await asyncio.gather(*held)] == [200, 200]
+        assert (await one("/v1/chat/completions"))[0] == 200
+
+    asyncio.run(main())
+    assert OpenRequestsMiddleware.open == 0
+    monkeypatch.setattr(OpenRequestsMiddleware, "limit", lambda: None)  # no bound known
+    assert _call(OpenRequestsMiddleware)[0] == 200
+
+
+def test_the_door_bound_is_this_replicas_share_of_the_decode_pool():
+    from types import SimpleNamespace
+
+    from router.ingress.service import RequestService
+    svc = SimpleNamespace(_decode_replicas=SimpleNamespace(value=3), _per_decode_replica=320,
+                          _ingress_replicas=2)
+    assert RequestService.open_limit(svc) == 480
+    svc._decode_replicas.value = 0  # none listed (starting, or all gone): no bound
+    assert RequestService.open_limit(svc) is None
+    svc._decode_replicas = None  # early refusal off
+    assert RequestService.open_limit(svc) is None
 
 
 # -- what a failure says ----------------------------------------------------------------------

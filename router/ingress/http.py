@@ -18,7 +18,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.sampling_params import SamplingParams, best_indices
 from router.ingress.chat import StreamSplitter, split_message
-from router.ingress.door import APIKeyMiddleware, BodyLimitMiddleware, StatusCountMiddleware
+from router.ingress.door import (APIKeyMiddleware, BodyLimitMiddleware, OpenRequestsMiddleware,
+                                 StatusCountMiddleware)
 from router.ingress.errors import UnknownModel, describe, log_failure, validation_message
 from router.ingress.protocol import (ChatCompletionRequest, CompletionRequest,
                                      DetokenizeRequest, TokenizeRequest)
@@ -28,6 +29,7 @@ from router.ingress.streams import Chunk, RequestStream
 app = FastAPI(title="Baton")
 TEXT, CHAT = "text_completion", "chat.completion"  # the two endpoints' answer objects
 # The last added runs first: the key is checked before any of the body is read.
+app.add_middleware(OpenRequestsMiddleware)
 app.add_middleware(BodyLimitMiddleware)
 app.add_middleware(APIKeyMiddleware)
 app.add_middleware(StatusCountMiddleware)
@@ -254,6 +256,8 @@ class HttpAdapter:
         APIKeyMiddleware.key = service.api_key
         BodyLimitMiddleware.max_bytes = service.max_request_bytes
         StatusCountMiddleware.count = service.metrics.count_http
+        OpenRequestsMiddleware.limit = service.open_limit
+        OpenRequestsMiddleware.retry_after_s = service.retry_after_s
 
     async def health(self):
         """Ready: 200 once a decode replica answers (so the app can serve a request), else 503

@@ -20,6 +20,7 @@ from ray.serve.exceptions import BackPressureError
 
 from contracts.messages import TIMELINE, GenerateResult, timeline
 from contracts.metrics import replica_id
+from contracts.role import ReplicaCount
 from engine.sampling_params import SamplingParams, fan_out
 from engine.model_source import load_tokenizer, resolve_model
 from engine.quantization import resolve_scheme
@@ -228,6 +229,20 @@ class RequestService:
         self.replica = replica_id()
         self.metrics = RouterMetrics()
         self.decode = decode
+        self.retry_after_s = cfg.retry_after_s
+        self._decode_replicas = ReplicaCount(decode) if cfg.early_refusal \
+            and cfg.decode_max_ongoing else None
+        self._per_decode_replica = (cfg.decode_max_ongoing or 0) + max(0, cfg.decode_max_queued
+                                                                        or 0)
+        self._ingress_replicas = cfg.num_replicas
+
+    def open_limit(self) -> int | None:
+        """This replica's share of what the decode pool holds (its live replicas' ongoing and
+        queued bounds), the door's bound on open generation requests; None while no decode
+        replica is listed (or early refusal is off): every request goes in."""
+        if self._decode_replicas is None or not (n := self._decode_replicas.value):
+            return None
+        return -(-n * self._per_decode_replica // self._ingress_replicas)
 
     async def prompt_ids(self, prompt) -> list[int]:
         """Token ids of a text (tokenized off the event loop when long) or of an id list."""

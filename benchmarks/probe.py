@@ -209,8 +209,9 @@ async def _burst(url: str, n: int, max_tokens: int, timeout: float) -> list[dict
         try:
             async with session.post(f"{url}/v1/completions", json=body) as resp:
                 if resp.status != 200:
-                    await resp.read()
-                    return {"status": resp.status, "seconds": time.monotonic() - t0}
+                    text = (await resp.read()).decode(errors="replace")
+                    return {"status": resp.status, "seconds": time.monotonic() - t0,
+                            "at_door": "requests open here" in text}
                 first = None
                 async for event in sse.aevents(resp.content):
                     if first is None and event.get("choices"):
@@ -241,9 +242,13 @@ def burst_main(argv=None) -> None:
     p.add_argument("--timeout", type=float, default=300)
     p.add_argument("--queue-timeout", type=float, default=None,
                    help="router.queue_timeout_s (default: the config's; 0: none)")
+    p.add_argument("--no-early-refusal", action="store_true",
+                   help="router.early_refusal false (refusals by Serve's bounds only)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     app_args = yaml.safe_load(Path("deploy/serve_config.yaml").read_text())["applications"][0]
+    if args.no_early_refusal:
+        app_args["args"].setdefault("router", {})["early_refusal"] = False
     if args.queue_timeout is not None:
         app_args["args"].setdefault("router", {})["queue_timeout_s"] = args.queue_timeout or None
     with local_ray(), served(app_args["args"]) as app:
@@ -253,6 +258,8 @@ def burst_main(argv=None) -> None:
     out = {"streams": args.streams, "served": len(served_), "refused_429": len(refused),
            "other": sorted({str(r["status"]) for r in rows} - {"200", "429"}),
            "refusal_seconds": _pcts(refused),
+           "refused_at_door": sum(1 for r in rows if r.get("at_door")),
+           "door_refusal_seconds": _pcts([r["seconds"] for r in rows if r.get("at_door")]),
            "served_ttft_seconds": _pcts([r["ttft"] for r in served_ if r.get("ttft")])}
     print(json.dumps(out), flush=True)
     if args.json:

@@ -45,7 +45,7 @@ def test_one_line_configs_and_the_open_port_warning():
                               quantization=None, kv_cache_dtype="fp8",
                               tensor_parallel_size=2, prefill_autoscaling=None,
                               decode_autoscaling=None, disaggregation="auto",
-                              max_local_prefill_length=None))()
+                              max_local_prefill_length=None, itl_target_ms=None))()
     config = serve_config_from_flags(args)
     app = config["applications"][0]["args"]
     assert app["mode"] == "colocated" and app["decode"]["num_replicas"] == 2
@@ -67,6 +67,9 @@ def test_one_line_configs_and_the_open_port_warning():
     assert app["decode"]["autoscaling_config"] == {"min_replicas": 1, "max_replicas": 3}
     assert "num_replicas" not in app["decode"] and app["prefill"]["num_replicas"] == 1
     BatonConfig(**app)
+    args.itl_target_ms = 20.0  # --itl-target-ms
+    app = serve_config_from_flags(args)["applications"][0]["args"]
+    assert BatonConfig(**app).disaggregation.itl_target_ms == 20.0
 
 
 def _listening(proc) -> set[tuple[str, int]]:

@@ -17,6 +17,8 @@ Tasks (models are ``dummy:`` specs: random weights, real shapes):
 - ``mixed``: per model, a new prompt (16/128/480 tokens) joining a decoding batch (0/8/64
   sequences) every step: ms per step with the piecewise graphs and eagerly, against the batch's
   decode steps.
+- ``overload``: per model, 256 requests at once into 64 slots, with the bounded wait
+  (``starvation_timeout_s`` 1 s) and without: output tok/s, preemptions, TTFT p50/p99.
 - ``onerow``: the decode graph alone (device time of one replay) at batch 1 with each one-row
   projection path (Triton skinny matmul with and without the RMSNorm folded in, cuBLAS), next to
   batch 64: how the engine's per-shape choice was made.
@@ -347,6 +349,42 @@ def _mixed_rows(model: str, graphed: bool, batches, prompt_lens, steps: int) -> 
     return rows
 
 
+def overload(model: str, seqs: int = 64, n: int = 256, prompt_len: int = 128,
+             new: int = 512) -> list[dict]:
+    """The bounded wait's cost under persistent overload: ``n`` requests at once (four times
+    ``max_num_seqs``) with ``starvation_timeout_s`` 1 s (the default) and off. Output tok/s,
+    preemptions (by recompute), and the requests' time to first token p50/p99."""
+    rows = []
+    for timeout in (1.0, None):
+        engine = _engine(model, max_num_seqs=seqs, starvation_timeout_s=timeout)
+        engine.add_request(_prompt(engine, 64, 99),
+                           SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        Recorder(engine).run()  # warm
+        t0, first = time.perf_counter(), {}
+        for i in range(n):
+            engine.add_request(_prompt(engine, prompt_len, i), SamplingParams(
+                temperature=0, max_tokens=new, ignore_eos=True), request_id=f"o{i}")
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.new_token_ids and out.request_id not in first:
+                    first[out.request_id] = time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        ttft = sorted(first.values())
+        rows.append({"task": "overload", "model": model, **_options(engine),
+                     "max_num_seqs": seqs, "requests": n, "starvation_timeout_s": timeout,
+                     "seconds": round(seconds, 2), "output_tok_s": round(n * new / seconds, 1),
+                     "preemptions": engine.scheduler.num_preemptions,
+                     "starvation_preemptions": engine.scheduler.num_starvation_preemptions,
+                     "ttft_p50_s": round(ttft[len(ttft) // 2], 2),
+                     "ttft_p99_s": round(ttft[int(len(ttft) * 0.99)], 2)})
+        while _ENGINES:
+            _ENGINES.pop().shutdown()
+        del engine
+        gc.collect()
+        torch.cuda.empty_cache()
+    return rows
+
+
 def hf_generate(model: str, prompt_len: int = 128, new: int = 128) -> dict:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -414,6 +452,8 @@ def main() -> None:
             emit(allreduce(model))
         if "mixed" in args.tasks:
             emit(mixed(model))
+        if "overload" in args.tasks:
+            emit(overload(model))
         if "hf" in args.tasks:
             emit(hf_generate(model))
     if "long" in args.tasks:

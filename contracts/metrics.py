@@ -65,7 +65,9 @@ class EngineMetrics:
             ("kv_cache_usage", "Fraction of KV blocks in use"),
             ("kv_blocks_used", "KV blocks in use"),
             ("kv_blocks_free", "KV blocks free"),
-            ("kv_blocks_held_by_transfers", "KV blocks leased to in-flight transfers"))}
+            ("kv_blocks_held_by_transfers", "KV blocks leased to in-flight transfers"),
+            ("kv_host_blocks_used", "Host-tier KV blocks holding a prefix (kv_offloading_size)"),
+            ("kv_host_blocks_free", "Host-tier KV blocks free"))}
         self.gauges = g
         self.counters = {name: m.Counter(f"baton_{name}", doc) for name, doc in (
             ("prompt_tokens", "Prompt tokens of the requests this engine took"),
@@ -75,6 +77,9 @@ class EngineMetrics:
             ("num_preemptions", "Sequences preempted (recomputed later)"),
             ("num_starvation_preemptions", "Of the preempted sequences, those preempted for "
              "a request that waited starvation_timeout_s"),
+            ("kv_host_hit_blocks", "Prompt blocks found in the host tier (not on the device)"),
+            ("kv_offload_bytes_to_host", "KV bytes copied from the device to the host tier"),
+            ("kv_offload_bytes_to_device", "KV bytes copied from the host tier to the device"),
             ("engine_steps", "Engine steps"))}
         self.finished = m.Counter("baton_request_success", "Requests ended, by finish reason",
                                   tag_keys=("finish_reason",))
@@ -112,7 +117,9 @@ class EngineMetrics:
         values = {"num_requests_running": snap.running, "num_requests_waiting": snap.waiting,
                   "num_requests_transferring": snap.transferring,
                   "kv_cache_usage": snap.kv_cache_usage, "kv_blocks_used": snap.kv_blocks_used,
-                  "kv_blocks_free": snap.kv_blocks_free}
+                  "kv_blocks_free": snap.kv_blocks_free,
+                  "kv_host_blocks_used": snap.host_blocks_used,
+                  "kv_host_blocks_free": snap.host_blocks_free}
         values.update(self.extra() if self.extra is not None else {})
         self.info.set(1, tags=self.info_tags)  # re-set: Ray exports a gauge set since its last report
         for name, value in values.items():
@@ -125,6 +132,9 @@ class EngineMetrics:
                   "prefix_cache_hits": snap.prefix_cache_hits,
                   "num_preemptions": snap.num_preemptions,
                   "num_starvation_preemptions": snap.num_starvation_preemptions,
+                  "kv_host_hit_blocks": snap.host_hit_blocks,
+                  "kv_offload_bytes_to_host": snap.host_bytes_to_host,
+                  "kv_offload_bytes_to_device": snap.host_bytes_to_device,
                   "engine_steps": stats.steps}
         for name, total in totals.items():
             self._rise(self.counters[name], name, total)

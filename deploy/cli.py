@@ -267,8 +267,8 @@ def serve_config_from_flags(args) -> dict:
               "kv_cache_dtype": args.kv_cache_dtype}
     if ranks > 1:
         engine["tensor_parallel_size"] = ranks
-    for key in ("max_model_len", "max_num_seqs"):
-        if getattr(args, key) is not None:
+    for key in ("max_model_len", "max_num_seqs", "kv_offloading_size"):
+        if getattr(args, key, None) is not None:
             engine[key] = getattr(args, key)
     if 0 < per_replica < 1:  # replicas sharing a GPU: each sizes its KV cache to its share
         engine["gpu_memory_utilization"] = round(0.9 * per_replica, 3)
@@ -449,6 +449,9 @@ def _serve_parser(sub) -> None:
                            help="context length (default: the model's)")
     serve_cmd.add_argument("--max-num-seqs", type=int, default=None,
                            help="sequences in one replica's running batch (default 256)")
+    serve_cmd.add_argument("--kv-offloading-size", type=float, default=None,
+                           help="GiB of host memory per replica under the prefix cache "
+                                "(vLLM's name; default 0: off)")
     _engine_flags(serve_cmd)
     serve_cmd.add_argument("--address", default=None,
                            help="join this Ray cluster (auto: the one `ray start` runs here) "

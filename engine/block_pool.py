@@ -59,6 +59,9 @@ class BlockPool:
         self.blocks[NULL_BLOCK].ref_cnt = 1  # pinned forever
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(1, num_blocks))
         self._cached: dict[int, int] = {}  # block hash -> block id
+        # Called with (block id, hash) as a cached block is handed out again (its KV about to be
+        # overwritten): the host tier's chance to keep a copy (engine.kv_offload).
+        self.on_evict = None
         self.hit_tokens = 0
         self.query_tokens = 0
 
@@ -129,6 +132,8 @@ class BlockPool:
             block_id, _ = self._free.popitem(last=False)  # least recently freed first
             block = self.blocks[block_id]
             if block.block_hash is not None:  # evict from the prefix cache
+                if self.on_evict is not None:
+                    self.on_evict(block_id, block.block_hash)
                 del self._cached[block.block_hash]
                 block.block_hash = None
             block.ref_cnt = 1

@@ -112,6 +112,10 @@ class EngineConfig(BaseModel):
     # wait for a batch of long ones to end. None: off (wait for a slot, or a worse priority's).
     starvation_timeout_s: float | None = Field(1.0, gt=0)
     enable_prefix_caching: bool = True
+    # GiB of host memory under the prefix cache (vLLM's kv_offloading_size; engine.kv_offload):
+    # full blocks leaving the device cache are kept there and copied back for a returning
+    # prefix instead of being computed again. 0: off.
+    kv_offloading_size: float = Field(0.0, ge=0)
     attention_backend: Literal["auto", "torch", "flashinfer"] = "auto"
     enforce_eager: bool = False  # True: no CUDA graphs
     cuda_graph_max_batch: int = Field(256, ge=1)  # largest captured decode batch
@@ -146,6 +150,9 @@ class EngineConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> "EngineConfig":
+        if self.kv_offloading_size and self.tensor_parallel_size > 1:
+            raise ValueError("kv_offloading_size: the host KV tier does not run with "
+                             "tensor_parallel_size > 1 yet")
         if self.dtype is not None:
             parse_dtype(self.dtype)
         if self.device not in ("auto", "cpu", "cuda") and not (

@@ -15,23 +15,36 @@ free queue); this module is where a sequence's token counts become block counts.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.block_pool import BlockPool, hash_blocks
+from engine.kv_offload import HostTier
 from engine.sequence import Sequence
 
 
 @dataclass(frozen=True)
 class PrefixHit:
     blocks: list[int]  # cached block ids of the prompt's leading full blocks
-    num_tokens: int  # tokens they hold (at most the sequence's tokens)
+    num_tokens: int  # tokens they hold, and the host tier's blocks (at most the sequence's)
+    host_blocks: list[int] = field(default_factory=list)  # the host tier's next blocks
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks) + len(self.host_blocks)
 
 
 class KVCacheManager:
-    def __init__(self, pool: BlockPool, block_size: int):
+    def __init__(self, pool: BlockPool, block_size: int, host: HostTier | None = None):
         self.pool = pool
         self.block_size = block_size
         self.num_releases = 0  # sequences whose blocks went back to the pool, ever
+        # The host tier (engine.kv_offload) and the copies it asks for, queued until the engine
+        # drains them (drain_copies): (device block, host block) out, (host, device) in.
+        self.host = host
+        self.to_host: list[tuple[int, int]] = []
+        self.to_device: list[tuple[int, int]] = []
+        if host is not None:
+            pool.on_evict = self._evicted
 
     # -- capacity ---------------------------------------------------------------------------
     @property
@@ -52,8 +65,11 @@ class KVCacheManager:
     def cached_tokens(self, token_ids: list[int]) -> int:
         """How many leading tokens of ``token_ids`` the prefix cache holds now (nothing taken:
         a probe, for deciding where a prompt is prefilled)."""
-        blocks = self.pool.match_prefix(hash_blocks(token_ids, self.block_size))
-        return min(len(blocks) * self.block_size, len(token_ids))
+        hashes = hash_blocks(token_ids, self.block_size)
+        blocks = self.pool.match_prefix(hashes)
+        host = self.host.match(hashes[len(blocks):]) if self.host is not None and \
+            self.pool.enable_prefix_caching else []
+        return min((len(blocks) + len(host)) * self.block_size, len(token_ids))
 
     # -- the verbs --------------------------------------------------------------------------
     def match(self, seq: Sequence) -> PrefixHit:
@@ -61,21 +77,47 @@ class KVCacheManager:
         if seq.params.prompt_logprobs is not None:  # every prompt position is computed
             return PrefixHit([], 0)
         blocks = self.pool.match_prefix(seq.block_hashes)
-        return PrefixHit(blocks, min(len(blocks) * self.block_size, seq.num_tokens))
+        host = self.host.match(seq.block_hashes[len(blocks):]) if self.host is not None and \
+            self.pool.enable_prefix_caching else []
+        return PrefixHit(blocks, min((len(blocks) + len(host)) * self.block_size,
+                                     seq.num_tokens), host)
 
     def allocate(self, seq: Sequence, hit: PrefixHit, num_tokens: int) -> bool:
         """Reference ``hit``'s blocks and allocate the rest of the blocks for ``seq``'s first
-        ``num_tokens`` tokens; False (nothing taken) when free blocks are short."""
+        ``num_tokens`` tokens; False (nothing taken) when free blocks are short. The first
+        new blocks take the host tier's hits: their copies in are queued, their hashes
+        registered (the copies run before any step that reads them)."""
         need = max(self.blocks_for(num_tokens) - len(hit.blocks), 0)
         if need + self.pool.num_blocks_to_touch(hit.blocks) > self.pool.num_free_blocks:
             return False
         self.pool.touch(hit.blocks)
         self.pool.record_lookup(seq.num_tokens, hit.num_tokens)
-        seq.block_ids = hit.blocks + self.pool.allocate(need)
+        loaded = seq.block_hashes[len(hit.blocks):hit.num_blocks]
+        if loaded:
+            self.host.take(loaded)  # kept until the copies are queued (drain_copies)
+        new = self.pool.allocate(need)
+        for i, (host_block, block_hash) in enumerate(zip(hit.host_blocks, loaded)):
+            self.to_device.append((host_block, new[i]))
+            self.pool.cache_block(new[i], block_hash)
+        seq.block_ids = hit.blocks + new
         seq.num_present_tokens = hit.num_tokens
         seq.num_cached_tokens = hit.num_tokens
-        seq.num_registered_blocks = len(hit.blocks)
+        seq.num_registered_blocks = hit.num_blocks
         return True
+
+    def _evicted(self, block_id: int, block_hash: int) -> None:
+        host_block = self.host.put(block_hash)
+        if host_block is not None:
+            self.to_host.append((block_id, host_block))
+
+    def drain_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """The copies queued since the last call, out (device, host) then in (host, device),
+        for the model runner to queue in that order before the next step."""
+        out, into = self.to_host, self.to_device
+        self.to_host, self.to_device = [], []
+        if self.host is not None:
+            self.host.release()
+        return out, into
 
     def grow(self, seq: Sequence, num_tokens: int) -> bool:
         """Blocks for ``seq``'s first ``num_tokens`` tokens; False (nothing taken) when free

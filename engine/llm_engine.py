@@ -38,6 +38,7 @@ from engine.errors import BadRequest
 from engine.executor import Executor
 from engine.input_processor import InputProcessor, Prompt
 from engine.kv_cache_manager import KVCacheManager
+from engine.kv_offload import HostTier
 from engine.kv_layout import KVCacheSpec, KVLayout
 from engine.outputs import RequestOutput, TopLogprobs
 from engine.sampler import Sampler
@@ -77,7 +78,12 @@ class LLMEngine:
         ex = self.executor
         self.processor = InputProcessor(ex.source, ex.max_model_len, config.block_size)
         self.pool = BlockPool(ex.runner.num_blocks, config.enable_prefix_caching)
-        self.kv_manager = KVCacheManager(self.pool, config.block_size)
+        self.host_tier: HostTier | None = None
+        if config.kv_offloading_size:
+            blocks = int(config.kv_offloading_size * 2**30 // ex.runner.block_bytes)
+            self.host_tier = HostTier(blocks)
+            ex.runner.allocate_host_tier(blocks)
+        self.kv_manager = KVCacheManager(self.pool, config.block_size, self.host_tier)
         self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens, ex.max_model_len,
                                    starvation_timeout_s=config.starvation_timeout_s)
@@ -209,6 +215,10 @@ class LLMEngine:
         self._fence_released_blocks()
         if not self.scheduler.reserve(seq):
             return None
+        if self._queue_kv_copies() and self.device.type == "cuda":
+            # Another engine writes these blocks: what the host tier keeps of their old KV is
+            # copied out before they are handed over.
+            torch.cuda.current_stream(self.device).synchronize()
         skip = seq.num_present_tokens // self.config.block_size
         return seq.request_id, seq.block_ids[skip:], seq.num_present_tokens
 
@@ -249,6 +259,8 @@ class LLMEngine:
     def reset_prefix_cache(self) -> int:
         """Make every cached block that no request holds a miss again (vLLM's
         ``reset_prefix_cache``): benchmarks that replay prompts start each point cold."""
+        if self.host_tier is not None:
+            self.host_tier.clear()
         return self.pool.reset_prefix_cache()
 
     def abort_request(self, request_id: str) -> bool:
@@ -297,6 +309,7 @@ class LLMEngine:
         prev = running.tokens if running is not None else None
         prompt_tokens = sum(n for s, n in zip(batch.seqs, batch.num_new_tokens)
                             if s.num_computed_tokens < s.num_prompt_tokens)
+        self._queue_kv_copies()
         started = self.step_cost.mark()
         logits = self.executor.execute(batch, prev)
         due = self.scheduler.advance(batch)
@@ -320,6 +333,16 @@ class LLMEngine:
             step.done = step.done_at
         step.releases = self.scheduler.num_releases
         return step
+
+    def _queue_kv_copies(self) -> bool:
+        """Queue the host tier's block copies (before the step that the scheduling which asked
+        for them launches); whether any copy went out to the host."""
+        if self.host_tier is None:
+            return False
+        to_host, to_device = self.kv_manager.drain_copies()
+        if to_host or to_device:
+            self.runner.copy_blocks(to_host, to_device)
+        return bool(to_host)
 
     def _to_host(self, t: torch.Tensor | None) -> torch.Tensor | None:
         if t is None or self.device.type != "cuda":

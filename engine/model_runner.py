@@ -118,6 +118,23 @@ class ModelRunner:
         share = total * self.config.gpu_memory_utilization - torch.cuda.memory_reserved(self.device)
         return min(share, free) - act
 
+    # -- the host tier (engine.kv_offload) ---------------------------------------------------
+    def allocate_host_tier(self, num_blocks: int) -> None:
+        """``num_blocks`` blocks of host memory shaped like the device's (pinned on CUDA), one
+        block of every layer one contiguous region, as on the device."""
+        self.host_kv = torch.empty((num_blocks, *self.kv_storage.shape[1:]),
+                                   dtype=self.kv_storage.dtype,
+                                   pin_memory=self.device.type == "cuda")
+
+    def copy_blocks(self, to_host: list[tuple[int, int]],
+                    to_device: list[tuple[int, int]]) -> None:
+        """Queue block copies on the current stream, out (device block, host block) first,
+        then in (host block, device block); nothing waits."""
+        for d, h in to_host:
+            self.host_kv[h].copy_(self.kv_storage[d], non_blocking=True)
+        for h, d in to_device:
+            self.kv_storage[d].copy_(self.host_kv[h], non_blocking=True)
+
     # -- start-up ---------------------------------------------------------------------------
     def warm_up(self, progress: bool = True) -> None:
         """Set the one-row projection kernels, compile every kernel variant (a full-budget

@@ -227,8 +227,8 @@ class Scheduler:
                 budget += freed
                 continue
             hit = self.kv.match(seq)
-            if len(hit.blocks) < len(seq.block_hashes) and \
-                    seq.block_hashes[len(hit.blocks)] in computing:
+            if hit.num_blocks < len(seq.block_hashes) and \
+                    seq.block_hashes[hit.num_blocks] in computing:
                 # Its next prompt block is being computed by a running sequence (the same
                 # prompt: n sequences of one request, or concurrent requests with a shared
                 # prefix): wait for it to land in the prefix cache instead of computing it too.
@@ -292,8 +292,8 @@ class Scheduler:
                 or now - starved.arrival_time < bound:
             return None
         hit = self.kv.match(starved)
-        if len(hit.blocks) < len(starved.block_hashes) and \
-                starved.block_hashes[len(hit.blocks)] in computing:
+        if hit.num_blocks < len(starved.block_hashes) and \
+                starved.block_hashes[hit.num_blocks] in computing:
             return None  # it would wait for a running sequence's block anyway (see above)
         victim = max((s for s in self.running if s.params.priority == priority
                       and self._may_give_way(s, now, bound)),

@@ -28,6 +28,13 @@ class EngineSnapshot:
     num_starvation_preemptions: int = 0  # of those, for a request past starvation_timeout_s
     finished_by_reason: dict[str, int] = field(default_factory=dict)
     stats: object = None  # engine.llm_engine.EngineStats, a copy
+    # The host tier (kv_offloading_size; zeros without it): blocks held and free, blocks found
+    # there, bytes copied each way
+    host_blocks_used: int = 0
+    host_blocks_free: int = 0
+    host_hit_blocks: int = 0
+    host_bytes_to_host: int = 0
+    host_bytes_to_device: int = 0
 
     @property
     def kv_cache_usage(self) -> float:
@@ -50,7 +57,20 @@ def snapshot_of(engine) -> EngineSnapshot:
         kv_blocks_free=pool.num_free_blocks, prefix_cache_queries=pool.query_tokens,
         prefix_cache_hits=pool.hit_tokens, num_preemptions=sched.num_preemptions,
         num_starvation_preemptions=sched.num_starvation_preemptions,
-        finished_by_reason=dict(sched.finished_by_reason), stats=replace(engine.stats))
+        finished_by_reason=dict(sched.finished_by_reason), stats=replace(engine.stats),
+        **host_tier_figures(engine))
+
+
+def host_tier_figures(engine) -> dict:
+    tier = getattr(engine, "host_tier", None)
+    if tier is None:
+        return {}
+    block = engine.runner.block_bytes
+    return {"host_blocks_used": tier.num_used_blocks,
+            "host_blocks_free": tier.num_blocks - tier.num_used_blocks,
+            "host_hit_blocks": tier.hit_blocks,
+            "host_bytes_to_host": tier.stored_blocks * block,
+            "host_bytes_to_device": tier.loaded_blocks * block}
 
 
 class StatsFeed:

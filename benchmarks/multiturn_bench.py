@@ -1,0 +1,149 @@
+"""Multi-turn conversations whose KV outgrows the device cache, with and without the host tier
+(``kv_offloading_size``), on the offline engine.
+
+    python -m benchmarks.multiturn_bench --model dummy:Qwen3-8B --conversations 32 --turns 6 \
+        --system 2048 --turn-tokens 1024 --output 128 --device-kv-gb 12 --host-gb 48 \
+        --json results/multiturn.json
+
+Every conversation shares a system prompt of ``--system`` tokens; each turn adds a user
+message of ``--turn-tokens`` tokens to its history (and the answer of ``--output`` tokens once
+it is made). A turn sends every conversation's next request at once and waits for them all, so
+by the last turn each history is ``system + turns x (turn + output)`` tokens, and together they
+hold far more KV than ``--device-kv-gb``: without the tier a returning conversation's prefix has
+been evicted and is computed again; with it, its blocks come back from host memory. Reported per
+setting: the first turn's and the returning turns' time to first token (p50/p99, from the
+turn's start), output tokens/s over the whole run, the tier's blocks found and bytes copied each
+way, and the host link's pinned copy rate measured in the same process (``--host-gb 0`` runs the
+engine without the tier).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from engine import EngineConfig, SamplingParams
+from engine.llm_engine import LLMEngine
+
+
+def pinned_copy_gbps(gb: float = 1.0) -> dict:
+    """Host ↔ device copy rate of one pinned buffer (GB/s each way), on CUDA."""
+    if not torch.cuda.is_available():
+        return {}
+    n = int(gb * 2**30)
+    host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(n, dtype=torch.uint8, device="cuda")
+    out = {}
+    for name, (dst, src) in {"to_device": (dev, host), "to_host": (host, dev)}.items():
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(3):
+            dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        out[name] = round(3 * n / (time.perf_counter() - t0) / 1e9, 1)
+    return out
+
+
+def _pcts(values: list[float]) -> dict:
+    v = sorted(values)
+    return {"p50": round(statistics.median(v) * 1e3, 1),
+            "p99": round(v[min(len(v) - 1, int(0.99 * len(v)))] * 1e3, 1)} if v else {}
+
+
+def run(args, host_gb: float) -> dict:
+    longest = args.system + args.turns * (args.turn_tokens + args.output) + 16
+    kw = dict(model=args.model, max_num_seqs=args.conversations, max_model_len=longest,
+              max_num_batched_tokens=args.batched_tokens, kv_offloading_size=host_gb,
+              show_progress=False, seed=0)
+    if args.device_kv_gb:
+        kw["kv_cache_memory_gb"] = args.device_kv_gb
+    if args.num_blocks:
+        kw["num_blocks"] = args.num_blocks
+    engine = LLMEngine(EngineConfig(**kw))
+    g = torch.Generator().manual_seed(0)
+    vocab = engine.vocab_size
+
+    def rand(n: int) -> list[int]:
+        return torch.randint(10, vocab - 10, (n,), generator=g).tolist()
+
+    system = rand(args.system)
+    histories = [system + rand(args.turn_tokens) for _ in range(args.conversations)]
+    params = SamplingParams(temperature=0, max_tokens=args.output, ignore_eos=True)
+    ttft: dict[int, list[float]] = {}
+    produced, t_all = 0, time.perf_counter()
+    for turn in range(args.turns):
+        t0 = time.perf_counter()
+        rids = {engine.add_request(h, params): c for c, h in enumerate(histories)}
+        answers: dict[str, list[int]] = {rid: [] for rid in rids}
+        first: dict[str, float] = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.new_token_ids and out.request_id not in first:
+                    first[out.request_id] = time.perf_counter() - t0
+                answers[out.request_id] += out.new_token_ids
+        ttft[turn] = list(first.values())
+        for rid, c in rids.items():
+            produced += len(answers[rid])
+            histories[c] = histories[c] + answers[rid] + rand(args.turn_tokens)
+    seconds = time.perf_counter() - t_all
+    tier = engine.host_tier
+    block = engine.runner.block_bytes
+    row = {"host_gb": host_gb, "device_kv_blocks": engine.pool.num_usable_blocks,
+           "device_kv_gb": round(engine.pool.num_usable_blocks * block / 2**30, 2),
+           "working_set_gb": round(args.conversations * longest * block
+                                   / engine.config.block_size / 2**30, 2),
+           "first_turn_ttft_ms": _pcts(ttft[0]),
+           "returning_ttft_ms": _pcts([t for k, v in ttft.items() if k for t in v]),
+           "last_turn_ttft_ms": _pcts(ttft[args.turns - 1]),
+           "output_tok_s": round(produced / seconds, 1), "seconds": round(seconds, 2),
+           "prefix_hit_rate": round(engine.pool.hit_rate, 3)}
+    if tier is not None:
+        row.update(host_blocks=tier.num_blocks, host_hit_blocks=tier.hit_blocks,
+                   gb_to_host=round(tier.stored_blocks * block / 1e9, 2),
+                   gb_to_device=round(tier.loaded_blocks * block / 1e9, 2))
+    engine.shutdown()
+    return row
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--conversations", type=int, default=32)
+    p.add_argument("--turns", type=int, default=6)
+    p.add_argument("--system", type=int, default=2048)
+    p.add_argument("--turn-tokens", type=int, default=1024)
+    p.add_argument("--output", type=int, default=128)
+    p.add_argument("--batched-tokens", type=int, default=8192)
+    p.add_argument("--device-kv-gb", type=float, default=None)
+    p.add_argument("--num-blocks", type=int, default=None)
+    p.add_argument("--host-gb", type=float, default=48.0, help="the tier's size in the run with it")
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    out = {"args": vars(args), "pinned_copy_GBps": pinned_copy_gbps(),
+           "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+           "date": time.strftime("%Y-%m-%d"), "rows": []}
+    print(json.dumps(out["pinned_copy_GBps"]), flush=True)
+    for host_gb in (args.host_gb, 0.0):
+        row = run(args, host_gb)
+        out["rows"].append(row)
+        print(json.dumps(row), flush=True)
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    with_tier, without = out["rows"]
+    if with_tier["returning_ttft_ms"] and without["returning_ttft_ms"]:
+        out["returning_ttft_p50_x"] = round(without["returning_ttft_ms"]["p50"]
+                                            / with_tier["returning_ttft_ms"]["p50"], 2)
+        out["tok_s_x"] = round(with_tier["output_tok_s"] / without["output_tok_s"], 2)
+        print(f"returning turns' TTFT p50 {out['returning_ttft_p50_x']}x lower with the tier, "
+              f"output tok/s {out['tok_s_x']}x", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

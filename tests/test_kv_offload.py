@@ -1,0 +1,120 @@
+"""The host-memory KV tier (``kv_offloading_size``, engine/kv_offload.py) on the CPU: its LRU and
+bound; prompts that return after their blocks left the device pool are served from it with the
+greedy tokens of an engine without it (and of one that never evicted them); an FP8 cache through
+it; an abort after a host hit leaves nothing held; a hand-over reservation counts host hits as
+present, so only the rest is transferred."""
+
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.kv_offload import HostTier
+from tests.models import random_prompts
+
+BLOCK_BYTES = 16384  # tiny, float32, block size 16
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+
+def test_host_tier_keeps_the_most_recent_blocks_within_its_bound():
+    tier = HostTier(3)
+    assert [tier.put(h) for h in (10, 11, 12)] == [0, 1, 2]
+    assert tier.put(11) is None  # held: now the most recent
+    assert tier.put(13) == 0  # the least recent (10) goes
+    assert 10 not in tier and tier.match([11, 12, 13]) == [1, 2, 0]
+    assert tier.match([12, 99, 13]) == [2]  # a leading run only
+    tier.take([12])  # a prompt reads it: not overwritten until released
+    assert tier.put(14) == 1 and tier.put(15) == 0  # 11 and 13 go, 12 stays
+    tier.take([14, 15])
+    assert tier.put(16) is None  # every block is being read: nothing to give
+    tier.release()
+    assert tier.put(16) == 2 and tier.evicted_blocks == 4  # 10, 11, 13, then 12
+    assert tier.clear() == 3 and tier.match([14]) == []
+
+
+def _llm(**kw) -> LLM:
+    return LLM("tiny", show_progress=False, seed=0, **kw)
+
+
+def _tokens(llm: LLM, prompts) -> list[list[int]]:
+    return [o.token_ids for o in llm.generate(prompts, GREEDY)]
+
+
+@pytest.mark.parametrize("kv", ["auto", "fp8"])
+def test_a_returning_prompt_is_served_from_the_host_tier_with_the_same_tokens(kv):
+    """A 64-token prompt, then enough others to push its blocks out of a 16-block device
+    pool, then the prompt again: its four blocks come back from the host tier (no compute),
+    and every answer equals an engine's without the tier."""
+    first, *others = random_prompts([64, 80, 80, 80], seed=5)
+    size = 64 * BLOCK_BYTES / 2**30
+    tiered = _llm(num_blocks=16, kv_offloading_size=size, kv_cache_dtype=kv)
+    plain = _llm(num_blocks=16, kv_cache_dtype=kv)
+    runs = []
+    for llm in (tiered, plain):
+        out = _tokens(llm, [first])
+        out += _tokens(llm, others)  # one at a time would keep some; together they evict
+        again = llm.generate([first], GREEDY)[0]
+        runs.append((out + [again.token_ids], again.num_cached_tokens))
+    tier = tiered.engine.host_tier
+    assert runs[0][0] == runs[1][0]
+    assert runs[1][1] == 0 and runs[0][1] == 64  # its four blocks, from the host
+    assert tier.hit_blocks >= 3 and tier.loaded_blocks >= 3 and tier.stored_blocks >= 4
+
+
+def test_the_tier_bound_holds_and_a_prompt_beyond_it_is_computed():
+    tiered = _llm(num_blocks=16, kv_offloading_size=2 * BLOCK_BYTES / 2**30)
+    first, *others = random_prompts([64, 80, 80, 80], seed=6)
+    _tokens(tiered, [first])
+    _tokens(tiered, others)
+    tier = tiered.engine.host_tier
+    assert tier.num_blocks == 2 and tier.num_used_blocks <= 2
+    assert tiered.generate([first], GREEDY)[0].num_cached_tokens <= 32
+
+
+def test_an_abort_after_a_host_hit_leaves_nothing_held():
+    tiered = _llm(num_blocks=16, kv_offloading_size=64 * BLOCK_BYTES / 2**30)
+    engine = tiered.engine
+    first, *others = random_prompts([64, 80, 80, 80], seed=7)
+    _tokens(tiered, [first])
+    _tokens(tiered, others)
+    loaded = engine.host_tier.loaded_blocks
+    rid = engine.add_request(first, GREEDY)
+    engine.step()  # scheduled: the host blocks copied in, the rest prefilled
+    assert engine.host_tier.loaded_blocks > loaded
+    engine.abort_request(rid)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.pool.num_used_blocks == 0 and not engine.kv_manager.to_device
+
+
+def test_a_reservation_counts_host_hits_as_present():
+    """The decode role: a prompt whose leading blocks the host tier holds reserves blocks for
+    the rest only (the hand-over moves less)."""
+    tiered = _llm(num_blocks=16, kv_offloading_size=64 * BLOCK_BYTES / 2**30)
+    engine = tiered.engine
+    first, *others = random_prompts([64, 80, 80, 80], seed=8)
+    _tokens(tiered, [first])
+    _tokens(tiered, others)
+    prompt = first + [7] * 16
+    rid, blocks, present = engine.reserve(prompt, GREEDY)
+    assert present == 64 and len(blocks) == 1  # four blocks from the host, one to transfer
+    engine.abort_request(rid)
+    assert engine.pool.num_used_blocks == 0
+
+
+def test_tensor_parallelism_with_the_tier_is_refused_at_start():
+    from engine.config import EngineConfig
+    with pytest.raises(ValueError, match="kv_offloading_size"):
+        EngineConfig(model="tiny", kv_offloading_size=1, tensor_parallel_size=2)
+
+
+def test_the_tier_shows_in_the_engine_snapshot():
+    from engine.snapshot import snapshot_of
+    tiered = _llm(num_blocks=16, kv_offloading_size=64 * BLOCK_BYTES / 2**30)
+    first, *others = random_prompts([64, 80, 80, 80], seed=9)
+    _tokens(tiered, [first])
+    _tokens(tiered, others)
+    _tokens(tiered, [first])
+    snap = snapshot_of(tiered.engine)
+    assert snap.host_blocks_used + snap.host_blocks_free == 64
+    assert snap.host_hit_blocks >= 4 and snap.host_bytes_to_device >= 4 * BLOCK_BYTES
+    assert snap.host_bytes_to_host >= snap.host_bytes_to_device
+    assert snapshot_of(_llm(num_blocks=16).engine).host_blocks_used == 0

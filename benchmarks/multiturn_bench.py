@@ -7,7 +7,8 @@
 
 Every conversation shares a system prompt of ``--system`` tokens; each turn adds a user
 message of ``--turn-tokens`` tokens to its history (and the answer of ``--output`` tokens once
-it is made). A turn sends every conversation's next request at once and waits for them all, so
+it is made). A turn sends every conversation's next request at once and waits for them all
+(or, with ``--think-s``, each conversation returns that long after its own answer), so
 by the last turn each history is ``system + turns x (turn + output)`` tokens, and together they
 hold far more KV than ``--device-kv-gb``: without the tier a returning conversation's prefix has
 been evicted and is computed again; with it, its blocks come back from host memory. Reported per
@@ -74,22 +75,51 @@ def run(args, host_gb: float) -> dict:
     system = rand(args.system)
     histories = [system + rand(args.turn_tokens) for _ in range(args.conversations)]
     params = SamplingParams(temperature=0, max_tokens=args.output, ignore_eos=True)
-    ttft: dict[int, list[float]] = {}
+    ttft: dict[int, list[float]] = {t: [] for t in range(args.turns)}
     produced, t_all = 0, time.perf_counter()
-    for turn in range(args.turns):
-        t0 = time.perf_counter()
-        rids = {engine.add_request(h, params): c for c, h in enumerate(histories)}
-        answers: dict[str, list[int]] = {rid: [] for rid in rids}
-        first: dict[str, float] = {}
-        while engine.has_unfinished_requests():
+    if args.think_s is None:  # every conversation's next turn at once, turn after turn
+        for turn in range(args.turns):
+            t0 = time.perf_counter()
+            rids = {engine.add_request(h, params): c for c, h in enumerate(histories)}
+            answers: dict[str, list[int]] = {rid: [] for rid in rids}
+            first: dict[str, float] = {}
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.new_token_ids and out.request_id not in first:
+                        first[out.request_id] = time.perf_counter() - t0
+                    answers[out.request_id] += out.new_token_ids
+            ttft[turn] = list(first.values())
+            for rid, c in rids.items():
+                produced += len(answers[rid])
+                histories[c] = histories[c] + answers[rid] + rand(args.turn_tokens)
+    else:  # each conversation returns think_s after its answer, at its own time
+        turn_of = [0] * args.conversations
+        due = {c: t_all + c * args.stagger_s for c in range(args.conversations)}
+        live: dict[str, tuple[int, float]] = {}  # request -> (conversation, sent at)
+        answers, first = {}, set()
+        while due or live:
+            now = time.perf_counter()
+            for c in [c for c, t in due.items() if t <= now]:
+                del due[c]
+                rid = engine.add_request(histories[c], params)
+                live[rid], answers[rid] = (c, now), []
+            if not engine.has_unfinished_requests():
+                time.sleep(0.001)
+                continue
             for out in engine.step():
+                c, sent = live[out.request_id]
                 if out.new_token_ids and out.request_id not in first:
-                    first[out.request_id] = time.perf_counter() - t0
+                    first.add(out.request_id)
+                    ttft[turn_of[c]].append(time.perf_counter() - sent)
                 answers[out.request_id] += out.new_token_ids
-        ttft[turn] = list(first.values())
-        for rid, c in rids.items():
-            produced += len(answers[rid])
-            histories[c] = histories[c] + answers[rid] + rand(args.turn_tokens)
+                if out.finished:
+                    del live[out.request_id]
+                    produced += len(answers[out.request_id])
+                    histories[c] = histories[c] + answers.pop(out.request_id) \
+                        + rand(args.turn_tokens)
+                    turn_of[c] += 1
+                    if turn_of[c] < args.turns:
+                        due[c] = time.perf_counter() + args.think_s
     seconds = time.perf_counter() - t_all
     tier = engine.host_tier
     block = engine.runner.block_bytes
@@ -122,6 +152,11 @@ def main(argv=None) -> None:
     p.add_argument("--device-kv-gb", type=float, default=None)
     p.add_argument("--num-blocks", type=int, default=None)
     p.add_argument("--host-gb", type=float, default=48.0, help="the tier's size in the run with it")
+    p.add_argument("--think-s", type=float, default=None,
+                   help="each conversation returns this long after its answer, at its own "
+                        "time (default: every conversation's turn at once, turn after turn)")
+    p.add_argument("--stagger-s", type=float, default=0.2,
+                   help="with --think-s: the conversations' first turns this far apart")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     out = {"args": vars(args), "pinned_copy_GBps": pinned_copy_gbps(),

@@ -118,3 +118,21 @@ def test_the_tier_shows_in_the_engine_snapshot():
     assert snap.host_hit_blocks >= 4 and snap.host_bytes_to_device >= 4 * BLOCK_BYTES
     assert snap.host_bytes_to_host >= snap.host_bytes_to_device
     assert snapshot_of(_llm(num_blocks=16).engine).host_blocks_used == 0
+
+
+@pytest.mark.parametrize("think", [None, 0.01], ids=["turns-at-once", "own-times"])
+def test_the_multiturn_benchmark_runs_both_ways(tmp_path, think):
+    import json
+
+    from benchmarks import multiturn_bench
+    out = tmp_path / "multiturn.json"
+    argv = ["--conversations", "3", "--turns", "3", "--system", "32", "--turn-tokens", "32",
+            "--output", "4", "--num-blocks", "16", "--host-gb", str(64 * BLOCK_BYTES / 2**30),
+            "--json", str(out)]
+    if think is not None:
+        argv += ["--think-s", str(think), "--stagger-s", "0.01"]
+    multiturn_bench.main(argv)
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["host_gb"] > 0 for r in rows] == [True, False]
+    assert rows[0]["host_hit_blocks"] > 0 and rows[0]["returning_ttft_ms"]["p50"] > 0
+    assert rows[0]["prefix_hit_rate"] > rows[1]["prefix_hit_rate"]

@@ -97,6 +97,14 @@ def _engine(model: str, **kw) -> LLMEngine:
     return engine
 
 
+def _release_engines() -> None:
+    """Stop the engines the task made and give their GPU memory back before the next one."""
+    while _ENGINES:
+        _ENGINES.pop().shutdown()
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
 def _options(engine: LLMEngine) -> dict:
     """What every row says of its engine."""
     return {"weights": engine.weights_name, "kv_cache": str(engine.runner.kv_dtype)[6:],
@@ -307,10 +315,7 @@ def mixed(model: str, batches=(0, 8, 64), prompt_lens=(16, 128, 480), steps: int
     rows = []
     for graphed in (True, False):
         rows += _mixed_rows(model, graphed, batches, prompt_lens, steps)
-        while _ENGINES:
-            _ENGINES.pop().shutdown()
-        gc.collect()
-        torch.cuda.empty_cache()
+        _release_engines()
     return rows
 
 
@@ -377,11 +382,8 @@ def overload(model: str, seqs: int = 64, n: int = 256, prompt_len: int = 128,
                      "starvation_preemptions": engine.scheduler.num_starvation_preemptions,
                      "ttft_p50_s": round(ttft[len(ttft) // 2], 2),
                      "ttft_p99_s": round(ttft[int(len(ttft) * 0.99)], 2)})
-        while _ENGINES:
-            _ENGINES.pop().shutdown()
         del engine
-        gc.collect()
-        torch.cuda.empty_cache()
+        _release_engines()
     return rows
 
 
@@ -434,10 +436,7 @@ def main() -> None:
         for r in result if isinstance(result, list) else [result]:
             rows.append(r)
             print(json.dumps(r), flush=True)
-        while _ENGINES:
-            _ENGINES.pop().shutdown()
-        gc.collect()
-        torch.cuda.empty_cache()
+        _release_engines()
 
     for model in args.decode_models:
         if "sizes" in args.tasks:

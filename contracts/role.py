@@ -194,17 +194,21 @@ class ReplicaCount:
         return self._value
 
     async def _count(self) -> None:
-        import ray
-
-        def count() -> int:
-            return sum(1 for e in ray.util.list_named_actors(all_namespaces=True)
-                       if e["name"].startswith(self.prefix))
         try:
-            self._value = await asyncio.to_thread(count)
+            self._value = len(await asyncio.to_thread(replica_names, self.prefix))
         except Exception:  # noqa: BLE001 - the registry did not answer: keep the last count
             pass
         finally:
             self._counting = False
+
+
+def replica_names(prefix: str) -> list[dict]:
+    """The named actors (``name``, ``namespace``) whose name starts with ``prefix`` (blocking:
+    the cluster's registry)."""
+    import ray
+
+    return [e for e in ray.util.list_named_actors(all_namespaces=True)
+            if e["name"].startswith(prefix)]
 
 
 def replica_actors(prefix: str) -> list:
@@ -212,12 +216,11 @@ def replica_actors(prefix: str) -> list:
     import ray
 
     actors = []
-    for entry in ray.util.list_named_actors(all_namespaces=True):
-        if entry["name"].startswith(prefix):
-            try:
-                actors.append(ray.get_actor(entry["name"], namespace=entry["namespace"]))
-            except ValueError:  # gone since it was listed
-                continue
+    for entry in replica_names(prefix):
+        try:
+            actors.append(ray.get_actor(entry["name"], namespace=entry["namespace"]))
+        except ValueError:  # gone since it was listed
+            continue
     return actors
 
 

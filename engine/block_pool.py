@@ -38,6 +38,17 @@ def hash_blocks(token_ids: Sequence[int], block_size: int, parent: int | None = 
     return hashes
 
 
+def leading_run(table: dict[int, int], block_hashes: Sequence[int]) -> list[int]:
+    """``table``'s values for the leading run of ``block_hashes`` it holds (a prefix lookup)."""
+    out = []
+    for h in block_hashes:
+        value = table.get(h)
+        if value is None:
+            break
+        out.append(value)
+    return out
+
+
 @dataclass
 class Block:
     block_id: int
@@ -85,14 +96,7 @@ class BlockPool:
     # -- prefix cache -----------------------------------------------------------------------
     def match_prefix(self, block_hashes: Sequence[int]) -> list[int]:
         """Block ids of the longest cached prefix (not yet referenced: call :meth:`touch`)."""
-        hits = []
-        if self.enable_prefix_caching:
-            for h in block_hashes:
-                block_id = self._cached.get(h)
-                if block_id is None:
-                    break
-                hits.append(block_id)
-        return hits
+        return leading_run(self._cached, block_hashes) if self.enable_prefix_caching else []
 
     def record_lookup(self, queried_tokens: int, hit_tokens: int) -> None:
         self.query_tokens += queried_tokens

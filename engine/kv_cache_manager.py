@@ -67,8 +67,7 @@ class KVCacheManager:
         a probe, for deciding where a prompt is prefilled)."""
         hashes = hash_blocks(token_ids, self.block_size)
         blocks = self.pool.match_prefix(hashes)
-        host = self.host.match(hashes[len(blocks):]) if self.host is not None and \
-            self.pool.enable_prefix_caching else []
+        host = self._host_hits(hashes[len(blocks):])
         return min((len(blocks) + len(host)) * self.block_size, len(token_ids))
 
     # -- the verbs --------------------------------------------------------------------------
@@ -77,8 +76,7 @@ class KVCacheManager:
         if seq.params.prompt_logprobs is not None:  # every prompt position is computed
             return PrefixHit([], 0)
         blocks = self.pool.match_prefix(seq.block_hashes)
-        host = self.host.match(seq.block_hashes[len(blocks):]) if self.host is not None and \
-            self.pool.enable_prefix_caching else []
+        host = self._host_hits(seq.block_hashes[len(blocks):])
         return PrefixHit(blocks, min((len(blocks) + len(host)) * self.block_size,
                                      seq.num_tokens), host)
 
@@ -104,6 +102,13 @@ class KVCacheManager:
         seq.num_cached_tokens = hit.num_tokens
         seq.num_registered_blocks = hit.num_blocks
         return True
+
+    def _host_hits(self, block_hashes: list[int]) -> list[int]:
+        """The host tier's blocks for the leading run of ``block_hashes`` (those past the
+        device cache's hits)."""
+        if self.host is None or not self.pool.enable_prefix_caching:
+            return []
+        return self.host.match(block_hashes)
 
     def _evicted(self, block_id: int, block_hash: int) -> None:
         host_block = self.host.put(block_hash)

@@ -23,6 +23,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from engine.block_pool import leading_run
+
 
 class HostTier:
     """``num_blocks`` host blocks; ``hash -> host block`` in least-recently-used order."""
@@ -31,30 +33,29 @@ class HostTier:
         if num_blocks < 1:
             raise ValueError("kv_offloading_size holds no block")
         self.num_blocks = num_blocks
-        self._free = list(range(num_blocks - 1, -1, -1))
         self._lru: OrderedDict[int, int] = OrderedDict()
         self._pinned: set[int] = set()  # host blocks a queued copy into the device reads
+        self.clear()
         self.stored_blocks = 0  # copies device -> host, ever
         self.loaded_blocks = 0  # copies host -> device, ever
-        self.hit_blocks = 0  # blocks a prompt found here (not on the device)
         self.evicted_blocks = 0
 
     @property
     def num_used_blocks(self) -> int:
         return len(self._lru)
 
+    @property
+    def hit_blocks(self) -> int:
+        """Blocks prompts found here (not on the device): each is copied in, so these are the
+        copies host -> device."""
+        return self.loaded_blocks
+
     def __contains__(self, block_hash: int) -> bool:
         return block_hash in self._lru
 
     def match(self, block_hashes: Sequence[int]) -> list[int]:
         """Host blocks of the leading run of ``block_hashes`` held here (nothing taken)."""
-        out = []
-        for h in block_hashes:
-            block = self._lru.get(h)
-            if block is None:
-                break
-            out.append(block)
-        return out
+        return leading_run(self._lru, block_hashes)
 
     def take(self, block_hashes: Sequence[int]) -> None:
         """The prompt of these hashes reads their host blocks: most recently used, and never
@@ -62,7 +63,6 @@ class HostTier:
         for h in block_hashes:
             self._lru.move_to_end(h)
             self._pinned.add(self._lru[h])
-        self.hit_blocks += len(block_hashes)
         self.loaded_blocks += len(block_hashes)
 
     def release(self) -> None:

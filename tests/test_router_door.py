@@ -319,3 +319,37 @@ def test_client_errors_log_one_line_server_faults_their_traceback(caplog):
     first, second = caplog.records
     assert first.exc_info is None and "\n" not in first.getMessage()
     assert second.exc_info is not None and "request b" in second.getMessage()
+
+
+def test_the_decode_pool_count_is_kept_off_the_door_and_refreshed_in_the_background(
+        monkeypatch):
+    """contracts.role.ReplicaCount: the door reads the last count at once (None before the
+    first), a recount runs in the background once it is ``refresh_s`` old, and a registry that
+    fails keeps the last count."""
+    import contracts.role as role
+
+    listed = [{"name": "SERVE_REPLICA::x#a"}, {"name": "SERVE_REPLICA::x#b"}]
+    monkeypatch.setattr(role, "replica_actor_prefix", lambda handle: "SERVE_REPLICA::x#")
+    monkeypatch.setattr(role, "replica_names", lambda prefix: list(listed))
+
+    async def main():
+        count = role.ReplicaCount(object(), refresh_s=0.05)
+        assert count.value is None  # the first count starts now, in the background
+        await asyncio.sleep(0.02)
+        assert count.value == 2
+        listed.append({"name": "SERVE_REPLICA::x#c"})
+        assert count.value == 2  # not yet stale
+        await asyncio.sleep(0.06)
+        count.value  # stale: a recount starts
+        await asyncio.sleep(0.02)
+        assert count.value == 3
+
+        def broken(prefix):
+            raise RuntimeError("the registry did not answer")
+        monkeypatch.setattr(role, "replica_names", broken)
+        await asyncio.sleep(0.06)
+        count.value
+        await asyncio.sleep(0.02)
+        assert count.value == 3
+
+    asyncio.run(main())

@@ -42,6 +42,13 @@ class SweepConfig(BaseModel):
     request_timeout_s: float = Field(300.0, gt=0)
     deploy_timeout_s: float = Field(900.0, gt=0)
     temperature: float = Field(0.0, ge=0)
+    # Ingress replicas of each layout's app (RouterConfig.num_replicas): layouts of several GPUs
+    # stream more tokens than one ingress replica relays.
+    router_replicas: int = Field(1, ge=1)
+    # Open loop: locust processes sharing each load (each sends rate/processes on its own seeded
+    # schedule, a slice of the workload): one process's parsing of the streams bounds what it
+    # measures on fast layouts.
+    processes: int = Field(1, ge=1)
 
     @model_validator(mode="after")
     def _one_load_axis(self) -> "SweepConfig":
@@ -54,6 +61,13 @@ class SweepConfig(BaseModel):
         for name in self.layouts:
             if name.lower() != "auto":
                 parse_layout(name)
+        return self
+
+    @model_validator(mode="after")
+    def _processes_open_loop(self) -> "SweepConfig":
+        if self.processes > 1 and not self.rates:
+            raise ValueError("processes > 1 needs an open loop (rates): a closed loop's users "
+                             "are one locust process's")
         return self
 
     @property
@@ -70,6 +84,10 @@ class SweepConfig(BaseModel):
         """Each load its own seed (workload and arrivals), so no load replays another's
         prompts into the prefix cache; every layout gets the same ones at the same load."""
         return self.workload.seed + 1000 * self.loads().index(load)
+
+    def sender_seed(self, load: float, process: int) -> int:
+        """The arrival seed of locust process ``process`` at ``load`` (process 0: seed_for)."""
+        return self.seed_for(load) + 104729 * process
 
     def engine_config(self) -> dict:
         base = CPU_ENGINE if self.resources.num_gpus == 0 else {}

@@ -59,9 +59,9 @@ class Layout:
             config["transfer"] = dict(transfer or {})
         return config
 
-    def needs(self, res: Resources) -> dict[str, float]:
+    def needs(self, res: Resources, routers: int = 1) -> dict[str, float]:
         return {"GPU": self.replicas * res.num_gpus,
-                "CPU": self.replicas * res.num_cpus + ROUTER_CPUS}
+                "CPU": self.replicas * res.num_cpus + routers * ROUTER_CPUS}
 
 
 def parse_layout(name: str) -> Layout:
@@ -100,9 +100,11 @@ def parse_layouts(names: list[str], num_gpus: float, gpus_per_replica: float) ->
     return list(dict.fromkeys(out))  # drop repeats, keep the order
 
 
-def missing_resources(layout: Layout, res: Resources, available: dict) -> str | None:
-    """Why ``layout`` cannot be placed on a cluster with ``available`` resources, or None."""
-    for kind, need in layout.needs(res).items():
+def missing_resources(layout: Layout, res: Resources, available: dict,
+                      routers: int = 1) -> str | None:
+    """Why ``layout`` (with ``routers`` ingress replicas) cannot be placed on a cluster with
+    ``available`` resources, or None."""
+    for kind, need in layout.needs(res, routers).items():
         have = float(available.get(kind, 0.0))
         if need > have + 1e-9:
             return f"{layout.name} needs {need:g} {kind}s; the cluster has {have:g}"

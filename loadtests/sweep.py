@@ -77,15 +77,15 @@ def ensure_ray(address: str | None, num_cpus: int | None) -> bool:
 
 
 def wait_for_resources(layout: Layout, res: Resources, cluster: dict,
-                       timeout_s: float = 60.0) -> None:
+                       timeout_s: float = 60.0, routers: int = 1) -> None:
     """Fail at once if the cluster can never hold ``layout``; else wait (the last layout's
     replicas may still be going away) until its resources are free."""
     import ray
 
-    if reason := missing_resources(layout, res, cluster):
+    if reason := missing_resources(layout, res, cluster, routers):
         raise LayoutError(reason)
     deadline = time.monotonic() + timeout_s
-    while reason := missing_resources(layout, res, ray.available_resources()):
+    while reason := missing_resources(layout, res, ray.available_resources(), routers):
         if time.monotonic() > deadline:
             raise LayoutError(f"{reason} free")
         time.sleep(1)
@@ -189,59 +189,86 @@ def warm_up(ends: Endpoints, cfg: SweepConfig, maker) -> None:
 
 # -- one load point -------------------------------------------------------------------------
 def locust_command(cfg: SweepConfig, load: float, host: str, workload_file: Path,
-                   run_dir: Path) -> list[str]:
+                   run_dir: Path, process: int = 0) -> list[str]:
+    """The locust command of process ``process`` (of ``cfg.processes``) at ``load``: process 0
+    writes ``locust_*.csv`` and ``requests.jsonl``, process k ``locust.pK_*`` and
+    ``requests.pK.jsonl``."""
     users = 1 if cfg.open_loop else int(load)
     run_time = cfg.duration_s + cfg.drain_s + 30 if cfg.open_loop else cfg.duration_s
     user_class = "OpenAIStreamUser" if cfg.protocol == "http" else "GrpcStreamUser"
+    suffix = f".p{process}" if process else ""
+    rate = load / cfg.processes if cfg.open_loop else 0
     return [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), user_class, "--headless",
             "--host", host, "-u", str(users), "-r", str(users),
             "--run-time", f"{math.ceil(run_time)}s", "--stop-timeout", f"{cfg.drain_s:g}",
-            "--csv", str(run_dir / "locust"), "--only-summary", "--loglevel", "WARNING",
+            "--csv", str(run_dir / f"locust{suffix}"), "--only-summary", "--loglevel", "WARNING",
             "--exit-code-on-error", "0", "--workload-file", str(workload_file),
-            "--records-file", str(run_dir / "requests.jsonl"),
-            "--rate", f"{load if cfg.open_loop else 0:g}", "--duration", f"{cfg.duration_s:g}",
+            "--records-file", str(run_dir / f"requests{suffix}.jsonl"),
+            "--rate", f"{rate:g}", "--duration", f"{cfg.duration_s:g}",
             "--drain-timeout", f"{cfg.drain_s:g}", "--arrival", cfg.arrival,
-            "--seed", str(cfg.seed_for(load)), "--request-timeout", f"{cfg.request_timeout_s:g}",
+            "--seed", str(cfg.sender_seed(load, process)),
+            "--request-timeout", f"{cfg.request_timeout_s:g}",
             "--temperature", f"{cfg.temperature:g}", "--application", APP_NAME]
 
 
-def run_locust(cmd: list[str], run_dir: Path, limit_s: float, progress=None) -> None:
-    """Run locust in its own process (gevent patches everything it imports) and show how many
-    requests have finished; a LayoutError if it fails or overruns ``limit_s``."""
-    records = run_dir / "requests.jsonl"
+def run_locust(cmds: list[list[str]], run_dir: Path, limit_s: float, progress=None) -> None:
+    """Run the locust processes of one point (each in its own process: gevent patches
+    everything it imports) and show how many requests have finished; a LayoutError if one
+    fails or they overrun ``limit_s``. Process k logs to ``locust.log`` (k 0) or
+    ``locust.pK.log``."""
     env = {**os.environ, "PYTHONPATH": _pythonpath()}
-    with open(run_dir / "locust.log", "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+    logs = [run_dir / ("locust.log" if k == 0 else f"locust.p{k}.log") for k in range(len(cmds))]
+    procs = []
+    try:
+        for cmd, path in zip(cmds, logs):
+            with open(path, "w") as log:
+                procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                              env=env, cwd=ROOT))
         deadline = time.monotonic() + limit_s
-        while proc.poll() is None:
+        while any(proc.poll() is None for proc in procs):
             if time.monotonic() > deadline:
+                raise LayoutError(f"locust ran past {limit_s:.0f}s; see {logs[0]}")
+            if progress is not None:
+                progress(sum(p.read_bytes().count(b"\n") for p in run_dir.glob("requests*.jsonl")))
+            time.sleep(0.5)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
                 proc.kill()
                 proc.wait(30)
-                raise LayoutError(f"locust ran past {limit_s:.0f}s; see {run_dir / 'locust.log'}")
-            if progress is not None and records.exists():
-                progress(records.read_bytes().count(b"\n"))
-            time.sleep(0.5)
-    if proc.returncode != 0:
-        tail = (run_dir / "locust.log").read_text()[-500:]
-        raise LayoutError(f"locust exited with {proc.returncode}: {tail}")
+    for proc, path in zip(procs, logs):
+        if proc.returncode != 0:
+            raise LayoutError(f"locust exited with {proc.returncode}: {path.read_text()[-500:]}")
 
 
 # -- the sweep --------------------------------------------------------------------------------
-def prepare_workloads(cfg: SweepConfig, maker) -> dict[float, Path]:
+def prepare_workloads(cfg: SweepConfig, maker) -> dict[float, list[Path]]:
     """One workload per load, shared by every layout; open loop: exactly as many requests as
-    the load's arrival schedule sends."""
+    the load's arrival schedules send, one file per locust process (its slice, in order)."""
     folder = cfg.out / "workloads"
     folder.mkdir(parents=True, exist_ok=True)
     files = {}
     for load in cfg.loads():
         seed = cfg.seed_for(load)
         if cfg.open_loop:
-            count = max(1, len(workloads.arrival_times(load, cfg.duration_s, cfg.arrival, seed)))
+            counts = [max(1, len(workloads.arrival_times(load / cfg.processes, cfg.duration_s,
+                                                         cfg.arrival, cfg.sender_seed(load, k))))
+                      for k in range(cfg.processes)]
         else:
-            count = cfg.workload.num_requests
-        spec = cfg.workload.model_copy(update={"seed": seed, "num_requests": count})
-        files[load] = folder / f"{cfg.label(load)}.jsonl"
-        workloads.save(workloads.build(spec, maker), files[load])
+            counts = [cfg.workload.num_requests]
+        spec = cfg.workload.model_copy(update={"seed": seed, "num_requests": sum(counts)})
+        requests = workloads.build(spec, maker)
+        name = cfg.label(load)
+        whole = folder / f"{name}.jsonl"
+        workloads.save(requests, whole)
+        if len(counts) == 1:
+            files[load] = [whole]
+            continue
+        files[load], start = [], 0
+        for k, count in enumerate(counts):
+            files[load].append(folder / f"{name}.p{k}.jsonl")
+            workloads.save(requests[start:start + count], files[load][-1])
+            start += count
     return files
 
 
@@ -251,7 +278,8 @@ def run_layout(layout: Layout, cfg: SweepConfig, files: dict, maker, result: Swe
 
     app_config = layout.app_config(cfg.engine_config(), cfg.resources,
                                    transfer={"backend": cfg.transfer_backend},
-                                   router={"request_timeout_s": cfg.request_timeout_s})
+                                   router={"request_timeout_s": cfg.request_timeout_s,
+                                           "num_replicas": cfg.router_replicas})
     if not layout.colocated:
         app_config["disaggregation"] = {"mode": cfg.disaggregation}
     BatonConfig(**app_config)  # refuse a bad config before anything is deployed
@@ -272,17 +300,31 @@ def run_layout(layout: Layout, cfg: SweepConfig, files: dict, maker, result: Swe
             bar.update(1)
 
 
-def run_point(layout: Layout, load: float, cfg: SweepConfig, ends: Endpoints, workload: Path,
-              bar) -> dict:
+def merge_records(run_dir: Path, processes: int) -> None:
+    """Append the records of locust processes 1.. to ``requests.jsonl`` (process 0's)."""
+    if processes < 2:
+        return
+    with open(run_dir / "requests.jsonl", "a") as out:
+        for k in range(1, processes):
+            part = run_dir / f"requests.p{k}.jsonl"
+            if part.exists():
+                out.write(part.read_text())
+                part.unlink()
+
+
+def run_point(layout: Layout, load: float, cfg: SweepConfig, ends: Endpoints,
+              workload: list[Path], bar) -> dict:
     label = cfg.label(load)
     run_dir = cfg.out / layout.name / label
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "requests.jsonl").unlink(missing_ok=True)
+    for old in run_dir.glob("requests*.jsonl"):
+        old.unlink()
     host = ends.http if cfg.protocol == "http" else ends.grpc
-    cmd = locust_command(cfg, load, host, workload, run_dir)
+    cmds = [locust_command(cfg, load, host, path, run_dir, k) for k, path in enumerate(workload)]
     limit = cfg.duration_s + cfg.drain_s + 120
-    run_locust(cmd, run_dir, limit, lambda n: bar.set_postfix_str(f"{layout.name} {label}: "
-                                                                  f"{n} requests done"))
+    run_locust(cmds, run_dir, limit, lambda n: bar.set_postfix_str(f"{layout.name} {label}: "
+                                                                   f"{n} requests done"))
+    merge_records(run_dir, len(cmds))
     records = read_records(run_dir / "requests.jsonl")
     if not records:
         raise LayoutError(f"no request was recorded; see {run_dir / 'locust.log'}")
@@ -317,7 +359,8 @@ def run_sweep(cfg: SweepConfig) -> SweepResult:
             for layout in layouts:
                 before = bar.n
                 try:
-                    wait_for_resources(layout, cfg.resources, cluster)
+                    wait_for_resources(layout, cfg.resources, cluster,
+                                       routers=cfg.router_replicas)
                     run_layout(layout, cfg, files, maker, result, bar, owned)
                 except Exception as exc:  # noqa: BLE001 - report the layout, go on
                     msg = f"{type(exc).__name__}: {exc}"[:1000]
@@ -396,6 +439,11 @@ def parse_args(argv=None) -> SweepConfig:
                    help="join this Ray cluster (auto: the one running here) instead of starting "
                         "a local one; only the sweep's own app is removed from it")
     d.add_argument("--num-cpus", type=int, default=None, help="CPUs of the local Ray it starts")
+    d.add_argument("--router-replicas", type=int, default=1,
+                   help="ingress replicas of each layout's app")
+    p.add_argument("--processes", type=int, default=1,
+                   help="open loop: locust processes sharing each load, each on its own "
+                        "schedule at rate/processes")
     d.add_argument("--request-timeout", type=float, default=300.0)
     d.add_argument("--deploy-timeout", type=float, default=900.0)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -431,7 +479,8 @@ def _config(a, spec: dict, out: Path) -> SweepConfig:
         resources=Resources(num_gpus=a.gpus_per_replica, num_cpus=a.cpus_per_replica),
         engine=a.engine, transfer_backend=a.transfer_backend, disaggregation=a.disaggregation,
         request_timeout_s=a.request_timeout, deploy_timeout_s=a.deploy_timeout,
-        temperature=a.temperature)
+        temperature=a.temperature, router_replicas=a.router_replicas,
+        processes=a.processes)
 
 
 def main(argv=None) -> int:

@@ -257,6 +257,39 @@ def test_gpu_command_line(tmp_path):
     assert cmd[cmd.index("--rate") + 1] == "0"
 
 
+def test_processes_share_an_open_loop_load(tmp_path):
+    """Each locust process sends rate/processes on a schedule of its own seed, from its own
+    slice of the load's workload, and records to a file of its own; process 0 is the
+    single-process sweep's command exactly."""
+    from loadtests import workloads
+    from loadtests.sweep import locust_command, parse_args, prepare_workloads
+
+    argv = ["--model", "dummy:Qwen3-8B", "--rates", "8", "--duration", "10", "--input-len", "16",
+            "--output-len", "4", "--slo-ttft-ms", "1", "--prompt-format", "ids"]
+    one = parse_args(argv + ["--out", str(tmp_path / "one")])
+    three = parse_args(argv + ["--out", str(tmp_path / "three"), "--processes", "3"])
+    maker = workloads.prompt_maker("dummy:Qwen3-8B", "ids")
+    [whole] = prepare_workloads(one, maker)[8]
+    slices = prepare_workloads(three, maker)[8]
+    assert len(slices) == 3
+    sent = [workloads.load(path) for path in slices]
+    for k, part in enumerate(sent):  # as many as that process's schedule sends
+        assert len(part) == len(workloads.arrival_times(8 / 3, 10, "poisson",
+                                                        three.sender_seed(8, k)))
+    indexes = [r.index for part in sent for r in part]
+    assert indexes == list(range(len(indexes)))
+    cmd = locust_command(three, 8, "h", slices[1], tmp_path, process=1)
+    assert cmd[cmd.index("--rate") + 1] == f"{8 / 3:g}"
+    assert cmd[cmd.index("--seed") + 1] == str(three.sender_seed(8, 1)) != str(one.seed_for(8))
+    assert cmd[cmd.index("--records-file") + 1].endswith("requests.p1.jsonl")
+    assert cmd[cmd.index("--csv") + 1].endswith("locust.p1")
+    first = locust_command(one, 8, "h", whole, tmp_path)
+    assert first[first.index("--seed") + 1] == str(one.seed_for(8))
+    assert first[first.index("--records-file") + 1].endswith("requests.jsonl")
+    with pytest.raises(SystemExit):
+        parse_args(["--users", "4", "--processes", "2", "--slo-ttft-ms", "1"])
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--layouts", "1p1d,4x4", "--rates", "1"], "layout '4x4'"),
     (["--rates", "1", "--users", "2"], "not allowed"),
@@ -375,16 +408,23 @@ def test_short_cpu_sweep(bystander, tmp_path):
 
 @pytest.mark.e2e
 def test_grpc_sweep_goes_on_after_a_layout_that_does_not_fit(bystander, tmp_path):
+    # Two locust processes share the load; two ingress replicas serve it.
     code, out = _sweep(tmp_path, "--layouts", "4p4d,colo1", "--rates", "2", "--protocol",
                        "grpc", "--workload", "multi-turn", "--turns", "2", "--prompt-format",
-                       "ids", "--duration", "3")
+                       "ids", "--duration", "3", "--processes", "2", "--router-replicas", "2")
     assert code == 1  # something failed
     summary = json.loads((out / "summary.json").read_text())
     assert [f["layout"] for f in summary["failures"]] == ["4p4d"]
-    assert "needs 4.25 CPUs" in summary["failures"][0]["error"]
+    assert "needs 4.5 CPUs" in summary["failures"][0]["error"]
     [point] = summary["points"]
     assert point["layout"] == "colo1" and point["errors"] == 0 and point["short_outputs"] == 0
+    app = json.loads((out / "colo1" / "app_config.json").read_text())
+    assert app["router"]["num_replicas"] == 2
     records = read_records(out / "colo1" / "rate_2" / "requests.jsonl")
+    sent = [line for k in (0, 1) for line in
+            (out / "workloads" / f"rate_2.p{k}.jsonl").read_text().splitlines()]
+    assert sorted(r.index for r in records) == sorted(json.loads(x)["index"] for x in sent)
+    assert not list((out / "colo1" / "rate_2").glob("requests.p*.jsonl"))  # merged
     assert {r.protocol for r in records} == {"gRPC"}
     assert all(r.output_tokens == 8 and r.ttft_s > 0 for r in records)
     assert "4p4d (whole layout)" in (out / "summary.md").read_text()

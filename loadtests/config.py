@@ -89,6 +89,16 @@ class SweepConfig(BaseModel):
         """The arrival seed of locust process ``process`` at ``load`` (process 0: seed_for)."""
         return self.seed_for(load) + 104729 * process
 
+    def schedules(self, load: float) -> list[list[float]]:
+        """Open loop: each locust process's send times at ``load`` (seconds from its start)."""
+        return [workloads.arrival_times(load / self.processes, self.duration_s, self.arrival,
+                                        self.sender_seed(load, k))
+                for k in range(self.processes)]
+
+    def arrivals(self, load: float) -> list[float]:
+        """Open loop: every send time at ``load``, all processes together, in order."""
+        return sorted(t for schedule in self.schedules(load) for t in schedule)
+
     def engine_config(self) -> dict:
         base = CPU_ENGINE if self.resources.num_gpus == 0 else {}
         return {**base, **self.engine, "model": self.model}

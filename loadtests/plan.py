@@ -270,8 +270,7 @@ def validate_sweep(run: Path, profiles) -> list[dict]:
     rows = []
     for point in measured:
         layout = _sim_layout(point["layout"], cfg.resources.num_gpus, cfg.disaggregation)
-        arrivals = workloads.arrival_times(point["load"], cfg.duration_s, cfg.arrival,
-                                           cfg.seed_for(point["load"]))
+        arrivals = cfg.arrivals(point["load"])  # every locust process's sends
         reqs = requests_for(arrivals, [spec.input_len] * len(arrivals),
                             [spec.output_len] * len(arrivals))
         pred = simulate(layout, profiles, reqs, ttft_ms=cfg.slo.ttft_ms, itl_ms=cfg.slo.itl_ms,

@@ -251,9 +251,7 @@ def prepare_workloads(cfg: SweepConfig, maker) -> dict[float, list[Path]]:
     for load in cfg.loads():
         seed = cfg.seed_for(load)
         if cfg.open_loop:
-            counts = [max(1, len(workloads.arrival_times(load / cfg.processes, cfg.duration_s,
-                                                         cfg.arrival, cfg.sender_seed(load, k))))
-                      for k in range(cfg.processes)]
+            counts = [max(1, len(schedule)) for schedule in cfg.schedules(load)]
         else:
             counts = [cfg.workload.num_requests]
         spec = cfg.workload.model_copy(update={"seed": seed, "num_requests": sum(counts)})

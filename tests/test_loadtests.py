@@ -276,6 +276,8 @@ def test_processes_share_an_open_loop_load(tmp_path):
     for k, part in enumerate(sent):  # as many as that process's schedule sends
         assert len(part) == len(workloads.arrival_times(8 / 3, 10, "poisson",
                                                         three.sender_seed(8, k)))
+    assert len(three.arrivals(8)) == sum(map(len, sent))  # what the planner replays
+    assert one.arrivals(8) == workloads.arrival_times(8, 10, "poisson", one.seed_for(8))
     indexes = [r.index for part in sent for r in part]
     assert indexes == list(range(len(indexes)))
     cmd = locust_command(three, 8, "h", slices[1], tmp_path, process=1)

@@ -15,7 +15,7 @@ from deploy.config import BatonConfig, RoleConfig
 
 
 PREFILL_ROUTER = "router.replica_choice:PrefixAwareRouter"
-DECODE_ROUTER = "router.replica_choice:LeastKVLoadRouter"
+DECODE_ROUTER = "router.replica_choice:KVAwareRouter"
 
 
 def _backpressure(cfg: BatonConfig):
@@ -53,7 +53,8 @@ def build_app(args: dict[str, Any] | BatonConfig | None = None) -> Application:
             cfg, "prefill", PREFILL_ROUTER, block_size=cfg.engine.block_size)).bind(
             cfg.engine_for("prefill").model_dump(), backend, cfg.transfer.warm_links,
             cfg.transfer.push_at_step_end)
-    decode = DecodeDeployment.options(**_options(cfg, "decode", DECODE_ROUTER)).bind(
+    decode = DecodeDeployment.options(**_options(
+        cfg, "decode", DECODE_ROUTER, block_size=cfg.engine.block_size)).bind(
         cfg.engine_for("decode").model_dump(), backend, prefill, cfg.transfer.timeout_s,
         cfg.transfer.warm_links, cfg.disaggregation.model_dump())
     router = Ingress.options(num_replicas=cfg.router.num_replicas,

@@ -75,10 +75,10 @@ def test_a_roles_autoscaling_config_is_serves_with_batons_policy_by_default():
     prefill = _options(cfg, "prefill", "router.replica_choice:PrefixAwareRouter")
     assert "num_replicas" not in prefill
     assert prefill["autoscaling_config"]["policy"] == {"policy_function": PREFILL_POLICY}
-    decode = _options(cfg, "decode", "router.replica_choice:LeastKVLoadRouter")
+    decode = _options(cfg, "decode", "router.replica_choice:KVAwareRouter")
     assert decode["autoscaling_config"]["policy"]["policy_kwargs"] == {"target_kv_usage": 0.5}
     assert _options(BatonConfig(), "decode",
-                    "router.replica_choice:LeastKVLoadRouter")["num_replicas"] == 1
+                    "router.replica_choice:KVAwareRouter")["num_replicas"] == 1
 
 
 def test_serve_takes_the_policies_with_their_targets():

@@ -201,3 +201,23 @@ def test_startup_progress_lines_name_every_deployment(app, capsys):
     watch_startup(["baton"], timeout=30)
     assert capsys.readouterr().out.strip().endswith(line)
     assert "not deployed yet" in startup_summary(serve.status(), ["other"])[0]
+
+
+def test_a_conversation_stays_on_the_decode_replica_that_holds_it(app):
+    """The decode pool's router (``KVAwareRouter``) sends a conversation's later turns, through
+    either ingress replica, to the decode replica whose cache holds its earlier turns: each turn
+    finds the history there (cached tokens), and the hand-over moves only the rest."""
+    url, _ = app
+    history = " ".join(f"word{i}" for i in range(60))  # several full blocks
+    seen, cached = set(), []
+    for turn in range(5):
+        history += f" turn {turn} says"
+        resp = requests.post(f"{url}/v1/completions", timeout=60, json={
+            "prompt": history, "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+            "include_timing": True})
+        assert resp.status_code == 200, resp.text
+        usage = resp.json()["usage"]
+        seen.add(usage["timing"]["replicas"]["decode"])
+        cached.append((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+    assert len(seen) == 1, seen
+    assert all(c >= 16 * 3 for c in cached[1:]), cached

@@ -1,14 +1,22 @@
-"""Replica choice: prefix affinity for prefill, least KV load for decode."""
+"""Replica choice: prefix affinity for prefill; for decode, what each replica's caches hold
+(GPU, then host tier) against its load."""
 
 import asyncio
+from collections import namedtuple
+
+import pytest
 from types import SimpleNamespace
 
-from router.replica_choice import LeastKVLoadRouter, PrefixAwareRouter
+from router.replica_choice import KVAwareRouter, PrefixAwareRouter, prompt_hashes
 
 
-def _replica(name, kv=0.0):
-    return SimpleNamespace(replica_id=SimpleNamespace(unique_id=name),
-                           routing_stats={"kv_used_fraction": kv})
+ReplicaID = namedtuple("ReplicaID", "unique_id")  # hashable, as Serve's is
+
+
+def _replica(name, kv=0.0, blocks=1000, host_blocks=0):
+    return SimpleNamespace(replica_id=ReplicaID(name),
+                           routing_stats={"kv_used_fraction": kv, "kv_blocks": blocks,
+                                          "kv_host_blocks": host_blocks})
 
 
 def _pending(tokens):
@@ -40,7 +48,79 @@ def test_prefix_ranking_keeps_every_replica_as_a_fallback():
     assert _choose(PrefixAwareRouter, replicas, None, block_size=16) == [replicas]
 
 
-def test_least_kv_load_first():
+def test_least_kv_load_first_without_a_prompt():
     replicas = [_replica("busy", 0.9), _replica("idle", 0.1), _replica("mid", 0.5)]
-    ranks = _choose(LeastKVLoadRouter, replicas, None)
+    ranks = _choose(KVAwareRouter, replicas, None)
     assert [r[0].replica_id.unique_id for r in ranks] == ["idle", "mid", "busy"]
+
+
+class _Routed:
+    """A KVAwareRouter fed as Serve feeds it: rank, then the request routed to the first."""
+
+    def __init__(self, replicas, block_size=16):
+        self.router = KVAwareRouter.__new__(KVAwareRouter)
+        self.router.initialize_state(block_size=block_size)
+        self.replicas = replicas
+        self.count = 0
+
+    def send(self, tokens, to=None) -> str:
+        pending = _pending(tokens)
+        pending.metadata = SimpleNamespace(internal_request_id=f"q{self.count}")
+        self.count += 1
+        ranked = asyncio.run(self.router.choose_replicas(self.replicas, pending))
+        chosen = to or ranked[0][0]
+        self.router._replicas = {r.replica_id: r for r in self.replicas}
+        self.router.on_request_routed(pending, chosen.replica_id, None)
+        return ranked[0][0].replica_id.unique_id
+
+    def done(self, number: int) -> None:
+        self.router.on_request_completed(None, f"q{number}")
+
+
+def test_a_returning_prompt_goes_where_its_blocks_are():
+    """A conversation's next turn (its history plus a new message) goes to the replica that
+    served the last turn, even where another replica is a little less loaded; a prompt nobody
+    holds goes to the least loaded replica."""
+    a, b = _replica("a", kv=0.005), _replica("b", kv=0.0)  # a: 5 blocks in use
+    routed = _Routed([a, b])
+    history = list(range(1000, 1000 + 16 * 20))  # 20 full blocks
+    routed.send(history, to=a)
+    routed.done(0)
+    assert routed.send(history + list(range(7, 40))) == "a"
+    routed.done(1)
+    assert routed.send(list(range(5000, 5000 + 16 * 20))) == "b"
+
+
+def test_host_tier_hits_count_at_a_fraction_of_a_miss():
+    """Blocks pushed out of a replica's GPU cache by later prompts are still held by its host
+    tier: they count as cheap hits there, and as misses on a replica without a tier."""
+    history = list(range(1000, 1000 + 16 * 20))
+    for host_blocks, want in ((1000, "a"), (0, "b")):
+        a, b = _replica("a", kv=0.01, blocks=40, host_blocks=host_blocks), _replica("b", blocks=40)
+        routed = _Routed([a, b])
+        routed.send(history, to=a)
+        for i in range(3):  # 60 newer blocks: more than a's GPU cache holds
+            routed.send(list(range(9000 + 1000 * i, 9000 + 1000 * i + 16 * 20)), to=a)
+        for n in range(4):
+            routed.done(n)
+        held = routed.router.held["a"]
+        hashes = prompt_hashes(history, 16)
+        assert {held.where(h, 40, host_blocks) for h in hashes} == {"host" if host_blocks else None}
+        # 20 blocks at a tenth of a miss each (or 20 misses), plus a's load (1% of 40 blocks)
+        assert routed.router.cost(a, hashes) == pytest.approx((2 if host_blocks else 20) + 0.4)
+        assert routed.send(history + [1, 2, 3]) == want
+
+
+def test_load_outweighs_a_small_overlap_and_finished_requests_free_it():
+    a, b = _replica("a"), _replica("b")
+    routed = _Routed([a, b])
+    shared = list(range(100, 116))  # one shared block
+    routed.send(shared + [1] * 16 * 30, to=a)  # 31 blocks in flight on a
+    assert routed.send(shared + [2] * 16) == "b"  # one block of overlap does not pay for 31
+    routed.done(0)
+    routed.done(1)
+    assert routed.router.active == {"a": 0, "b": 0}
+    assert routed.send(shared + [1] * 32) == "a"  # idle again: the overlap (3 blocks to 1) decides
+    routed.router.on_request_completed(None, "q3")  # Serve may report the end first
+    routed.send(shared + [4] * 16, to=b)  # that is q3
+    assert routed.router.active == {"a": 4, "b": 0} and not routed.router.ended  # q2 still on a

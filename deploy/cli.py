@@ -278,9 +278,11 @@ def serve_config_from_flags(args) -> dict:
             return {**role, "num_replicas": replicas}
         return {**role, "autoscaling_config": json.loads(autoscaling)}
 
+    router = {"num_replicas": args.api_server_count}
+    if args.served_model_name:
+        router["model_name"] = args.served_model_name
     app = {"mode": "disaggregated" if args.prefill else "colocated", "engine": engine,
-           "decode": scaled(args.decode, args.decode_autoscaling),
-           "router": {"model_name": args.served_model_name} if args.served_model_name else {}}
+           "decode": scaled(args.decode, args.decode_autoscaling), "router": router}
     if args.prefill:
         app["prefill"] = scaled(args.prefill, args.prefill_autoscaling)
         app["disaggregation"] = {"mode": args.disaggregation}
@@ -445,6 +447,10 @@ def _serve_parser(sub) -> None:
                            help="serve gRPC server reflection (off unless asked)")
     serve_cmd.add_argument("--served-model-name", default=None,
                            help="the name in /v1/models (default: MODEL)")
+    serve_cmd.add_argument("--api-server-count", type=int, default=2,
+                           help="ingress replicas, each an HTTP and gRPC server behind HAProxy "
+                                "(vLLM's name); two, so that one's death cuts only its own "
+                                "streams and new requests go to the other at once")
     serve_cmd.add_argument("--max-model-len", type=int, default=None,
                            help="context length (default: the model's)")
     serve_cmd.add_argument("--max-num-seqs", type=int, default=None,

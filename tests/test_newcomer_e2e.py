@@ -45,12 +45,14 @@ def test_one_line_configs_and_the_open_port_warning():
                               quantization=None, kv_cache_dtype="fp8",
                               tensor_parallel_size=2, prefill_autoscaling=None,
                               decode_autoscaling=None, disaggregation="auto",
-                              max_local_prefill_length=None, itl_target_ms=None))()
+                              max_local_prefill_length=None, itl_target_ms=None,
+                              api_server_count=2))()
     config = serve_config_from_flags(args)
     app = config["applications"][0]["args"]
     assert app["mode"] == "colocated" and app["decode"]["num_replicas"] == 2
     assert app["engine"]["kv_cache_dtype"] == "fp8" and "prefill" not in app
     assert app["engine"]["tensor_parallel_size"] == 2
+    assert app["router"] == {"num_replicas": 2}  # --api-server-count: an ingress death is survived
     from deploy.config import BatonConfig
     assert BatonConfig(**app).engine_for("decode").tensor_parallel_size == 2
     split = BatonConfig(**{**app, "mode": "disaggregated"})  # both roles over 2 ranks

@@ -31,8 +31,8 @@ def test_shipped_configs_validate(path):
     cluster = path.name in ("serve_config.gpu.yaml", "serve_config.pools.yaml")
     assert config["http_options"]["host"] == ("0.0.0.0" if cluster else "127.0.0.1")
     assert config["grpc_options"]["enable_reflection"] is False  # opt in, not on by default
-    if "gpu" in path.name or "pools" in path.name:  # an ingress death costs no new request
-        assert all(app["args"]["router"]["num_replicas"] >= 2 for app in config["applications"])
+    # Every shipped config: an ingress death costs no new request.
+    assert all(app["args"]["router"]["num_replicas"] >= 2 for app in config["applications"])
 
 
 def test_admission_bounds_default_to_batches_held_in_the_engine():

@@ -2,7 +2,8 @@
 bound; prompts that return after their blocks left the device pool are served from it with the
 greedy tokens of an engine without it (and of one that never evicted them); an FP8 cache through
 it; an abort after a host hit leaves nothing held; a hand-over reservation counts host hits as
-present, so only the rest is transferred."""
+present, so only the rest is transferred, and through the role servers (1P1D) a prompt the
+decode replica's host tier holds moves no KV."""
 
 import pytest
 
@@ -136,3 +137,48 @@ def test_the_multiturn_benchmark_runs_both_ways(tmp_path, think):
     assert [r["host_gb"] > 0 for r in rows] == [True, False]
     assert rows[0]["host_hit_blocks"] > 0 and rows[0]["returning_ttft_ms"]["p50"] > 0
     assert rows[0]["prefix_hit_rate"] > rows[1]["prefix_hit_rate"]
+
+
+def test_a_prompt_the_decode_replicas_host_tier_holds_moves_no_kv():
+    """1P1D through the role servers as they ship (the local transport): a prompt returning
+    after other prompts pushed its blocks out of the decode replica's device cache is found in
+    that replica's host tier, so the hand-over moves none of its blocks, with the same tokens."""
+    import asyncio
+
+    from contracts import TokenSink
+    from decode_worker.placement import ALWAYS
+    from decode_worker.server import DecodeServer
+    from engine import EngineConfig
+    from kvtransfer.backends.local import LocalFabric
+    from prefill_worker.server import PrefillServer
+    from tests.roles import PrefillHandle, generate, until_idle
+
+    fabric = LocalFabric()
+    prefill = PrefillServer(EngineConfig(model="tiny", num_blocks=128, show_progress=False),
+                            "local", fabric=fabric)
+    decode = DecodeServer(EngineConfig(model="tiny", num_blocks=16, show_progress=False,
+                                       kv_offloading_size=64 * BLOCK_BYTES / 2**30),
+                          "local", PrefillHandle(prefill), fabric=fabric, disaggregation=ALWAYS)
+    returning, *others = random_prompts([32, 80, 80, 80], seed=31)
+
+    async def run(prompt, rid):
+        sink = TokenSink()
+        tokens, result = await generate(decode, sink, prompt, rid, GREEDY)
+        await until_idle(prefill, decode)
+        await sink.close()
+        return tokens, result
+
+    try:
+        first, result = asyncio.run(run(returning, "first"))
+        assert result.transfer.blocks_sent == 2
+        for i, prompt in enumerate(others):  # 15 blocks: the device cache holds 16
+            asyncio.run(run(prompt, f"other{i}"))
+        tier = decode.aengine.engine.host_tier
+        loaded = tier.loaded_blocks
+        again, result = asyncio.run(run(returning, "again"))
+        assert result.transfer.blocks_sent == 0 and result.transfer.blocks_skipped == 2
+        assert tier.loaded_blocks == loaded + 2  # both came back from the host tier
+        assert again == first == _tokens(_llm(), [returning])[0]
+    finally:
+        prefill.close()
+        decode.close()

@@ -114,7 +114,8 @@ class EngineConfig(BaseModel):
     enable_prefix_caching: bool = True
     # GiB of host memory under the prefix cache (vLLM's kv_offloading_size; engine.kv_offload):
     # full blocks leaving the device cache are kept there and copied back for a returning
-    # prefix instead of being computed again. 0: off.
+    # prefix instead of being computed again. With tensor parallelism, the total over the
+    # ranks (as vLLM's): each rank keeps its slice of the same blocks. 0: off.
     kv_offloading_size: float = Field(0.0, ge=0)
     attention_backend: Literal["auto", "torch", "flashinfer"] = "auto"
     enforce_eager: bool = False  # True: no CUDA graphs
@@ -150,9 +151,6 @@ class EngineConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> "EngineConfig":
-        if self.kv_offloading_size and self.tensor_parallel_size > 1:
-            raise ValueError("kv_offloading_size: the host KV tier does not run with "
-                             "tensor_parallel_size > 1 yet")
         if self.dtype is not None:
             parse_dtype(self.dtype)
         if self.device not in ("auto", "cpu", "cuda") and not (

@@ -72,6 +72,24 @@ class Executor:
         if self.others is not None:
             broadcast(tokens.to(torch.int64), self.others.group)
 
+    def allocate_host_tier(self, num_blocks: int) -> None:
+        """Every rank's host tier: ``num_blocks`` blocks of its slice (engine.kv_offload)."""
+        self.runner.allocate_host_tier(num_blocks)
+        if self.others is not None:
+            self.others.allocate_host_tier(num_blocks)
+
+    def copy_blocks(self, to_host: list[tuple[int, int]], to_device: list[tuple[int, int]],
+                    wait: bool = False) -> None:
+        """Queue the host tier's block copies on every rank, ahead of the next step they send;
+        ``wait``: return once every rank's copies are done."""
+        if self.others is not None:
+            self.others.copy_blocks(to_host, to_device, wait)
+        self.runner.copy_blocks(to_host, to_device)
+        if wait and self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        if wait and self.others is not None:
+            self.others.copied()
+
     def kv_caches(self) -> tuple[tuple, tuple]:
         """Every rank's KV cache (rank 0's first) and the handle another process opens each by
         (None for rank 0's, which is shared as it is); one rank: ``((cache,), (None,))``."""

@@ -8,14 +8,16 @@ back instead of computing them. Least recently used host blocks go first when th
 
 This module is the bookkeeping only (no tensors): :class:`HostTier` maps hashes to host blocks,
 and :class:`engine.kv_cache_manager.KVCacheManager` queues the copies it implies, which the
-engine hands to the model runner before the next step is launched (``ModelRunner.copy_blocks``),
-on the step's own stream: a copy out of a device block is queued after the step that wrote it and
+engine hands to every rank's model runner before the next step is launched
+(``Executor.copy_blocks``; with tensor parallelism each rank keeps its slice of every host
+block, and the size is the total over the ranks, as vLLM's), on the step's own stream: a copy out of a device block is queued after the step that wrote it and
 before any step that writes it again, and a copy into one before the step that reads it. A
-hand-over's reservation, whose blocks another engine writes, waits for its copies out first
-(``LLMEngine.reserve``).
+hand-over's reservation, whose blocks another engine writes, waits for its copies out first, on
+every rank (``LLMEngine.reserve``). The decode pool's request router counts host hits
+(``router.replica_choice.KVAwareRouter``).
 
 What is not built yet: copies on a side stream overlapped with steps (they run in the step's
-stream, in order), tensor parallelism (refused at start), and the tier's use by the router.
+stream, in order).
 """
 
 from __future__ import annotations

@@ -80,9 +80,11 @@ class LLMEngine:
         self.pool = BlockPool(ex.runner.num_blocks, config.enable_prefix_caching)
         self.host_tier: HostTier | None = None
         if config.kv_offloading_size:
-            blocks = int(config.kv_offloading_size * 2**30 // ex.runner.block_bytes)
+            # The size is the total over the ranks; each holds its slice of every block.
+            blocks = int(config.kv_offloading_size * 2**30
+                         // (ex.runner.block_bytes * config.tensor_parallel_size))
             self.host_tier = HostTier(blocks)
-            ex.runner.allocate_host_tier(blocks)
+            ex.allocate_host_tier(blocks)
         self.kv_manager = KVCacheManager(self.pool, config.block_size, self.host_tier)
         self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens, ex.max_model_len,
@@ -215,10 +217,9 @@ class LLMEngine:
         self._fence_released_blocks()
         if not self.scheduler.reserve(seq):
             return None
-        if self._queue_kv_copies() and self.device.type == "cuda":
-            # Another engine writes these blocks: what the host tier keeps of their old KV is
-            # copied out before they are handed over.
-            torch.cuda.current_stream(self.device).synchronize()
+        # Another engine writes these blocks: what the host tier keeps of their old KV is
+        # copied out (on every rank) before they are handed over.
+        self._queue_kv_copies(wait=True)
         skip = seq.num_present_tokens // self.config.block_size
         return seq.request_id, seq.block_ids[skip:], seq.num_present_tokens
 
@@ -334,15 +335,14 @@ class LLMEngine:
         step.releases = self.scheduler.num_releases
         return step
 
-    def _queue_kv_copies(self) -> bool:
-        """Queue the host tier's block copies (before the step that the scheduling which asked
-        for them launches); whether any copy went out to the host."""
+    def _queue_kv_copies(self, wait: bool = False) -> None:
+        """Queue the host tier's block copies on every rank (before the step that the
+        scheduling which asked for them launches); ``wait``: until the copies out are done."""
         if self.host_tier is None:
-            return False
+            return
         to_host, to_device = self.kv_manager.drain_copies()
         if to_host or to_device:
-            self.runner.copy_blocks(to_host, to_device)
-        return bool(to_host)
+            self.executor.copy_blocks(to_host, to_device, wait=wait and bool(to_host))
 
     def _to_host(self, t: torch.Tensor | None) -> torch.Tensor | None:
         if t is None or self.device.type != "cuda":

@@ -67,6 +67,16 @@ def _worker(rank: int, size: int, init_method: str, config: dict, conn) -> None:
                 if payload.logit_rows:  # rank 0 sampled a token for each of these rows
                     tokens = broadcast(torch.empty(len(payload.logit_rows), dtype=torch.int64,
                                                    device=device), group)
+            elif cmd == "copy":  # the host tier's copies, queued ahead of the next step
+                to_host, to_device, wait = payload
+                runner.copy_blocks(to_host, to_device)
+                if wait:
+                    if device.type == "cuda":
+                        torch.cuda.current_stream(device).synchronize()
+                    conn.send(("copied", None))
+            elif cmd == "host_tier":
+                runner.allocate_host_tier(payload)
+                conn.send(("host_tier", None))
             elif cmd == "warm_up":
                 runner.warm_up(progress=False)
                 conn.send(("warm", None))
@@ -145,6 +155,26 @@ class RankProcesses:
         with self._lock:
             for conn in self.conns:
                 conn.send(("step", step))
+
+    def allocate_host_tier(self, num_blocks: int) -> None:
+        with self._lock:
+            for conn in self.conns:
+                conn.send(("host_tier", num_blocks))
+            for conn in self.conns:
+                self._answer(conn, "host_tier")
+
+    def copy_blocks(self, to_host, to_device, wait: bool) -> None:
+        """Queue the host tier's copies on every worker (each runs them before the next step
+        sent after them); with ``wait``, collect their answers with :meth:`copied`."""
+        with self._lock:
+            for conn in self.conns:
+                conn.send(("copy", (to_host, to_device, wait)))
+
+    def copied(self) -> None:
+        """Wait until every worker has finished the copies sent with ``wait``."""
+        with self._lock:
+            for conn in self.conns:
+                self._answer(conn, "copied")
 
     def kv_caches(self) -> list[tuple]:
         """Ranks 1..N-1's KV caches as views in this process, each with the handle another

@@ -101,10 +101,33 @@ def test_a_reservation_counts_host_hits_as_present():
     assert engine.pool.num_used_blocks == 0
 
 
-def test_tensor_parallelism_with_the_tier_is_refused_at_start():
-    from engine.config import EngineConfig
-    with pytest.raises(ValueError, match="kv_offloading_size"):
-        EngineConfig(model="tiny", kv_offloading_size=1, tensor_parallel_size=2)
+@pytest.mark.slow  # worker processes
+def test_the_tier_over_two_ranks_gives_the_tokens_of_one():
+    """Tensor parallelism: each rank keeps its slice of the same host blocks (the size is the
+    total, as vLLM's), the copies run on every rank before the step they precede, and a
+    reservation waits for every rank's copies out. A returning prompt over two ranks gets the
+    tokens of one rank without the tier, its blocks from the host."""
+    from tests.models import model_path
+
+    path = str(model_path("tiny"))
+    first, *others = random_prompts([64, 80, 80, 80], seed=5)
+    want = _tokens(LLM(path, show_progress=False, num_blocks=16), [first, *others, first])
+    split = LLM(path, show_progress=False, num_blocks=16, tensor_parallel_size=2,
+                kv_offloading_size=64 * BLOCK_BYTES / 2**30)
+    try:
+        engine = split.engine
+        assert engine.host_tier.num_blocks == 64  # 64 blocks, each rank half of each
+        got = _tokens(split, [first]) + _tokens(split, others)
+        again = split.generate([first], GREEDY)[0]
+        assert got + [again.token_ids] == want
+        assert again.num_cached_tokens == 64 and engine.host_tier.loaded_blocks >= 4
+        _tokens(split, others)  # out to the host again
+        rid, blocks, present = engine.reserve(first + [7] * 16, GREEDY)
+        assert present == 64 and len(blocks) == 1
+        engine.abort_request(rid)
+        assert engine.pool.num_used_blocks == 0
+    finally:
+        split.engine.shutdown()
 
 
 def test_the_tier_shows_in_the_engine_snapshot():

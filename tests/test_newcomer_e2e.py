@@ -70,7 +70,6 @@ def test_one_line_configs_and_the_open_port_warning():
     assert "num_replicas" not in app["decode"] and app["prefill"]["num_replicas"] == 1
     BatonConfig(**app)
     args.itl_target_ms, args.kv_offloading_size = 20.0, 4.0  # --itl-target-ms, ...
-    args.tensor_parallel_size = 1  # (the host tier does not run with TP yet)
     app = serve_config_from_flags(args)["applications"][0]["args"]
     assert BatonConfig(**app).disaggregation.itl_target_ms == 20.0
     assert BatonConfig(**app).engine.kv_offloading_size == 4.0

@@ -221,7 +221,7 @@ def load_profiles(paths, args=None) -> dict[int, Profile]:
     profiles = {}
     for path in paths:
         p = Profile.model_validate_json(Path(path).read_text())
-        for key in ("handover_fixed_ms", "serve_overhead_ms"):
+        for key in ("handover_fixed_ms", "handover_gb_s", "serve_overhead_ms"):
             if getattr(args, key, None) is not None:
                 p = p.model_copy(update={key: getattr(args, key)})
         profiles[p.tensor_parallel_size] = p
@@ -274,7 +274,8 @@ def validate_sweep(run: Path, profiles) -> list[dict]:
         reqs = requests_for(arrivals, [spec.input_len] * len(arrivals),
                             [spec.output_len] * len(arrivals))
         pred = simulate(layout, profiles, reqs, ttft_ms=cfg.slo.ttft_ms, itl_ms=cfg.slo.itl_ms,
-                        window_s=cfg.duration_s)
+                        window_s=cfg.duration_s,  # the sweep's drain ends its unfinished ones
+                        deadline_s=cfg.duration_s + cfg.drain_s if cfg.open_loop else None)
         rows.append({"source": run.name, "layout": point["layout"], "load": point["load"],
                      "measured": point, "predicted": pred})
     return rows
@@ -368,6 +369,9 @@ def main(argv=None) -> None:
                         help="a profile JSON (one per tensor-parallel size)")
         sp.add_argument("--handover-fixed-ms", type=float, default=None,
                         help="replace the profiles' fixed hand-over cost")
+        sp.add_argument("--handover-gb-s", type=float, default=None,
+                        help="replace the profiles' hand-over rate (a profile measures one "
+                             "device's copy; between GPUs the served push is slower)")
         sp.add_argument("--serve-overhead-ms", type=float, default=None,
                         help="replace the profiles' served-path time to a first token")
     pl.add_argument("--gpus", type=int, required=True)

@@ -7,8 +7,11 @@ context of ``C`` tokens, and a hand-over of ``N`` bytes (a fixed part and a rate
 does both (chunked prefill beside decoding) costs the decode step plus the prefill's part above
 its fixed cost. Each replica is simulated as Baton's scheduler runs it: running sequences first,
 one token each, then waiting prompts in chunks under ``max_num_batched_tokens``, ``max_num_seqs``
-and the KV capacity. A prefill replica hands each prompt to the decode replica with the fewest
-sequences; the decode replica's first step after the KV lands gives the first token. Replicas that
+and the KV capacity. A handed-over request first takes a sequence slot (``max_num_seqs``) and its KV on the decode
+replica with the fewest sequences, as Baton's reservation does, waiting there in order while
+that replica is full; then a prefill replica computes it, its KV comes in after the pushes into
+that replica before it (one link per decode replica), and the decode replica's first step after
+the KV lands gives the first token. Replicas that
 share one GPU (``gpus_per_replica`` < 1) share its time: steps that overlap each go at half speed.
 
 What is left out, and so what the prediction's error includes: the served path's own time (the
@@ -198,11 +201,21 @@ class _Replica:
         self.waiting: list[_Seq] = []
         self.running: list[_Seq] = []
         self.reserved = 0  # decode role: sequences whose KV is on its way
+        self.reserved_kv = 0  # decode role: their tokens (prompt and output)
+        self.queued: list[_Seq] = []  # decode role: hand-overs waiting for a slot here
+        self.link_free = 0.0  # decode role: when the KV arriving here has all come in
         self.busy = False
         self.busy_s = 0.0
 
     def load(self) -> int:
-        return len(self.waiting) + len(self.running) + self.reserved
+        return len(self.waiting) + len(self.running) + self.reserved + len(self.queued)
+
+    def has_room(self, seq: _Seq) -> bool:
+        """Decode role: a slot and the KV for ``seq`` (its reservation)."""
+        p = self.profile
+        return (len(self.running) + self.reserved < p.max_num_seqs
+                and self.kv_used() + self.reserved_kv + seq.req.context + seq.req.output
+                <= p.kv_capacity_tokens)
 
     def kv_used(self) -> int:
         return sum(s.req.context + s.made for s in self.running)
@@ -302,9 +315,23 @@ class Simulation:
         if local:
             decode.submit(_Seq(req))
             return
+        seq = _Seq(req, target=decode)
+        if decode.queued or not decode.has_room(seq):
+            decode.queued.append(seq)  # waits for a slot, in order
+            return
+        self._hand_over(decode, seq)
+
+    def _hand_over(self, decode: _Replica, seq: _Seq) -> None:
+        """``seq``'s reservation on ``decode``, then its prefill elsewhere."""
         decode.reserved += 1
+        decode.reserved_kv += seq.req.context + seq.req.output
         prefill = min(self.prefill, key=_Replica.load)
-        prefill.submit(_Seq(req, target=decode))
+        prefill.submit(seq)
+
+    def _freed(self, decode: _Replica) -> None:
+        """A sequence left ``decode``: hand over those waiting for its slots, in order."""
+        while decode.queued and decode.has_room(decode.queued[0]):
+            self._hand_over(decode, decode.queued.pop(0))
 
     def prefilled(self, replica: _Replica, seq: _Seq, t: float) -> None:
         if replica.role == "decode":
@@ -312,11 +339,17 @@ class Simulation:
             return
         replica.running.remove(seq)
         replica.kick()
-        landed = t + replica.profile.handover_ms(seq.req.context) / 1e3
         target = seq.target
+        # The KV's bytes come in one push after another (the replica's link); the fixed part
+        # (calls, landing) is each hand-over's own.
+        p = replica.profile
+        moving = p.handover_ms(seq.req.context) - p.handover_fixed_ms
+        target.link_free = max(t, target.link_free) + moving / 1e3
+        landed = target.link_free + p.handover_fixed_ms / 1e3
 
         def land():
             target.reserved -= 1
+            target.reserved_kv -= seq.req.context + seq.req.output
             seq.landed, seq.computed = True, seq.req.prompt
             target.submit(seq)
         self.at(landed, land)
@@ -329,6 +362,8 @@ class Simulation:
         seq.made += 1
         if seq.made >= req.output:
             replica.running.remove(seq)
+            if replica.queued:
+                self._freed(replica)
 
 
 # -- what a run gives -----------------------------------------------------------------------------
@@ -339,10 +374,14 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def summarize(requests: list[SimRequest], ttft_ms: float | None = None,
-              itl_ms: float | None = None, window_s: float | None = None) -> dict:
+              itl_ms: float | None = None, window_s: float | None = None,
+              deadline_s: float | None = None) -> dict:
     """The sweep's figures (``loadtests.metrics.summarize``'s names) of a simulated run; the SLO
-    is met by a request whose TTFT and mean inter-token gap are within the bounds."""
-    done = [r for r in requests if r.first is not None]
+    is met by a request whose TTFT and mean inter-token gap are within the bounds.
+    ``deadline_s``: as the sweep's drain, a request not finished by then is an error (its tokens
+    and latencies left out, the SLO missed)."""
+    done = [r for r in requests if r.first is not None
+            and (deadline_s is None or (len(r.tokens) >= r.output and r.tokens[-1] <= deadline_s))]
     ttft = [r.first - r.arrival for r in done]
     gaps = [g for r in done for g in r.gaps]
     end = max((r.tokens[-1] for r in done if r.tokens), default=0.0)
@@ -359,7 +398,8 @@ def summarize(requests: list[SimRequest], ttft_ms: float | None = None,
             "itl_p99_ms": percentile(gaps, 99) * 1e3,
             "output_tok_s": tokens / window if window else 0.0,
             "achieved_rps": len(done) / window if window else 0.0,
-            "slo_fraction": sum(met(r) for r in done) / max(1, len(requests))}
+            "slo_fraction": sum(met(r) for r in done) / max(1, len(requests)),
+            "errors": len(requests) - len(done)}
 
 
 def simulate(layout: SimLayout, profiles: dict[int, Profile], requests: list[SimRequest],

@@ -34,6 +34,36 @@ def test_a_handed_over_request_pays_the_hop_and_lands_on_the_decode_replica():
     assert req.gaps == pytest.approx([0.005])
 
 
+def test_a_hand_over_waits_for_a_slot_on_the_decode_replica():
+    """A decode replica holds ``max_num_seqs`` sequences: the third of three prompts sent at
+    once is prefilled only once one of the first two has ended, as Baton's reservation waits
+    for a slot; with the sweep's drain as a deadline, what has not ended by then is an
+    error."""
+    from loadtests.simulate import simulate
+
+    reqs = Simulation(SimLayout(1, 1), _profiles(max_num_seqs=2)).run(
+        requests_for([0.0] * 3, [1000] * 3, [10] * 3))
+    first_end = min(r.tokens[-1] for r in reqs[:2])
+    assert reqs[2].first > first_end + 0.020  # then its own prefill, 20 ms
+    free = Simulation(SimLayout(1, 1), _profiles()).run(requests_for([0.0] * 3, [1000] * 3,
+                                                                      [10] * 3))
+    assert free[2].first < first_end
+    late = simulate(SimLayout(1, 1), _profiles(max_num_seqs=2),
+                    requests_for([0.0] * 3, [1000] * 3, [10] * 3), deadline_s=first_end + 0.01)
+    assert late["errors"] == 1 and late["slo_fraction"] == pytest.approx(2 / 3)
+
+
+def test_pushes_into_one_decode_replica_come_in_one_after_another():
+    """Two prompts prefilled in one step: the second's KV arrives after the first's (1 ms of
+    bytes each here), so it misses the decode step the first one joins."""
+    a, b = Simulation(SimLayout(1, 1), _profiles()).run(requests_for([0.0, 0.0], [1000, 1000],
+                                                                     [2, 2]))
+    assert b.first == pytest.approx(a.first + 0.005)  # the next decode step
+    two = Simulation(SimLayout(1, 2), _profiles()).run(requests_for([0.0, 0.0], [1000, 1000],
+                                                                    [2, 2]))
+    assert two[0].first == pytest.approx(two[1].first)  # a link each
+
+
 def test_auto_keeps_a_short_prompt_where_it_decodes():
     layout = SimLayout(1, 1, mode="auto", max_local_prefill_length=500)
     short, long = Simulation(layout, _profiles()).run(requests_for([0.0, 1.0], [100, 1000],

@@ -29,10 +29,3 @@ class DecodeDeployment(RoleDeployment):
         The call itself returns nothing; it raises when the server fails."""
         await self.server.generate(req)
 
-    def record_routing_stats(self) -> dict:
-        """Read by the decode request router (``router.replica_choice.KVAwareRouter``): the
-        fraction of KV blocks in use and what the GPU cache and the host tier hold."""
-        load = self.server.kv_load()
-        total = load["used_blocks"] + load["free_blocks"]
-        return {"kv_used_fraction": load["used_blocks"] / total if total else 0.0,
-                "kv_blocks": total, "kv_host_blocks": load["host_blocks"]}

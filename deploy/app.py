@@ -14,8 +14,7 @@ from deploy.autoscaling import DECODE_POLICY, PREFILL_POLICY
 from deploy.config import BatonConfig, RoleConfig
 
 
-PREFILL_ROUTER = "router.replica_choice:PrefixAwareRouter"
-DECODE_ROUTER = "router.replica_choice:KVAwareRouter"
+ROUTER = "router.replica_choice:KVAwareRouter"  # both pools
 
 
 def _backpressure(cfg: BatonConfig):
@@ -50,11 +49,11 @@ def build_app(args: dict[str, Any] | BatonConfig | None = None) -> Application:
     prefill = None
     if cfg.mode == "disaggregated":
         prefill = PrefillDeployment.options(**_options(
-            cfg, "prefill", PREFILL_ROUTER, block_size=cfg.engine.block_size)).bind(
+            cfg, "prefill", ROUTER, block_size=cfg.engine.block_size)).bind(
             cfg.engine_for("prefill").model_dump(), backend, cfg.transfer.warm_links,
             cfg.transfer.push_at_step_end)
     decode = DecodeDeployment.options(**_options(
-        cfg, "decode", DECODE_ROUTER, block_size=cfg.engine.block_size)).bind(
+        cfg, "decode", ROUTER, block_size=cfg.engine.block_size)).bind(
         cfg.engine_for("decode").model_dump(), backend, prefill, cfg.transfer.timeout_s,
         cfg.transfer.warm_links, cfg.disaggregation.model_dump())
     router = Ingress.options(num_replicas=cfg.router.num_replicas,

@@ -1,17 +1,15 @@
-"""Replica choice with Serve's request-router API.
+"""Replica choice with Serve's request-router API: ``KVAwareRouter``, for both pools.
 
-- ``PrefixAwareRouter`` (prefill): requests whose first KV block is the same prefer the same
-  replica (rendezvous hashing over replica ids), so that replica's prefix cache holds the blocks
-  they share; the other replicas follow as fallbacks, so a busy replica never blocks a request.
-- ``KVAwareRouter`` (decode): the replica whose caches hold the most of the prompt, weighed
-  against its load, first: Dynamo's KV-router cost, blocks to compute (or move) plus blocks in
-  use, with the blocks a replica's host tier holds (``kv_offloading_size``) costing
-  ``host_hit_cost`` of a miss (a copy over the host link against a prefill). What each replica
-  holds is this router's own record of the prompts it sent there, aged by the capacities the
-  replica reports (``record_routing_stats``): no event stream from the engines. Each ingress
-  replica keeps its own record; ties go in rendezvous order of the prompt's first block, so
-  ingress replicas without a record agree.
-  A request without prompt tokens ranks by load alone.
+The replica whose caches hold the most of the prompt, weighed against its load, comes first:
+Dynamo's KV-router cost, blocks to compute (or move) plus blocks in use, with the blocks a
+replica's host tier holds (``kv_offloading_size``) costing ``host_hit_cost`` of a miss (a copy
+over the host link against a prefill). What each replica holds is this router's own record of
+the prompts it sent there, aged by the capacities the replica reports (``record_routing_stats``):
+no event stream from the engines. Each ingress replica keeps its own record; ties go in
+rendezvous order of the prompt's first block, so ingress replicas without a record agree (and
+prompts behind one system prompt meet on one replica until its load outweighs what it holds).
+Every replica is ranked, so a full one never blocks a request; a request without prompt tokens
+ranks by load alone.
 """
 
 from __future__ import annotations
@@ -25,29 +23,10 @@ from ray.serve.request_router import PendingRequest, RequestRouter, RunningRepli
 from engine.block_pool import hash_block
 
 
-def prefix_key(token_ids, block_size: int) -> int:
-    """The chained hash of the prompt's first block (of the whole prompt when shorter)."""
-    return hash_block(None, list(token_ids[:block_size]))
-
-
 def rendezvous_order(key: int, replicas: list[RunningReplica]) -> list[RunningReplica]:
     def score(replica):
         return xxhash.xxh3_64_intdigest(f"{key}/{replica.replica_id.unique_id}".encode())
     return sorted(replicas, key=score, reverse=True)
-
-
-class PrefixAwareRouter(RequestRouter):
-    def initialize_state(self, block_size: int = 16, **kwargs):
-        self.block_size = block_size
-
-    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
-                              pending_request: PendingRequest | None = None):
-        tokens = _prompt_tokens(pending_request)
-        if not candidate_replicas or tokens is None:
-            return [candidate_replicas]
-        ranked = rendezvous_order(prefix_key(tokens, getattr(self, "block_size", 16)),
-                                  candidate_replicas)
-        return [[r] for r in ranked]
 
 
 @dataclass

@@ -72,7 +72,7 @@ def test_a_roles_autoscaling_config_is_serves_with_batons_policy_by_default():
                           "min_replicas": 1, "max_replicas": 2, "policy": {
                               "policy_function": DECODE_POLICY,
                               "policy_kwargs": {"target_kv_usage": 0.5}}}})
-    prefill = _options(cfg, "prefill", "router.replica_choice:PrefixAwareRouter")
+    prefill = _options(cfg, "prefill", "router.replica_choice:KVAwareRouter")
     assert "num_replicas" not in prefill
     assert prefill["autoscaling_config"]["policy"] == {"policy_function": PREFILL_POLICY}
     decode = _options(cfg, "decode", "router.replica_choice:KVAwareRouter")

@@ -1,5 +1,5 @@
-"""Replica choice: prefix affinity for prefill; for decode, what each replica's caches hold
-(GPU, then host tier) against its load."""
+"""Replica choice for both pools: what each replica's caches hold (GPU, then host tier) against
+its load."""
 
 import asyncio
 from collections import namedtuple
@@ -7,7 +7,7 @@ from collections import namedtuple
 import pytest
 from types import SimpleNamespace
 
-from router.replica_choice import KVAwareRouter, PrefixAwareRouter, prompt_hashes
+from router.replica_choice import KVAwareRouter, prompt_hashes
 
 
 ReplicaID = namedtuple("ReplicaID", "unique_id")  # hashable, as Serve's is
@@ -31,21 +31,18 @@ def _choose(router_cls, replicas, pending, **state):
 
 
 def test_shared_first_block_goes_to_the_same_replica_and_others_spread():
+    """With nothing recorded yet, ties go in rendezvous order of the first block: prompts
+    behind one system prompt meet on one replica, others spread; every replica is ranked."""
     replicas = [_replica(f"r{i}") for i in range(4)]
     system = list(range(100, 116))  # one shared 16-token block
-    firsts = {_choose(PrefixAwareRouter, replicas, _pending(system + [i, i + 1]),
-                      block_size=16)[0][0].replica_id.unique_id for i in range(20)}
+    firsts = {_choose(KVAwareRouter, replicas, _pending(system + [i, i + 1]))[0][0]
+              .replica_id.unique_id for i in range(20)}
     assert len(firsts) == 1
-    spread = {_choose(PrefixAwareRouter, replicas, _pending([i] * 20),
-                      block_size=16)[0][0].replica_id.unique_id for i in range(40)}
+    spread = {_choose(KVAwareRouter, replicas, _pending([i] * 20))[0][0].replica_id.unique_id
+              for i in range(40)}
     assert len(spread) > 1
-
-
-def test_prefix_ranking_keeps_every_replica_as_a_fallback():
-    replicas = [_replica(f"r{i}") for i in range(3)]
-    ranks = _choose(PrefixAwareRouter, replicas, _pending(range(40)), block_size=16)
+    ranks = _choose(KVAwareRouter, replicas[:3], _pending(range(40)))
     assert sorted(r[0].replica_id.unique_id for r in ranks) == ["r0", "r1", "r2"]
-    assert _choose(PrefixAwareRouter, replicas, None, block_size=16) == [replicas]
 
 
 def test_least_kv_load_first_without_a_prompt():

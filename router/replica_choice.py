@@ -87,7 +87,7 @@ class KVAwareRouter(RequestRouter):
         tokens = _prompt_tokens(pending_request)
         hashes = [] if tokens is None else prompt_hashes(tokens, self.block_size)
         # Ties in rendezvous order of the first block: every ingress replica (each keeps its own
-        # record) then sends a conversation nobody has a record of to the same decode replica.
+        # record) then sends a conversation nobody has a record of to the same replica.
         # Without a full block, ties are broken at random.
         order = (rendezvous_order(hashes[0], candidate_replicas) if hashes else
                  random.sample(candidate_replicas, len(candidate_replicas)))

@@ -153,11 +153,11 @@ def test_baton_serve_tiny_streams_to_the_openai_client_and_ctrl_c_stops_it(ray_c
         # metrics listeners too (Ray's template binds them to every interface).
         listening, backends = _haproxy(http)
         assert len(listening) >= 3 and {ip for ip, _ in listening} == {"127.0.0.1"}, listening
-        # and so do the ingress replica's own HTTP and gRPC servers that HAProxy forwards to
-        # (the replica's other ports are Ray's own)
+        # and so do the ingress replicas' own HTTP and gRPC servers that HAProxy forwards to
+        # (two replicas, --api-server-count's default; their other ports are Ray's own)
         direct = {(ip, port) for ip, port in _listeners("ServeReplica:baton:Router")
                   if port in backends}
-        assert len(direct) == 2 and {ip.removeprefix("::ffff:") for ip, _ in direct} == \
+        assert len(direct) == 2 * 2 and {ip.removeprefix("::ffff:") for ip, _ in direct} == \
             {"127.0.0.1"}, (direct, backends)
         client = OpenAI(base_url=f"http://127.0.0.1:{http}/v1", api_key="none", timeout=60)
         assert [m.id for m in client.models.list()] == ["tiny"]

@@ -1,9 +1,10 @@
 """Multi-turn conversations whose KV outgrows the device cache, with and without the host tier
-(``kv_offloading_size``), on the offline engine.
+(``kv_offloading_size``), on the offline engine or served (``--served colo|1p1d``).
 
     python -m benchmarks.multiturn_bench --model dummy:Qwen3-8B --conversations 32 --turns 6 \
         --system 2048 --turn-tokens 1024 --output 128 --device-kv-gb 12 --host-gb 48 \
         --json results/multiturn.json
+    python -m benchmarks.multiturn_bench ... --served 1p1d --think-s 1   # over HTTP
 
 Every conversation shares a system prompt of ``--system`` tokens; each turn adds a user
 message of ``--turn-tokens`` tokens to its history (and the answer of ``--output`` tokens once
@@ -16,6 +17,13 @@ setting: the first turn's and the returning turns' time to first token (p50/p99,
 turn's start), output tokens/s over the whole run, the tier's blocks found and bytes copied each
 way, and the host link's pinned copy rate measured in the same process (``--host-gb 0`` runs the
 engine without the tier).
+
+``--served``: the same conversations (token-id prompts, greedy, streamed) over HTTP against an
+app of the benchmark's own on a local Ray, HAProxy in front: ``colo`` (one colocated replica) or
+``1p1d`` (a prefill and a decode replica, every prompt handed over, half a GPU each on one GPU);
+the tier on every engine. Each conversation is a client thread. Also reported: the KV blocks the
+hand-overs moved (``1p1d``: a returning turn whose history the decode replica holds, on its GPU
+or in its tier, moves only the rest) and each role's tier counters.
 """
 
 from __future__ import annotations
@@ -140,6 +148,106 @@ def run(args, host_gb: float) -> dict:
     return row
 
 
+def run_served(args, host_gb: float) -> dict:
+    """The conversations over HTTP (see the module's docstring)."""
+    import threading
+
+    import requests
+
+    from benchmarks.lib import local_ray, served
+    from deploy.ray_env import driver_handle
+    from engine.model_source import resolve_model
+
+    disagg = args.served == "1p1d"
+    longest = args.system + args.turns * (args.turn_tokens + args.output) + 16
+    engine = dict(model=args.model, max_num_seqs=args.conversations, max_model_len=longest,
+                  max_num_batched_tokens=args.batched_tokens, kv_offloading_size=host_gb)
+    if args.device_kv_gb:
+        engine["kv_cache_memory_gb"] = args.device_kv_gb
+    if args.num_blocks:
+        engine["num_blocks"] = args.num_blocks
+    gpus = torch.cuda.device_count()
+    role = {"num_cpus": 0.5, "num_gpus": (0.5 if disagg else 1.0) if gpus else 0.0}
+    config = {"mode": "disaggregated" if disagg else "colocated", "engine": engine,
+              "decode": role, "router": {"num_replicas": 2, "num_cpus": 0.25,
+                                         "request_timeout_s": 600}}
+    if disagg:
+        config |= {"prefill": role, "disaggregation": {"mode": "always"}}
+    g = torch.Generator().manual_seed(0)
+    vocab = min(resolve_model(args.model).config.vocab_size, 150000)
+
+    def rand(n: int) -> list[int]:
+        return torch.randint(10, vocab - 10, (n,), generator=g).tolist()
+
+    system = rand(args.system)
+    messages = [[rand(args.turn_tokens) for _ in range(args.turns)]
+                for _ in range(args.conversations)]
+    ttft: dict[int, list[float]] = {t: [] for t in range(args.turns)}
+    moved, produced, errors = [0], [0], []
+    lock = threading.Lock()
+    barrier = threading.Barrier(args.conversations) if args.think_s is None else None
+
+    def conversation(url: str, c: int, t_start: float) -> None:
+        history = system + messages[c][0]
+        session = requests.Session()
+        if barrier is None:
+            time.sleep(max(0.0, t_start + c * args.stagger_s - time.perf_counter()))
+        for turn in range(args.turns):
+            if barrier is not None:
+                barrier.wait(timeout=600)
+            elif turn:
+                time.sleep(args.think_s)
+            t0, first, answer, blocks = time.perf_counter(), None, [], 0
+            try:
+                with session.post(f"{url}/v1/completions", stream=True, timeout=600, json={
+                        "prompt": history, "max_tokens": args.output, "temperature": 0,
+                        "ignore_eos": True, "stream": True,
+                        "stream_options": {"include_usage": True}}) as resp:
+                    resp.raise_for_status()
+                    for line in resp.iter_lines():
+                        if not line.startswith(b"data: {"):
+                            continue
+                        event = json.loads(line[6:])
+                        for choice in event.get("choices", []):
+                            if choice.get("token_ids") and first is None:
+                                first = time.perf_counter() - t0
+                            answer += choice.get("token_ids") or []
+                        transfer = (event.get("usage") or {}).get("kv_transfer") or {}
+                        blocks += transfer.get("blocks_sent", 0) if isinstance(transfer, dict) \
+                            else 0
+            except (requests.RequestException, ValueError) as exc:
+                with lock:
+                    errors.append(f"conversation {c} turn {turn}: {exc}"[:300])
+                if barrier is not None:
+                    barrier.abort()
+                return
+            with lock:
+                ttft[turn].append(first if first is not None else float("nan"))
+                moved[0] += blocks
+                produced[0] += len(answer)
+            if turn + 1 < args.turns:
+                history = history + answer + messages[c][turn + 1]
+
+    with local_ray(), served(config, 600) as app:
+        t_all = time.perf_counter()
+        threads = [threading.Thread(target=conversation, args=(app.url, c, t_all), daemon=True)
+                   for c in range(args.conversations)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=3600)
+        seconds = time.perf_counter() - t_all
+        tiers = {role: {k: v for k, v in driver_handle(role).kv_load.remote().result().items()
+                        if k.startswith("host_")}
+                 for role in ("DecodeServer",) + (("PrefillServer",) if disagg else ())}
+    return {"served": args.served, "host_gb": host_gb, "errors": errors,
+            "first_turn_ttft_ms": _pcts(ttft[0]),
+            "returning_ttft_ms": _pcts([t for k, v in ttft.items() if k for t in v]),
+            "last_turn_ttft_ms": _pcts(ttft[args.turns - 1]),
+            "output_tok_s": round(produced[0] / seconds, 1), "seconds": round(seconds, 2),
+            "kv_blocks_moved": moved[0], "tiers": tiers}
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="tiny")
@@ -157,6 +265,9 @@ def main(argv=None) -> None:
                         "time (default: every conversation's turn at once, turn after turn)")
     p.add_argument("--stagger-s", type=float, default=0.2,
                    help="with --think-s: the conversations' first turns this far apart")
+    p.add_argument("--served", choices=["colo", "1p1d"], default=None,
+                   help="over HTTP against an app of its own: one colocated replica, or 1P1D "
+                        "with every prompt handed over (default: the offline engine)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     out = {"args": vars(args), "pinned_copy_GBps": pinned_copy_gbps(),
@@ -164,7 +275,7 @@ def main(argv=None) -> None:
            "date": time.strftime("%Y-%m-%d"), "rows": []}
     print(json.dumps(out["pinned_copy_GBps"]), flush=True)
     for host_gb in (args.host_gb, 0.0):
-        row = run(args, host_gb)
+        row = run_served(args, host_gb) if args.served else run(args, host_gb)
         out["rows"].append(row)
         print(json.dumps(row), flush=True)
         torch.cuda.empty_cache() if torch.cuda.is_available() else None

@@ -17,6 +17,8 @@ def load_report(aengine, endpoint) -> dict:
     return {"used_blocks": snap.kv_blocks_used, "free_blocks": snap.kv_blocks_free,
             "held_blocks": endpoint.held_blocks if endpoint is not None else 0,
             "host_blocks": snap.host_blocks_used + snap.host_blocks_free,
+            "host_hit_blocks": snap.host_hit_blocks, "host_bytes_to_host": snap.host_bytes_to_host,
+            "host_bytes_to_device": snap.host_bytes_to_device,
             "hit_rate": snap.hit_rate, "output_tokens": snap.stats.output_tokens,
             "endpoint_id": endpoint.endpoint_id if endpoint is not None else None,
             "node_id": endpoint.node_id if endpoint is not None else None}

@@ -205,3 +205,32 @@ def test_a_prompt_the_decode_replicas_host_tier_holds_moves_no_kv():
     finally:
         prefill.close()
         decode.close()
+
+
+@pytest.mark.e2e
+def test_the_multiturn_benchmark_runs_served_1p1d(tmp_path):
+    """``multiturn_bench --served 1p1d`` (its own Ray and app, in a process of its own): four
+    conversations whose histories outgrow the decode replica's 16 device blocks, with the tier
+    on both roles and without; the decode replica's tier serves returning turns (how many
+    blocks the hand-overs then move depends on how the turns interleave: the deterministic
+    case is the role-server test above)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "served.json"
+    run = subprocess.run(
+        [sys.executable, "-m", "benchmarks.multiturn_bench", "--served", "1p1d",
+         "--conversations", "4", "--turns", "3", "--system", "64", "--turn-tokens", "48",
+         "--output", "4", "--num-blocks", "16", "--host-gb", str(64 * BLOCK_BYTES / 2**30),
+         "--think-s", "0.05", "--stagger-s", "0.05", "--json", str(out)],
+        cwd=root, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    with_tier, without = json.loads(out.read_text())["rows"]
+    assert with_tier["errors"] == without["errors"] == []
+    assert with_tier["kv_blocks_moved"] > 0 and without["kv_blocks_moved"] > 0
+    assert with_tier["tiers"]["DecodeServer"]["host_hit_blocks"] > 0
+    assert without["tiers"]["DecodeServer"]["host_hit_blocks"] == 0
+    assert with_tier["returning_ttft_ms"]["p50"] > 0

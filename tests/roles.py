@@ -85,6 +85,19 @@ async def generate(decode, sink: TokenSink, prompt: list[int], rid: str,
     return tokens, ends[0]
 
 
+def run_to_idle(prefill, decode, prompt: list[int], rid: str,
+                params: SamplingParams) -> tuple[list[int], GenerateResult]:
+    """One request through ``decode`` (handing over to ``prefill``) on a sink of its own, both
+    servers back to idle after it: :func:`generate`'s tokens and result."""
+    async def run():
+        sink = TokenSink()
+        tokens, result = await generate(decode, sink, prompt, rid, params)
+        await until_idle(prefill, decode)
+        await sink.close()
+        return tokens, result
+    return asyncio.run(run())
+
+
 def idle(server) -> bool:
     """No blocks used, no request in the engine, no lease."""
     engine = server.aengine.engine

@@ -3,7 +3,6 @@ exactly transformers' tokens on the dequantized weights; the FP8 KV cache (emula
 backend) with prefix caching; FP8 blocks through the hand-over at a quarter of float32's bytes;
 a bf16 sender refused by an FP8 receiver before any byte moves."""
 
-import asyncio
 import json
 import shutil
 from pathlib import Path
@@ -12,7 +11,6 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from contracts import TokenSink
 from decode_worker.placement import ALWAYS
 from decode_worker.server import DecodeServer
 from engine import LLM, EngineConfig, SamplingParams
@@ -25,7 +23,7 @@ from kvtransfer.backends.local import LocalFabric
 from kvtransfer.types import check_compatible
 from prefill_worker.server import PrefillServer
 from tests.models import hf_greedy, random_prompts
-from tests.roles import PrefillHandle, capture_landed_kv, capture_pushed_kv, generate, until_idle
+from tests.roles import PrefillHandle, capture_landed_kv, capture_pushed_kv, run_to_idle
 
 DIMS = dict(hidden_size=128, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=32)
@@ -234,16 +232,9 @@ def test_fp8_blocks_through_the_hand_over_match_colocated():
     prompts = random_prompts([20, 50], vocab=512, seed=31)
     expected = LLM("tiny", num_blocks=64, kv_cache_dtype="fp8").generate(prompts, params)
 
-    async def run(prompt, rid):
-        sink = TokenSink()
-        tokens, result = await generate(decode, sink, prompt, rid, params)
-        await until_idle(prefill, decode)
-        await sink.close()
-        return tokens, result
-
     try:
         for i, (prompt, want) in enumerate(zip(prompts, expected)):
-            tokens, result = asyncio.run(run(prompt, f"f{i}"))
+            tokens, result = run_to_idle(prefill, decode, prompt, f"f{i}", params)
             assert tokens == want.token_ids
             assert torch.equal(pushed[f"f{i}"], landed[f"f{i}"])
             # one byte a value: a quarter of the float32 cache's bytes

@@ -166,15 +166,12 @@ def test_a_prompt_the_decode_replicas_host_tier_holds_moves_no_kv():
     """1P1D through the role servers as they ship (the local transport): a prompt returning
     after other prompts pushed its blocks out of the decode replica's device cache is found in
     that replica's host tier, so the hand-over moves none of its blocks, with the same tokens."""
-    import asyncio
-
-    from contracts import TokenSink
     from decode_worker.placement import ALWAYS
     from decode_worker.server import DecodeServer
     from engine import EngineConfig
     from kvtransfer.backends.local import LocalFabric
     from prefill_worker.server import PrefillServer
-    from tests.roles import PrefillHandle, generate, until_idle
+    from tests.roles import PrefillHandle, run_to_idle
 
     fabric = LocalFabric()
     prefill = PrefillServer(EngineConfig(model="tiny", num_blocks=128, show_progress=False),
@@ -184,21 +181,14 @@ def test_a_prompt_the_decode_replicas_host_tier_holds_moves_no_kv():
                           "local", PrefillHandle(prefill), fabric=fabric, disaggregation=ALWAYS)
     returning, *others = random_prompts([32, 80, 80, 80], seed=31)
 
-    async def run(prompt, rid):
-        sink = TokenSink()
-        tokens, result = await generate(decode, sink, prompt, rid, GREEDY)
-        await until_idle(prefill, decode)
-        await sink.close()
-        return tokens, result
-
     try:
-        first, result = asyncio.run(run(returning, "first"))
+        first, result = run_to_idle(prefill, decode, returning, "first", GREEDY)
         assert result.transfer.blocks_sent == 2
         for i, prompt in enumerate(others):  # 15 blocks: the device cache holds 16
-            asyncio.run(run(prompt, f"other{i}"))
+            run_to_idle(prefill, decode, prompt, f"other{i}", GREEDY)
         tier = decode.aengine.engine.host_tier
         loaded = tier.loaded_blocks
-        again, result = asyncio.run(run(returning, "again"))
+        again, result = run_to_idle(prefill, decode, returning, "again", GREEDY)
         assert result.transfer.blocks_sent == 0 and result.transfer.blocks_skipped == 2
         assert tier.loaded_blocks == loaded + 2  # both came back from the host tier
         assert again == first == _tokens(_llm(), [returning])[0]

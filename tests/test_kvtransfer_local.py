@@ -21,7 +21,7 @@ from kvtransfer.types import advance, check_compatible
 from prefill_worker.server import PrefillServer
 from tests.models import random_prompts
 from tests.roles import (PrefillHandle, capture_landed_kv, capture_pushed_kv, generate,
-                         until_idle)
+                         run_to_idle, until_idle)
 
 CONFIG = EngineConfig(model="tiny", num_blocks=128, show_progress=False)
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -42,15 +42,7 @@ def pair():
 
 def _run(pair, prompt, rid, params=GREEDY):
     prefill, decode, pushed, landed = pair
-
-    async def main():
-        sink = TokenSink()
-        tokens, result = await generate(decode, sink, prompt, rid, params)
-        await until_idle(prefill, decode)
-        await sink.close()
-        return tokens, result
-
-    tokens, result = asyncio.run(main())
+    tokens, result = run_to_idle(prefill, decode, prompt, rid, params)
     if result.transfer is not None and result.transfer.blocks_sent:
         assert torch.equal(pushed[rid], landed[rid])
     return tokens, result

@@ -37,6 +37,7 @@ import torch
 
 from engine import EngineConfig, SamplingParams
 from engine.llm_engine import LLMEngine
+from engine.snapshot import host_tier_figures
 
 
 def pinned_copy_gbps(gb: float = 1.0) -> dict:
@@ -129,7 +130,6 @@ def run(args, host_gb: float) -> dict:
                     if turn_of[c] < args.turns:
                         due[c] = time.perf_counter() + args.think_s
     seconds = time.perf_counter() - t_all
-    tier = engine.host_tier
     block = engine.runner.block_bytes
     row = {"host_gb": host_gb, "device_kv_blocks": engine.pool.num_usable_blocks,
            "device_kv_gb": round(engine.pool.num_usable_blocks * block / 2**30, 2),
@@ -140,10 +140,11 @@ def run(args, host_gb: float) -> dict:
            "last_turn_ttft_ms": _pcts(ttft[args.turns - 1]),
            "output_tok_s": round(produced / seconds, 1), "seconds": round(seconds, 2),
            "prefix_hit_rate": round(engine.pool.hit_rate, 3)}
-    if tier is not None:
-        row.update(host_blocks=tier.num_blocks, host_hit_blocks=tier.hit_blocks,
-                   gb_to_host=round(tier.stored_blocks * block / 1e9, 2),
-                   gb_to_device=round(tier.loaded_blocks * block / 1e9, 2))
+    if (figures := host_tier_figures(engine)):
+        row.update(host_blocks=engine.host_tier.num_blocks,
+                   host_hit_blocks=figures["host_hit_blocks"],
+                   gb_to_host=round(figures["host_bytes_to_host"] / 1e9, 2),
+                   gb_to_device=round(figures["host_bytes_to_device"] / 1e9, 2))
     engine.shutdown()
     return row
 

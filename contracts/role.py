@@ -56,10 +56,10 @@ class RoleDeployment:
     def record_routing_stats(self) -> dict:
         """Read by both pools' request router (``router.replica_choice.KVAwareRouter``): the
         fraction of KV blocks in use and how many blocks the GPU cache and the host tier hold."""
-        load = load_report(self.server.aengine, self.server.endpoint)
-        total = load["used_blocks"] + load["free_blocks"]
-        return {"kv_used_fraction": load["used_blocks"] / total if total else 0.0,
-                "kv_blocks": total, "kv_host_blocks": load["host_blocks"]}
+        snap = self.server.aengine.feed.latest
+        return {"kv_used_fraction": snap.kv_cache_usage,
+                "kv_blocks": snap.kv_blocks_used + snap.kv_blocks_free,
+                "kv_host_blocks": snap.host_blocks_used + snap.host_blocks_free}
 
     async def reset_prefix_cache(self) -> int:
         """Forget the prefix cache's free blocks (benchmarks replaying prompts)."""

@@ -10,10 +10,11 @@ This module is the bookkeeping only (no tensors): :class:`HostTier` maps hashes 
 and :class:`engine.kv_cache_manager.KVCacheManager` queues the copies it implies, which the
 engine hands to every rank's model runner before the next step is launched
 (``Executor.copy_blocks``; with tensor parallelism each rank keeps its slice of every host
-block, and the size is the total over the ranks, as vLLM's), on the step's own stream: a copy out of a device block is queued after the step that wrote it and
-before any step that writes it again, and a copy into one before the step that reads it. A
+block, and the size is the total over the ranks, as vLLM's), on the step's own stream: a copy
+out of a device block is queued after the step that wrote it and before any step that writes
+it again, and a copy into one before the step that reads it. A
 hand-over's reservation, whose blocks another engine writes, waits for its copies out first, on
-every rank (``LLMEngine.reserve``). The decode pool's request router counts host hits
+every rank (``LLMEngine.reserve``). The request router counts host hits
 (``router.replica_choice.KVAwareRouter``).
 
 What is not built yet: copies on a side stream overlapped with steps (they run in the step's

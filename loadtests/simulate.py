@@ -7,12 +7,12 @@ context of ``C`` tokens, and a hand-over of ``N`` bytes (a fixed part and a rate
 does both (chunked prefill beside decoding) costs the decode step plus the prefill's part above
 its fixed cost. Each replica is simulated as Baton's scheduler runs it: running sequences first,
 one token each, then waiting prompts in chunks under ``max_num_batched_tokens``, ``max_num_seqs``
-and the KV capacity. A handed-over request first takes a sequence slot (``max_num_seqs``) and its KV on the decode
-replica with the fewest sequences, as Baton's reservation does, waiting there in order while
-that replica is full; then a prefill replica computes it, its KV comes in after the pushes into
-that replica before it (one link per decode replica), and the decode replica's first step after
-the KV lands gives the first token. Replicas that
-share one GPU (``gpus_per_replica`` < 1) share its time: steps that overlap each go at half speed.
+and the KV capacity. A handed-over request first takes a sequence slot (``max_num_seqs``) and its
+KV on the decode replica with the fewest sequences, as Baton's reservation does, waiting there in
+order while that replica is full; then a prefill replica computes it, its KV comes in after the
+pushes into that replica before it (one link per decode replica), and the decode replica's first
+step after the KV lands gives the first token. Replicas that share one GPU (``gpus_per_replica``
+< 1) share its time: steps that overlap each go at half speed.
 
 What is left out, and so what the prediction's error includes: the served path's own time (the
 HTTP/gRPC hops, tokenizing, the token channel: ``serve_overhead_ms`` adds a fixed part to every

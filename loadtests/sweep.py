@@ -204,7 +204,9 @@ def locust_command(cfg: SweepConfig, load: float, host: str, workload_file: Path
             "--csv", str(run_dir / f"locust{suffix}"), "--only-summary", "--loglevel", "WARNING",
             "--exit-code-on-error", "0", "--workload-file", str(workload_file),
             "--records-file", str(run_dir / f"requests{suffix}.jsonl"),
-            "--rate", f"{rate:g}", "--duration", f"{cfg.duration_s:g}",
+            # the rate exactly: locust draws its schedule from it, and the sweep sized this
+            # process's slice of the workload (and the planner replays it) from the same draw
+            "--rate", f"{rate:.17g}", "--duration", f"{cfg.duration_s:g}",
             "--drain-timeout", f"{cfg.drain_s:g}", "--arrival", cfg.arrival,
             "--seed", str(cfg.sender_seed(load, process)),
             "--request-timeout", f"{cfg.request_timeout_s:g}",

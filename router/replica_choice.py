@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import xxhash
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-from engine.block_pool import hash_block
+from engine.block_pool import hash_blocks
 
 
 def rendezvous_order(key: int, replicas: list[RunningReplica]) -> list[RunningReplica]:
@@ -55,15 +55,6 @@ class HeldBlocks:
             self.stamps = {h: t for h, t in self.stamps.items() if t >= oldest}
 
 
-def prompt_hashes(token_ids, block_size: int) -> list[int]:
-    """The chained hashes of the prompt's full blocks, as the engines' prefix caches key them."""
-    out, parent = [], None
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hash_block(parent, list(token_ids[start:start + block_size]))
-        out.append(parent)
-    return out
-
-
 class KVAwareRouter(RequestRouter):
     # A host-tier hit's cost over a miss's: copying a block in against computing it (8B on an
     # H100: a 16-token block's share of a 4k-token prefill 0.41 ms, its 2.36 MB over the host
@@ -75,6 +66,7 @@ class KVAwareRouter(RequestRouter):
         self.sent: dict = {}  # internal request id -> (replica unique id, blocks it holds)
         self.active: dict = {}  # replica unique id -> blocks of the requests in flight there
         self.ended: dict = {}  # requests Serve said had completed before it said where it sent them
+        self.hashed: dict = {}  # internal request id -> its prompt's block hashes, until routed
 
     def _state(self):
         if not hasattr(self, "held"):  # tests build the policy without Serve's wiring
@@ -84,8 +76,7 @@ class KVAwareRouter(RequestRouter):
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None):
         self._state()
-        tokens = _prompt_tokens(pending_request)
-        hashes = [] if tokens is None else prompt_hashes(tokens, self.block_size)
+        hashes = self._hashes(pending_request, keep=True) or []
         # Ties in rendezvous order of the first block: every ingress replica (each keeps its own
         # record) then sends a conversation nobody has a record of to the same replica.
         # Without a full block, ties are broken at random.
@@ -115,22 +106,35 @@ class KVAwareRouter(RequestRouter):
 
     def on_request_routed(self, pending_request, replica_id, result) -> None:
         self._state()
-        tokens = _prompt_tokens(pending_request)
-        if tokens is None:
+        hashes = self._hashes(pending_request, keep=False)
+        if hashes is None:
             return
         rid = replica_id.unique_id
-        hashes = prompt_hashes(tokens, self.block_size)
         replicas = self.curr_replicas if hasattr(self, "_replicas") else {}
         gpu, host = capacity(replicas[replica_id]) if replica_id in replicas else (0, 0)
         self.held.setdefault(rid, HeldBlocks()).add(hashes, gpu + host)
-        request_id = getattr(getattr(pending_request, "metadata", None), "internal_request_id",
-                             None)
+        request_id = _request_id(pending_request)
         if self.ended.pop(request_id, False):  # Serve may report the end first
             return
-        blocks = len(tokens) // self.block_size + 1
+        blocks = len(_prompt_tokens(pending_request)) // self.block_size + 1
         self.active[rid] = self.active.get(rid, 0) + blocks
         if request_id is not None:
             self.sent[request_id] = (rid, blocks)
+
+    def _hashes(self, pending_request, keep: bool) -> list[int] | None:
+        """The chained hashes of the prompt's full blocks, as the engines' prefix caches key
+        them (None without prompt tokens): computed once a request, kept from
+        :meth:`choose_replicas` (``keep``) to :meth:`on_request_routed`."""
+        request_id = _request_id(pending_request)
+        if request_id in self.hashed:
+            return self.hashed[request_id] if keep else self.hashed.pop(request_id)
+        tokens = _prompt_tokens(pending_request)
+        hashes = None if tokens is None else hash_blocks(tokens, self.block_size)
+        if keep and request_id is not None:
+            self.hashed[request_id] = hashes
+            while len(self.hashed) > 4096:  # requests chosen for but never routed
+                self.hashed.pop(next(iter(self.hashed)))
+        return hashes
 
     def on_request_completed(self, replica_id, internal_request_id: str) -> None:
         self._state()
@@ -158,6 +162,10 @@ def capacity(replica: RunningReplica) -> tuple[int, int]:
 def kv_load(replica: RunningReplica) -> float:
     stats = replica.routing_stats or {}
     return float(stats.get("kv_used_fraction", 0.0))
+
+
+def _request_id(pending_request: PendingRequest | None) -> str | None:
+    return getattr(getattr(pending_request, "metadata", None), "internal_request_id", None)
 
 
 def _prompt_tokens(pending_request: PendingRequest | None):

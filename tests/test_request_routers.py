@@ -7,7 +7,8 @@ from collections import namedtuple
 import pytest
 from types import SimpleNamespace
 
-from router.replica_choice import KVAwareRouter, prompt_hashes
+from engine.block_pool import hash_blocks
+from router.replica_choice import KVAwareRouter
 
 
 ReplicaID = namedtuple("ReplicaID", "unique_id")  # hashable, as Serve's is
@@ -101,7 +102,7 @@ def test_host_tier_hits_count_at_a_fraction_of_a_miss():
         for n in range(4):
             routed.done(n)
         held = routed.router.held["a"]
-        hashes = prompt_hashes(history, 16)
+        hashes = hash_blocks(history, 16)
         assert {held.where(h, 40, host_blocks) for h in hashes} == {"host" if host_blocks else None}
         # 20 blocks at a tenth of a miss each (or 20 misses), plus a's load (1% of 40 blocks)
         assert routed.router.cost(a, hashes) == pytest.approx((2 if host_blocks else 20) + 0.4)
@@ -121,3 +122,4 @@ def test_load_outweighs_a_small_overlap_and_finished_requests_free_it():
     routed.router.on_request_completed(None, "q3")  # Serve may report the end first
     routed.send(shared + [4] * 16, to=b)  # that is q3
     assert routed.router.active == {"a": 4, "b": 0} and not routed.router.ended  # q2 still on a
+    assert not routed.router.hashed  # each request's hashes, kept from choice to routing only

@@ -65,16 +65,24 @@ def _pcts(values: list[float]) -> dict:
             "p99": round(v[min(len(v) - 1, int(0.99 * len(v)))] * 1e3, 1)} if v else {}
 
 
-def run(args, host_gb: float) -> dict:
-    longest = args.system + args.turns * (args.turn_tokens + args.output) + 16
-    kw = dict(model=args.model, max_num_seqs=args.conversations, max_model_len=longest,
-              max_num_batched_tokens=args.batched_tokens, kv_offloading_size=host_gb,
-              show_progress=False, seed=0)
+def longest(args) -> int:
+    """Tokens of a conversation's last request and its answer (the context the engine needs)."""
+    return args.system + args.turns * (args.turn_tokens + args.output) + 16
+
+
+def engine_args(args, host_gb: float) -> dict:
+    """The engine's settings, offline and served alike."""
+    kw = dict(model=args.model, max_num_seqs=args.conversations, max_model_len=longest(args),
+              max_num_batched_tokens=args.batched_tokens, kv_offloading_size=host_gb)
     if args.device_kv_gb:
         kw["kv_cache_memory_gb"] = args.device_kv_gb
     if args.num_blocks:
         kw["num_blocks"] = args.num_blocks
-    engine = LLMEngine(EngineConfig(**kw))
+    return kw
+
+
+def run(args, host_gb: float) -> dict:
+    engine = LLMEngine(EngineConfig(**engine_args(args, host_gb), show_progress=False, seed=0))
     g = torch.Generator().manual_seed(0)
     vocab = engine.vocab_size
 
@@ -133,7 +141,7 @@ def run(args, host_gb: float) -> dict:
     block = engine.runner.block_bytes
     row = {"host_gb": host_gb, "device_kv_blocks": engine.pool.num_usable_blocks,
            "device_kv_gb": round(engine.pool.num_usable_blocks * block / 2**30, 2),
-           "working_set_gb": round(args.conversations * longest * block
+           "working_set_gb": round(args.conversations * longest(args) * block
                                    / engine.config.block_size / 2**30, 2),
            "first_turn_ttft_ms": _pcts(ttft[0]),
            "returning_ttft_ms": _pcts([t for k, v in ttft.items() if k for t in v]),
@@ -160,13 +168,7 @@ def run_served(args, host_gb: float) -> dict:
     from engine.model_source import resolve_model
 
     disagg = args.served == "1p1d"
-    longest = args.system + args.turns * (args.turn_tokens + args.output) + 16
-    engine = dict(model=args.model, max_num_seqs=args.conversations, max_model_len=longest,
-                  max_num_batched_tokens=args.batched_tokens, kv_offloading_size=host_gb)
-    if args.device_kv_gb:
-        engine["kv_cache_memory_gb"] = args.device_kv_gb
-    if args.num_blocks:
-        engine["num_blocks"] = args.num_blocks
+    engine = engine_args(args, host_gb)
     gpus = torch.cuda.device_count()
     role = {"num_cpus": 0.5, "num_gpus": (0.5 if disagg else 1.0) if gpus else 0.0}
     config = {"mode": "disaggregated" if disagg else "colocated", "engine": engine,

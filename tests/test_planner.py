@@ -64,6 +64,15 @@ def test_pushes_into_one_decode_replica_come_in_one_after_another():
     assert two[0].first == pytest.approx(two[1].first)  # a link each
 
 
+def test_the_command_line_replaces_the_profiles_hand_over_costs(tmp_path):
+    path = tmp_path / "profile.json"
+    path.write_text(Profile(**FLAT).model_dump_json())
+    args = type("A", (), {"handover_fixed_ms": 7.0, "handover_gb_s": 13.0,
+                          "serve_overhead_ms": None})()
+    [p] = plan.load_profiles([path], args).values()
+    assert (p.handover_fixed_ms, p.handover_gb_s, p.serve_overhead_ms) == (7.0, 13.0, 0.0)
+
+
 def test_auto_keeps_a_short_prompt_where_it_decodes():
     layout = SimLayout(1, 1, mode="auto", max_local_prefill_length=500)
     short, long = Simulation(layout, _profiles()).run(requests_for([0.0, 1.0], [100, 1000],

@@ -123,3 +123,20 @@ def test_load_outweighs_a_small_overlap_and_finished_requests_free_it():
     routed.send(shared + [4] * 16, to=b)  # that is q3
     assert routed.router.active == {"a": 4, "b": 0} and not routed.router.ended  # q2 still on a
     assert not routed.router.hashed  # each request's hashes, kept from choice to routing only
+
+
+def test_both_roles_report_what_the_router_reads():
+    """A role replica's routing stats come from its engine's latest snapshot: the fraction of
+    KV blocks in use, and the blocks its GPU cache and its host tier hold."""
+    from contracts.role import RoleDeployment
+    from engine.snapshot import EngineSnapshot
+
+    role = RoleDeployment()
+    snap = EngineSnapshot(kv_blocks_used=30, kv_blocks_free=90, host_blocks_used=5,
+                          host_blocks_free=395)
+    role.server = SimpleNamespace(aengine=SimpleNamespace(feed=SimpleNamespace(latest=snap)))
+    try:
+        assert role.record_routing_stats() == {"kv_used_fraction": 0.25, "kv_blocks": 120,
+                                               "kv_host_blocks": 400}
+    finally:
+        role.server = None  # nothing to close

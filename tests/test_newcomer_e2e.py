@@ -151,12 +151,18 @@ def test_baton_serve_tiny_streams_to_the_openai_client_and_ctrl_c_stops_it(ray_c
         assert token.exists() and token.stat().st_mode & 0o777 == 0o600
         # HAProxy, in front of the app's HTTP port, listens only on loopback: its stats and
         # metrics listeners too (Ray's template binds them to every interface).
-        listening, backends = _haproxy(http)
-        assert len(listening) >= 3 and {ip for ip, _ in listening} == {"127.0.0.1"}, listening
         # and so do the ingress replicas' own HTTP and gRPC servers that HAProxy forwards to
-        # (two replicas, --api-server-count's default; their other ports are Ray's own)
-        direct = {(ip, port) for ip, port in _listeners("ServeReplica:baton:Router")
-                  if port in backends}
+        # (two replicas, --api-server-count's default; their other ports are Ray's own). HAProxy
+        # learns of each replica on its own schedule: wait, bounded, until it has both.
+        deadline = time.time() + 60
+        while True:
+            listening, backends = _haproxy(http)
+            direct = {(ip, port) for ip, port in _listeners("ServeReplica:baton:Router")
+                      if port in backends}
+            if len(direct) >= 2 * 2 or time.time() > deadline:
+                break
+            time.sleep(0.5)
+        assert len(listening) >= 3 and {ip for ip, _ in listening} == {"127.0.0.1"}, listening
         assert len(direct) == 2 * 2 and {ip.removeprefix("::ffff:") for ip, _ in direct} == \
             {"127.0.0.1"}, (direct, backends)
         client = OpenAI(base_url=f"http://127.0.0.1:{http}/v1", api_key="none", timeout=60)

@@ -102,6 +102,23 @@ def test_step_cost_from_decode_steps_and_what_prompt_tokens_add():
     assert cost.decode_s == pytest.approx(0.012)
 
 
+def test_a_prompt_step_measured_no_slower_than_decode_is_not_a_cost_of_zero():
+    import torch
+
+    from engine.step_cost import RECENT, StepCost
+    cost = StepCost(torch.device("cpu"))
+    cost.record(0.0, 0.012, 100)  # a prompt step before any decode step waits for one
+    cost.record(0.0, 0.015, 0)  # a slow decode step (a loaded host): 12 ms says nothing yet
+    assert cost.prompt_token_s is None
+    cost.record(0.0, 0.010, 0)  # the fastest decode step so far: 2 ms for 100 tokens
+    assert cost.prompt_token_s == pytest.approx(0.00002)
+    cost.record(0.0, 0.009, 50)  # faster than every recent decode step: dropped, not zero
+    for _ in range(RECENT):
+        cost.record(0.0, 0.010, 0)
+    assert cost.prompt_token_s == pytest.approx(0.00002)
+    assert cost.estimate(100) > cost.decode_s
+
+
 def test_the_engine_measures_its_steps_as_it_runs():
     from engine import LLM, SamplingParams
     from tests.models import random_prompts

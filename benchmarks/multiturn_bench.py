@@ -14,9 +14,11 @@ by the last turn each history is ``system + turns x (turn + output)`` tokens, an
 hold far more KV than ``--device-kv-gb``: without the tier a returning conversation's prefix has
 been evicted and is computed again; with it, its blocks come back from host memory. Reported per
 setting: the first turn's and the returning turns' time to first token (p50/p99, from the
-turn's start), output tokens/s over the whole run, the tier's blocks found and bytes copied each
-way, and the host link's pinned copy rate measured in the same process (``--host-gb 0`` runs the
-engine without the tier).
+turn's start), output tokens/s over the whole run, the mean decode-only step, the tier's blocks
+found and bytes copied each way with the copies' own rate each way (bytes over the seconds they
+took on their side stream), and the host link's pinned copy rate measured in the same process
+(``--host-gb 0`` runs the engine without the tier). ``--turns 1 --system 0``: a load with no
+reuse, where the tier can only cost (its copies out run beside every step).
 
 ``--served``: the same conversations (token-id prompts, greedy, streamed) over HTTP against an
 app of the benchmark's own on a local Ray, HAProxy in front: ``colo`` (one colocated replica) or
@@ -57,6 +59,22 @@ def pinned_copy_gbps(gb: float = 1.0) -> dict:
         torch.cuda.synchronize()
         out[name] = round(3 * n / (time.perf_counter() - t0) / 1e9, 1)
     return out
+
+
+def decode_step_ms(stats) -> float | None:
+    """The mean of the steps that computed no prompt token (``EngineStats``), in ms."""
+    steps = stats.steps - stats.prompt_steps
+    return round((stats.step_seconds - stats.prompt_step_seconds) / steps * 1e3, 3) \
+        if steps else None
+
+
+def copy_rates(figures: dict) -> dict:
+    """The host tier's copies' own rate each way (GB/s: the bytes of the copies that landed
+    over the seconds they took), from ``engine.snapshot.host_tier_figures``."""
+    return {f"copy_GBps_{way}": round(nbytes / seconds / 1e9, 2)
+            if (nbytes := figures[f"host_timed_bytes_{way}"])
+            and (seconds := figures[f"host_seconds_{way}"]) else None
+            for way in ("to_host", "to_device")}
 
 
 def _pcts(values: list[float]) -> dict:
@@ -147,12 +165,14 @@ def run(args, host_gb: float) -> dict:
            "returning_ttft_ms": _pcts([t for k, v in ttft.items() if k for t in v]),
            "last_turn_ttft_ms": _pcts(ttft[args.turns - 1]),
            "output_tok_s": round(produced / seconds, 1), "seconds": round(seconds, 2),
-           "prefix_hit_rate": round(engine.pool.hit_rate, 3)}
+           "prefix_hit_rate": round(engine.pool.hit_rate, 3),
+           "decode_step_ms": decode_step_ms(engine.stats)}
     if (figures := host_tier_figures(engine)):
         row.update(host_blocks=engine.host_tier.num_blocks,
                    host_hit_blocks=figures["host_hit_blocks"],
                    gb_to_host=round(figures["host_bytes_to_host"] / 1e9, 2),
-                   gb_to_device=round(figures["host_bytes_to_device"] / 1e9, 2))
+                   gb_to_device=round(figures["host_bytes_to_device"] / 1e9, 2),
+                   **copy_rates(figures))
     engine.shutdown()
     return row
 
@@ -243,6 +263,8 @@ def run_served(args, host_gb: float) -> dict:
         tiers = {role: {k: v for k, v in driver_handle(role).kv_load.remote().result().items()
                         if k.startswith("host_")}
                  for role in ("DecodeServer",) + (("PrefillServer",) if disagg else ())}
+        for figures in tiers.values():
+            figures.update(copy_rates(figures))
     return {"served": args.served, "host_gb": host_gb, "errors": errors,
             "first_turn_ttft_ms": _pcts(ttft[0]),
             "returning_ttft_ms": _pcts([t for k, v in ttft.items() if k for t in v]),

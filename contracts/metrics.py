@@ -62,6 +62,7 @@ class EngineMetrics:
             ("num_requests_running", "Requests in the running batch"),
             ("num_requests_waiting", "Requests waiting to be scheduled"),
             ("num_requests_transferring", "Requests whose KV is being pushed to this engine"),
+            ("num_requests_loading", "Requests whose prefix the host KV tier is copying back"),
             ("kv_cache_usage", "Fraction of KV blocks in use"),
             ("kv_blocks_used", "KV blocks in use"),
             ("kv_blocks_free", "KV blocks free"),
@@ -80,6 +81,8 @@ class EngineMetrics:
             ("kv_host_hit_blocks", "Prompt blocks found in the host tier (not on the device)"),
             ("kv_offload_bytes_to_host", "KV bytes copied from the device to the host tier"),
             ("kv_offload_bytes_to_device", "KV bytes copied from the host tier to the device"),
+            ("kv_offload_seconds_to_host", "Seconds the copies to the host tier took"),
+            ("kv_offload_seconds_to_device", "Seconds the copies from the host tier took"),
             ("engine_steps", "Engine steps"))}
         self.finished = m.Counter("baton_request_success", "Requests ended, by finish reason",
                                   tag_keys=("finish_reason",))
@@ -116,6 +119,7 @@ class EngineMetrics:
         snap = self.feed.latest
         values = {"num_requests_running": snap.running, "num_requests_waiting": snap.waiting,
                   "num_requests_transferring": snap.transferring,
+                  "num_requests_loading": snap.loading,
                   "kv_cache_usage": snap.kv_cache_usage, "kv_blocks_used": snap.kv_blocks_used,
                   "kv_blocks_free": snap.kv_blocks_free,
                   "kv_host_blocks_used": snap.host_blocks_used,
@@ -135,6 +139,8 @@ class EngineMetrics:
                   "kv_host_hit_blocks": snap.host_hit_blocks,
                   "kv_offload_bytes_to_host": snap.host_bytes_to_host,
                   "kv_offload_bytes_to_device": snap.host_bytes_to_device,
+                  "kv_offload_seconds_to_host": snap.host_seconds_to_host,
+                  "kv_offload_seconds_to_device": snap.host_seconds_to_device,
                   "engine_steps": stats.steps}
         for name, total in totals.items():
             self._rise(self.counters[name], name, total)

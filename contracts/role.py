@@ -19,6 +19,8 @@ def load_report(aengine, endpoint) -> dict:
             "host_blocks": snap.host_blocks_used + snap.host_blocks_free,
             "host_hit_blocks": snap.host_hit_blocks, "host_bytes_to_host": snap.host_bytes_to_host,
             "host_bytes_to_device": snap.host_bytes_to_device,
+            **{f"host_{kind}_{way}": getattr(snap, f"host_{kind}_{way}")
+               for kind in ("seconds", "timed_bytes") for way in ("to_host", "to_device")},
             "hit_rate": snap.hit_rate, "output_tokens": snap.stats.output_tokens,
             "endpoint_id": endpoint.endpoint_id if endpoint is not None else None,
             "node_id": endpoint.node_id if endpoint is not None else None}

@@ -106,15 +106,17 @@ class BlockPool:
     def hit_rate(self) -> float:
         return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
 
-    def cache_block(self, block_id: int, block_hash: int) -> None:
-        """Register a full block under its hash (a no-op if that hash is already cached)."""
+    def cache_block(self, block_id: int, block_hash: int) -> bool:
+        """Register a full block under its hash; False (a no-op) if that hash is already
+        cached or the block has one."""
         if not self.enable_prefix_caching:
-            return
+            return False
         block = self.blocks[block_id]
         if block.block_hash is not None or block_hash in self._cached:
-            return
+            return False
         block.block_hash = block_hash
         self._cached[block_hash] = block_id
+        return True
 
     # -- references -------------------------------------------------------------------------
     def num_blocks_to_touch(self, block_ids: Sequence[int]) -> int:

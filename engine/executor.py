@@ -78,17 +78,26 @@ class Executor:
         if self.others is not None:
             self.others.allocate_host_tier(num_blocks)
 
-    def copy_blocks(self, to_host: list[tuple[int, int]], to_device: list[tuple[int, int]],
-                    wait: bool = False) -> None:
-        """Queue the host tier's block copies on every rank, ahead of the next step they send;
-        ``wait``: return once every rank's copies are done."""
+    def copy_blocks(self, copies, wait: bool = False) -> None:
+        """Queue a batch of the host tier's copies (``engine.kv_offload.KVCopies``) on every
+        rank, ahead of the next step they send; ``wait``: return once every copy every rank
+        has queued has landed."""
         if self.others is not None:
-            self.others.copy_blocks(to_host, to_device, wait)
-        self.runner.copy_blocks(to_host, to_device)
-        if wait and self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
+            self.others.copy_blocks(copies, wait)
+        self.runner.copy_blocks(copies)
+        if wait:
+            self.runner.sync_copies()
         if wait and self.others is not None:
             self.others.copied()
+
+    def copies_done(self, copy_id: int) -> bool:
+        """Whether rank 0's copy ``copy_id`` has landed (the other ranks' steps wait for theirs
+        on their devices: ``KVCopies.waits``)."""
+        return self.runner.copies_done(copy_id)
+
+    def sync_copies(self) -> None:
+        """Wait until rank 0's queued copies have landed."""
+        self.runner.sync_copies()
 
     def kv_caches(self) -> tuple[tuple, tuple]:
         """Every rank's KV cache (rank 0's first) and the handle another process opens each by

@@ -14,11 +14,11 @@ free queue); this module is where a sequence's token counts become block counts.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from engine.block_pool import BlockPool, hash_blocks
-from engine.kv_offload import HostTier
+from engine.kv_offload import HostTier, KVCopies
 from engine.sequence import Sequence
 
 
@@ -34,15 +34,19 @@ class PrefixHit:
 
 
 class KVCacheManager:
-    def __init__(self, pool: BlockPool, block_size: int, host: HostTier | None = None):
+    def __init__(self, pool: BlockPool, block_size: int, host: HostTier | None = None,
+                 copies_done: Callable[[int], bool] = lambda copy_id: True):
         self.pool = pool
         self.block_size = block_size
         self.num_releases = 0  # sequences whose blocks went back to the pool, ever
         # The host tier (engine.kv_offload) and the copies it asks for, queued until the engine
-        # drains them (drain_copies): (device block, host block) out, (host, device) in.
+        # drains them (drain_copies); ``copies_done(id)``: whether a drained batch's copies out
+        # (its id) or in (id + 1) have landed.
         self.host = host
-        self.to_host: list[tuple[int, int]] = []
-        self.to_device: list[tuple[int, int]] = []
+        self.copies_done = copies_done
+        self.copies = KVCopies(0)
+        self.copying_out: dict[int, int] = {}  # device block -> id of the copy out reading it
+        self.loading: dict[int, int] = {}  # device block -> id of the copy in writing it
         if host is not None:
             pool.on_evict = self._evicted
 
@@ -94,9 +98,16 @@ class KVCacheManager:
         if loaded:
             self.host.take(loaded)  # kept until the copies are queued (drain_copies)
         new = self.pool.allocate(need)
+        # A step may read these blocks only once the copies writing them have landed: this
+        # prompt's own copies in, and those of another prompt's that still fill its hits.
+        waits = [copy_id for b in hit.blocks if (copy_id := self._loading(b)) is not None]
+        if loaded:
+            waits.append(self.copies.in_id)
         for i, (host_block, block_hash) in enumerate(zip(hit.host_blocks, loaded)):
-            self.to_device.append((host_block, new[i]))
+            self.copies.to_device.append((host_block, new[i]))
             self.pool.cache_block(new[i], block_hash)
+            self.loading[new[i]] = self.copies.in_id
+        seq.kv_load = max(waits, default=None)
         seq.block_ids = hit.blocks + new
         seq.num_present_tokens = hit.num_tokens
         seq.num_cached_tokens = hit.num_tokens
@@ -110,19 +121,57 @@ class KVCacheManager:
             return []
         return self.host.match(block_hashes)
 
+    def _loading(self, block_id: int) -> int | None:
+        """The id of the copy in still writing ``block_id``, if any."""
+        copy_id = self.loading.get(block_id)
+        if copy_id is not None and self.landed(copy_id):
+            del self.loading[block_id]
+            return None
+        return copy_id
+
+    def landed(self, copy_id: int) -> bool:
+        """Whether copy ``copy_id`` has been queued (drained) and has landed."""
+        return copy_id < self.copies.out_id and self.copies_done(copy_id)
+
     def _evicted(self, block_id: int, block_hash: int) -> None:
+        """``block_id`` is handed to other tokens, which the next step writes: after the copy
+        out reading it (written through, or queued now if the tier no longer holds it)."""
+        self.wait_for(self._loading(block_id))  # an aborted prompt's copy in, still landing
+        self.loading.pop(block_id, None)
+        copy_id = self.copying_out.pop(block_id, None)
+        if copy_id is None:
+            host_block = self.host.put(block_hash)
+            if host_block is None:
+                return
+            self.copies.to_host.append((block_id, host_block))
+            copy_id = self.copies.out_id
+        self.wait_for(copy_id)
+
+    def _write_through(self, block_id: int, block_hash: int) -> None:
         host_block = self.host.put(block_hash)
         if host_block is not None:
-            self.to_host.append((block_id, host_block))
+            self.copies.to_host.append((block_id, host_block))
+            self.copying_out[block_id] = self.copies.out_id
 
-    def drain_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-        """The copies queued since the last call, out (device, host) then in (host, device),
-        for the model runner to queue in that order before the next step."""
-        out, into = self.to_host, self.to_device
-        self.to_host, self.to_device = [], []
+    def wait_for(self, copy_id: int | None) -> None:
+        """The next step waits for copy ``copy_id`` (a sequence whose blocks it fills joins
+        that step, or the step overwrites the blocks it reads)."""
+        if copy_id is not None and copy_id not in self.copies.waits:
+            self.copies.waits.append(copy_id)
+
+    def drain_copies(self) -> KVCopies:
+        """The copies queued since the last call, for the model runner to queue before the next
+        step (which waits for ``waits`` first)."""
+        copies = self.copies
+        self.copies = KVCopies(copies.out_id + 2)
         if self.host is not None:
             self.host.release()
-        return out, into
+        return copies
+
+    def forget_copies(self) -> None:
+        """Every copy queued has landed (the engine waited for them): nothing to track."""
+        self.copying_out.clear()
+        self.loading.clear()
 
     def grow(self, seq: Sequence, num_tokens: int) -> bool:
         """Blocks for ``seq``'s first ``num_tokens`` tokens; False (nothing taken) when free
@@ -152,7 +201,9 @@ class KVCacheManager:
         self._update_hashes(seq)
         num_full = min(num_full, len(seq.block_hashes))
         for b in range(seq.num_registered_blocks, num_full):
-            self.pool.cache_block(seq.block_ids[b], seq.block_hashes[b])
+            if self.pool.cache_block(seq.block_ids[b], seq.block_hashes[b]) \
+                    and self.host is not None:
+                self._write_through(seq.block_ids[b], seq.block_hashes[b])
         seq.num_registered_blocks = num_full
 
     def uncommitted(self, seqs: Iterable[Sequence]) -> set[int]:

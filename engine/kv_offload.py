@@ -1,32 +1,65 @@
 """The host-memory tier under the prefix cache (``kv_offloading_size``, vLLM's name: GiB of host
 memory; 0 turns it off).
 
-A full block that leaves the device cache (its device block handed to other tokens) is copied to
-a host block first, keyed by the same chained prefix hash the device cache uses; a prompt whose
-next blocks the device cache lacks but the host tier holds gets fresh device blocks and copies
-back instead of computing them. Least recently used host blocks go first when the tier is full.
+Every full block the device cache registers is copied to a host block too, keyed by the same
+chained prefix hash the device cache uses; a prompt whose next blocks the device cache lacks but
+the host tier holds gets fresh device blocks and copies back instead of computing them. Least
+recently used host blocks go first when the tier is full.
 
 This module is the bookkeeping only (no tensors): :class:`HostTier` maps hashes to host blocks,
-and :class:`engine.kv_cache_manager.KVCacheManager` queues the copies it implies, which the
-engine hands to every rank's model runner before the next step is launched
-(``Executor.copy_blocks``; with tensor parallelism each rank keeps its slice of every host
-block, and the size is the total over the ranks, as vLLM's), on the step's own stream: a copy
-out of a device block is queued after the step that wrote it and before any step that writes
-it again, and a copy into one before the step that reads it. A
-hand-over's reservation, whose blocks another engine writes, waits for its copies out first, on
-every rank (``LLMEngine.reserve``). The request router counts host hits
-(``router.replica_choice.KVAwareRouter``).
+and :class:`engine.kv_cache_manager.KVCacheManager` queues the copies it implies as
+:class:`KVCopies`, which the engine hands to every rank's model runner before the next step is
+launched (``Executor.copy_blocks``; with tensor parallelism each rank keeps its slice of every
+host block, and the size is the total over the ranks, as vLLM's).
 
-What is not built yet: copies on a side stream overlapped with steps (they run in the step's
-stream, in order).
+The copies run on a side stream of their own, overlapped with the steps (on CUDA; on the CPU
+they run as they are queued):
+
+- **Out, as blocks are written** (write-through, as SGLang's HiCache by default and vLLM's CPU
+  offloading): a full block is copied to the host once the step that computes it has been
+  launched, so a block that later leaves the device cache is already there, and evicting it
+  costs nothing. A block the host tier has dropped meanwhile is copied out when its device block
+  is handed out again, as before.
+- **In, before the prompt runs**: a prompt that finds blocks in the host tier takes device
+  blocks for them and waits, holding its slot, until their copy has landed; the scheduler only
+  then lets it into a step (``Scheduler.loading``), so other sequences' steps run meanwhile.
+  Another prompt that finds those device blocks in the cache waits for the same copy.
+
+Every batch of copies is ordered after the steps launched before it (the side stream waits for
+the step stream), and two ids name it, one for its copies out and one for its copies in
+(:class:`KVCopies`). A step waits, on the device, for the ids it depends on: the copies in of
+the sequences that join it, and the copies out of blocks it is about to overwrite. A hand-over's
+reservation, whose blocks another engine writes, waits on the host for every copy queued so far,
+on every rank (``LLMEngine.reserve``), and so does ``reset_prefix_cache``. The request router
+counts host hits (``router.replica_choice.KVAwareRouter``).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 from engine.block_pool import leading_run
+
+
+@dataclass
+class KVCopies:
+    """One batch of the host tier's copies, queued before a step: ``out_id`` names its copies
+    out (device block, host block), ``out_id + 1`` its copies in (host block, device block);
+    ``waits``: the ids the next step waits for."""
+
+    out_id: int
+    to_host: list[tuple[int, int]] = field(default_factory=list)
+    to_device: list[tuple[int, int]] = field(default_factory=list)
+    waits: list[int] = field(default_factory=list)
+
+    @property
+    def in_id(self) -> int:
+        return self.out_id + 1
+
+    def __bool__(self) -> bool:
+        return bool(self.to_host or self.to_device or self.waits)
 
 
 class HostTier:

@@ -85,7 +85,8 @@ class LLMEngine:
                          // (ex.runner.block_bytes * config.tensor_parallel_size))
             self.host_tier = HostTier(blocks)
             ex.allocate_host_tier(blocks)
-        self.kv_manager = KVCacheManager(self.pool, config.block_size, self.host_tier)
+        self.kv_manager = KVCacheManager(self.pool, config.block_size, self.host_tier,
+                                         ex.copies_done)
         self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens, ex.max_model_len,
                                    starvation_timeout_s=config.starvation_timeout_s)
@@ -262,6 +263,9 @@ class LLMEngine:
         ``reset_prefix_cache``): benchmarks that replay prompts start each point cold."""
         if self.host_tier is not None:
             self.host_tier.clear()
+            # Blocks losing their hash may still be copying: let every copy land, everywhere.
+            self.executor.copy_blocks(self.kv_manager.drain_copies(), wait=True)
+            self.kv_manager.forget_copies()
         return self.pool.reset_prefix_cache()
 
     def abort_request(self, request_id: str) -> bool:
@@ -279,6 +283,9 @@ class LLMEngine:
         t0 = time.perf_counter()
         batch = self.scheduler.schedule()
         outputs = [self.updater.output(s, [], None) for s in batch.finished]
+        self._queue_kv_copies()
+        if not batch and self._running_step is None and self.scheduler.loading:
+            self.executor.sync_copies()  # nothing else to run: wait for the host tier's copies
         launched = self._launch(batch) if batch else None
         due = [self._running_step] if self._running_step is not None else []
         self._running_step = None
@@ -310,7 +317,6 @@ class LLMEngine:
         prev = running.tokens if running is not None else None
         prompt_tokens = sum(n for s, n in zip(batch.seqs, batch.num_new_tokens)
                             if s.num_computed_tokens < s.num_prompt_tokens)
-        self._queue_kv_copies()
         started = self.step_cost.mark()
         logits = self.executor.execute(batch, prev)
         due = self.scheduler.advance(batch)
@@ -337,12 +343,14 @@ class LLMEngine:
 
     def _queue_kv_copies(self, wait: bool = False) -> None:
         """Queue the host tier's block copies on every rank (before the step that the
-        scheduling which asked for them launches); ``wait``: until the copies out are done."""
+        scheduling which asked for them launches); ``wait``: when the blocks handed out
+        since the last call were still being copied, until every copy has landed, on every
+        rank (another engine is about to write them)."""
         if self.host_tier is None:
             return
-        to_host, to_device = self.kv_manager.drain_copies()
-        if to_host or to_device:
-            self.executor.copy_blocks(to_host, to_device, wait=wait and bool(to_host))
+        copies = self.kv_manager.drain_copies()
+        if copies:
+            self.executor.copy_blocks(copies, wait=wait and bool(copies.waits))
 
     def _to_host(self, t: torch.Tensor | None) -> torch.Tensor | None:
         if t is None or self.device.type != "cuda":

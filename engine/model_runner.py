@@ -121,19 +121,85 @@ class ModelRunner:
     # -- the host tier (engine.kv_offload) ---------------------------------------------------
     def allocate_host_tier(self, num_blocks: int) -> None:
         """``num_blocks`` blocks of host memory shaped like the device's (pinned on CUDA), one
-        block of every layer one contiguous region, as on the device."""
+        block of every layer one contiguous region, as on the device; on CUDA, the side stream
+        the copies run on."""
         self.host_kv = torch.empty((num_blocks, *self.kv_storage.shape[1:]),
                                    dtype=self.kv_storage.dtype,
                                    pin_memory=self.device.type == "cuda")
+        self.copy_stream = (torch.cuda.Stream(self.device) if self.device.type == "cuda"
+                            else None)
+        # copy id -> (start, end, bytes, out?) until landed; then counted in copy_totals:
+        # bytes and seconds copied each way, "to_host" and "to_device", as the side stream
+        # (or the CPU) spent them.
+        self.copy_events: dict[int, tuple] = {}
+        self.copy_totals = {"to_host": [0, 0.0], "to_device": [0, 0.0]}
 
-    def copy_blocks(self, to_host: list[tuple[int, int]],
-                    to_device: list[tuple[int, int]]) -> None:
-        """Queue block copies on the current stream, out (device block, host block) first,
-        then in (host block, device block); nothing waits."""
-        for d, h in to_host:
-            self.host_kv[h].copy_(self.kv_storage[d], non_blocking=True)
-        for h, d in to_device:
-            self.kv_storage[d].copy_(self.host_kv[h], non_blocking=True)
+    def copy_blocks(self, copies) -> None:
+        """Queue a batch of the host tier's copies (``engine.kv_offload.KVCopies``): the step
+        stream waits for the copies it names, then the copies out and in are queued on the
+        side stream after every step launched so far, each timed and recorded under its id;
+        nothing waits on the host. On the CPU they run now."""
+        block = self.kv_storage[0].nbytes
+        if self.copy_stream is None:
+            for pairs, out in ((copies.to_host, True), (copies.to_device, False)):
+                t0 = time.perf_counter()
+                self._copy_runs(pairs, out)
+                self._count_copy(out, len(pairs) * block, time.perf_counter() - t0)
+            return
+        main = torch.cuda.current_stream(self.device)
+        for copy_id in copies.waits:
+            if (timed := self.copy_events.get(copy_id)) is not None:
+                main.wait_event(timed[1])
+        self._landed()
+        if copies.to_host or copies.to_device:
+            self.copy_stream.wait_stream(main)
+            with torch.cuda.stream(self.copy_stream):
+                for copy_id, pairs, out in ((copies.out_id, copies.to_host, True),
+                                            (copies.in_id, copies.to_device, False)):
+                    if pairs:
+                        start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+                        start.record(self.copy_stream)
+                        self._copy_runs(pairs, out)
+                        end.record(self.copy_stream)
+                        self.copy_events[copy_id] = (start, end, len(pairs) * block, out)
+
+    def _landed(self) -> None:
+        """Count the copies that have landed and stop tracking them."""
+        for copy_id, (start, end, nbytes, out) in list(self.copy_events.items()):
+            if end.query():
+                self._count_copy(out, nbytes, start.elapsed_time(end) / 1e3)
+                del self.copy_events[copy_id]
+
+    def _count_copy(self, out: bool, nbytes: int, seconds: float) -> None:
+        totals = self.copy_totals["to_host" if out else "to_device"]
+        totals[0] += nbytes
+        totals[1] += seconds
+
+    def _copy_runs(self, pairs: list[tuple[int, int]], out: bool) -> None:
+        """Copy (device block, host block) pairs out, or (host block, device block) pairs in,
+        a run of consecutive blocks on both sides as one copy."""
+        start = 0
+        for i in range(1, len(pairs) + 1):
+            if i < len(pairs) and pairs[i][0] == pairs[i - 1][0] + 1 \
+                    and pairs[i][1] == pairs[i - 1][1] + 1:
+                continue
+            (a, b), n = pairs[start], i - start
+            if out:
+                self.host_kv[b:b + n].copy_(self.kv_storage[a:a + n], non_blocking=True)
+            else:
+                self.kv_storage[b:b + n].copy_(self.host_kv[a:a + n], non_blocking=True)
+            start = i
+
+    def copies_done(self, copy_id: int) -> bool:
+        """Whether copy ``copy_id`` has landed (one this runner no longer tracks has)."""
+        timed = self.copy_events.get(copy_id)
+        return timed is None or timed[1].query()
+
+    def sync_copies(self) -> None:
+        """Wait on the host until every queued copy has landed."""
+        if getattr(self, "copy_stream", None) is not None:
+            self.copy_stream.synchronize()
+            self._landed()
 
     # -- start-up ---------------------------------------------------------------------------
     def warm_up(self, progress: bool = True) -> None:

@@ -39,6 +39,12 @@ turn), so a preempted one at the head of the queue cannot hold it back.
 ``num_starvation_preemptions`` counts these (they count in ``num_preemptions`` too). ``None``
 turns it off.
 
+Prompts whose blocks the host tier holds (``kv_offloading_size``, :mod:`engine.kv_offload`):
+admission gives them device blocks whose copies in are queued, and they wait in ``loading``,
+holding their slot, until the copies have landed (``KVCacheManager.copies_done``); the next
+schedule after that lets them into the running batch, so other sequences' steps run while their
+KV crosses the host link.
+
 Blocks come from :class:`engine.kv_cache_manager.KVCacheManager` (match, allocate, grow, free,
 commit): this module decides who runs, that one whether their tokens fit. Every unfinished
 sequence is in ``requests`` by id.
@@ -83,6 +89,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.transferring: dict[str, Sequence] = {}  # decode role: awaiting pushed KV
+        self.loading: dict[str, Sequence] = {}  # awaiting the host tier's copies in
         self.held: dict[str, list[int]] = {}  # prefill role: finished, blocks kept for a push
         self.requests: dict[str, Sequence] = {}  # every unfinished sequence, by request id
         self.num_preemptions = 0  # every preemption, the ones below included
@@ -97,13 +104,17 @@ class Scheduler:
         self.requests[seq.request_id] = seq
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.loading)
 
     def queued_prompt_tokens(self) -> int:
-        """Prompt tokens still to be prefilled: of waiting sequences, and of running ones whose
-        prompt is not yet all computed (chunked prefill)."""
+        """Prompt tokens still to be prefilled: of waiting and loading sequences, and of running
+        ones whose prompt is not yet all computed (chunked prefill)."""
         return sum(max(0, s.num_prompt_tokens - s.num_computed_tokens)
-                   for s in (*self.waiting, *self.running))
+                   for s in (*self.waiting, *self.loading.values(), *self.running))
+
+    @property
+    def num_slots_taken(self) -> int:
+        return len(self.running) + len(self.transferring) + len(self.loading)
 
     def find(self, request_id: str) -> Sequence | None:
         return self.requests.get(request_id)
@@ -120,6 +131,7 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.transferring.pop(seq.request_id, None)
+        self.loading.pop(seq.request_id, None)
         self.requests.pop(seq.request_id, None)
         seq.drop_pending()
         if seq.hold_blocks and reason is not FinishReason.ABORT and seq.block_ids:
@@ -140,7 +152,7 @@ class Scheduler:
     def reserve(self, seq: Sequence) -> bool:
         """Match the prefix cache and reserve blocks for the rest of ``seq``'s prompt, outside
         the running batch. False (nothing taken) when blocks or sequence slots are short."""
-        if len(self.running) + len(self.transferring) >= self.max_num_seqs:
+        if self.num_slots_taken >= self.max_num_seqs:
             return False
         if not self.kv.allocate(seq, self.kv.match(seq), seq.num_tokens):
             return False
@@ -155,6 +167,7 @@ class Scheduler:
         """The KV of every prompt token is in ``seq``'s blocks: join the running batch."""
         del self.transferring[seq.request_id]
         seq.num_computed_tokens = seq.num_tokens
+        self.kv.wait_for(seq.kv_load)  # blocks the host tier fills, in the next step it joins
         self.kv.commit(seq)
         seq.status = SequenceStatus.RUNNING
         seq.admitted_time = self.clock()
@@ -164,6 +177,7 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
+        self._admit_loaded()
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -220,7 +234,7 @@ class Scheduler:
             seq = self.waiting[0]
             if seq.num_pending:
                 break  # preempted while its last token was on the way
-            if len(self.running) + len(self.transferring) >= self.max_num_seqs:
+            if self.num_slots_taken >= self.max_num_seqs:
                 freed = self._make_room(seq, batch, computing)  # a slot from a running one
                 if freed is None:
                     break
@@ -243,16 +257,30 @@ class Scheduler:
                 budget += freed
                 continue
             seq.num_computed_tokens = computed
+            self.waiting.popleft()
+            self._started(seq)
+            computing.update(seq.block_hashes[seq.num_registered_blocks:])
+            if seq.kv_load is not None:  # its blocks are still being filled from the host
+                seq.status = SequenceStatus.LOADING
+                self.loading[seq.request_id] = seq
+                continue
             seq.status = SequenceStatus.RUNNING
             seq.admitted_time = self.clock()
-            self.waiting.popleft()
             _insert(self.running, seq, front=False)
-            self._started(seq)
             batch.seqs.append(seq)
             batch.num_new_tokens.append(n)
             budget -= n
-            computing.update(seq.block_hashes[seq.num_registered_blocks:])
         self.waiting.extendleft(reversed(deferred))
+
+    def _admit_loaded(self) -> None:
+        """Loading sequences whose blocks have landed join the running batch (scheduled in this
+        step like the others; the step waits, on the device, for the copies they read)."""
+        for seq in [s for s in self.loading.values() if self.kv.landed(s.kv_load)]:
+            del self.loading[seq.request_id]
+            self.kv.wait_for(seq.kv_load)
+            seq.status = SequenceStatus.RUNNING
+            seq.admitted_time = self.clock()
+            _insert(self.running, seq, front=False)
 
     def _make_room(self, seq: Sequence, batch: ScheduledBatch, computing: set[int]) -> int | None:
         """A slot and blocks for the head of ``waiting`` (``seq``), taken from a running

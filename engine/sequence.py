@@ -25,6 +25,7 @@ from engine.sampling_params import SamplingParams
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     TRANSFERRING = "transferring"  # decode role: blocks reserved, KV being pushed by a prefill
+    LOADING = "loading"  # blocks taken, the host tier's copies into them still landing
     RUNNING = "running"
     FINISHED = "finished"
 
@@ -52,6 +53,7 @@ class Sequence:
     num_present_tokens: int = 0  # tokens whose KV was already in the cache (not to be stored)
     num_cached_tokens: int = 0  # prefix-cache hit of the last admission, for stats
     num_registered_blocks: int = 0  # leading blocks already offered to the prefix cache
+    kv_load: int | None = None  # the host tier's copy in its blocks wait for (engine.kv_offload)
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     generator: torch.Generator | None = None

@@ -19,6 +19,7 @@ class EngineSnapshot:
     running: int = 0  # sequences in the running batch
     waiting: int = 0
     transferring: int = 0  # decode role: awaiting pushed KV
+    loading: int = 0  # awaiting the host tier's copies of their prefix (kv_offloading_size)
     queued_prompt_tokens: int = 0  # prompt tokens still to prefill (waiting, chunked)
     kv_blocks_used: int = 0
     kv_blocks_free: int = 0
@@ -35,6 +36,12 @@ class EngineSnapshot:
     host_hit_blocks: int = 0
     host_bytes_to_host: int = 0
     host_bytes_to_device: int = 0
+    # seconds the copies that have landed took each way (on the side stream; rank 0), and the
+    # bytes those copies moved: their rates, against the host link's
+    host_seconds_to_host: float = 0.0
+    host_seconds_to_device: float = 0.0
+    host_timed_bytes_to_host: int = 0
+    host_timed_bytes_to_device: int = 0
 
     @property
     def kv_cache_usage(self) -> float:
@@ -52,7 +59,8 @@ def snapshot_of(engine) -> EngineSnapshot:
     sched, pool = engine.scheduler, engine.pool
     return EngineSnapshot(
         running=len(sched.running), waiting=len(sched.waiting),
-        transferring=len(sched.transferring), queued_prompt_tokens=sched.queued_prompt_tokens(),
+        transferring=len(sched.transferring), loading=len(sched.loading),
+        queued_prompt_tokens=sched.queued_prompt_tokens(),
         kv_blocks_used=pool.num_used_blocks,
         kv_blocks_free=pool.num_free_blocks, prefix_cache_queries=pool.query_tokens,
         prefix_cache_hits=pool.hit_tokens, num_preemptions=sched.num_preemptions,
@@ -70,7 +78,10 @@ def host_tier_figures(engine) -> dict:
             "host_blocks_free": tier.num_blocks - tier.num_used_blocks,
             "host_hit_blocks": tier.hit_blocks,
             "host_bytes_to_host": tier.stored_blocks * block,
-            "host_bytes_to_device": tier.loaded_blocks * block}
+            "host_bytes_to_device": tier.loaded_blocks * block,
+            **{f"host_{kind}_{way}": value for way, (nbytes, seconds)
+               in engine.runner.copy_totals.items()
+               for kind, value in (("seconds", seconds), ("timed_bytes", nbytes))}}
 
 
 class StatsFeed:

@@ -68,11 +68,10 @@ def _worker(rank: int, size: int, init_method: str, config: dict, conn) -> None:
                     tokens = broadcast(torch.empty(len(payload.logit_rows), dtype=torch.int64,
                                                    device=device), group)
             elif cmd == "copy":  # the host tier's copies, queued ahead of the next step
-                to_host, to_device, wait = payload
-                runner.copy_blocks(to_host, to_device)
+                copies, wait = payload
+                runner.copy_blocks(copies)
                 if wait:
-                    if device.type == "cuda":
-                        torch.cuda.current_stream(device).synchronize()
+                    runner.sync_copies()
                     conn.send(("copied", None))
             elif cmd == "host_tier":
                 runner.allocate_host_tier(payload)
@@ -163,12 +162,12 @@ class RankProcesses:
             for conn in self.conns:
                 self._answer(conn, "host_tier")
 
-    def copy_blocks(self, to_host, to_device, wait: bool) -> None:
-        """Queue the host tier's copies on every worker (each runs them before the next step
-        sent after them); with ``wait``, collect their answers with :meth:`copied`."""
+    def copy_blocks(self, copies, wait: bool) -> None:
+        """Queue a batch of the host tier's copies on every worker (each queues them before the
+        next step sent after them); with ``wait``, collect their answers with :meth:`copied`."""
         with self._lock:
             for conn in self.conns:
-                conn.send(("copy", (to_host, to_device, wait)))
+                conn.send(("copy", (copies, wait)))
 
     def copied(self) -> None:
         """Wait until every worker has finished the copies sent with ``wait``."""

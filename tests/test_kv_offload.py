@@ -83,7 +83,90 @@ def test_an_abort_after_a_host_hit_leaves_nothing_held():
     engine.abort_request(rid)
     while engine.has_unfinished_requests():
         engine.step()
-    assert engine.pool.num_used_blocks == 0 and not engine.kv_manager.to_device
+    assert engine.pool.num_used_blocks == 0 and not engine.kv_manager.copies
+    assert not engine.scheduler.loading
+
+
+def _copying(landed: set[int]):
+    """A scheduler over a 10-block pool and a 16-block host tier whose copies land when the
+    test says so (``landed``: the copy ids that have)."""
+    from engine.block_pool import BlockPool
+    from engine.kv_cache_manager import KVCacheManager
+    from engine.scheduler import Scheduler
+    kv = KVCacheManager(BlockPool(11), 4, HostTier(16), copies_done=landed.__contains__)
+    return kv, Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=128)
+
+
+def _prefilled(sched, *seqs):
+    """Schedule ``seqs``' prompts in one step, account it, and finish them (blocks cached)."""
+    from engine.sequence import FinishReason
+    for seq in seqs:
+        sched.add(seq)
+    batch = sched.schedule()
+    sched.advance(batch)
+    for seq in batch.seqs:
+        sched.finish(seq, FinishReason.STOP)
+    return batch
+
+
+def _seq(rid, tokens):
+    from engine.sequence import Sequence
+    return Sequence(rid, list(tokens), SamplingParams(max_tokens=4))
+
+
+def test_blocks_are_written_through_and_a_step_overwriting_them_waits_for_the_copy():
+    kv, sched = _copying(set())
+    _prefilled(sched, _seq("a", range(8)))  # two full blocks, copied out as they are written
+    out = kv.drain_copies()
+    assert out.to_host == [(1, 0), (2, 1)] and out.out_id == 0 and not out.waits
+    _prefilled(sched, _seq("b", range(100, 140)))  # ten blocks: a's two are handed out again
+    copies = kv.drain_copies()
+    assert copies.waits == [out.out_id]  # that step waits for their copy out
+    assert len(copies.to_host) == 10  # b's blocks, written through (a's are not copied again)
+
+
+def test_a_prompt_waits_in_loading_for_its_copies_in_while_others_step():
+    from engine.sequence import FinishReason
+    landed: set[int] = set()
+    kv, sched = _copying(landed)
+    _prefilled(sched, _seq("a", range(8)))
+    _prefilled(sched, _seq("b", range(100, 140)))  # a's blocks leave the device
+    kv.drain_copies()
+    a2, a3 = _seq("a2", [*range(8), 1, 2, 3, 4]), _seq("a3", [*range(8), 5, 6, 7, 8])
+    c = _seq("c", range(200, 208))
+    for seq in (c, a2, a3):
+        sched.add(seq)
+    batch = sched.schedule()
+    assert batch.seqs == [c]  # a2 found a's blocks on the host, a3 found them in a2's blocks
+    assert set(sched.loading) == {"a2", "a3"} and a2.kv_load == a3.kv_load
+    copies = kv.drain_copies()
+    assert len(copies.to_device) == 2 and copies.in_id == a2.kv_load
+    sched.advance(batch)
+    sched.finish(c, FinishReason.STOP)
+    assert not sched.schedule().seqs  # not landed: a2 and a3 still wait, holding their slots
+    assert set(sched.loading) == {"a2", "a3"} and sched.num_slots_taken == 2
+    assert sched.has_unfinished()
+    landed.add(copies.in_id)
+    batch = sched.schedule()
+    assert [s.request_id for s in batch.seqs] == ["a2", "a3"] and not sched.loading
+    assert batch.num_new_tokens[-2:] == [4, 4] and a2.num_computed_tokens == 8
+    assert kv.drain_copies().waits == [copies.in_id]  # that step waits on the device too
+
+
+def test_an_aborted_load_frees_its_blocks_and_their_next_writer_waits_for_the_copy():
+    from engine.sequence import FinishReason
+    kv, sched = _copying(set())
+    _prefilled(sched, _seq("a", range(8)))
+    _prefilled(sched, _seq("b", range(100, 140)))
+    kv.drain_copies()
+    a2 = _seq("a2", [*range(8), 1, 2, 3, 4])
+    sched.add(a2)
+    sched.schedule()
+    load = kv.drain_copies().in_id
+    sched.finish(a2, FinishReason.ABORT)
+    assert kv.pool.num_used_blocks == 0 and not sched.loading and not sched.has_unfinished()
+    _prefilled(sched, _seq("d", range(300, 340)))  # every block, a2's loaded ones too
+    assert load in kv.drain_copies().waits
 
 
 def test_a_reservation_counts_host_hits_as_present():
@@ -141,6 +224,10 @@ def test_the_tier_shows_in_the_engine_snapshot():
     assert snap.host_blocks_used + snap.host_blocks_free == 64
     assert snap.host_hit_blocks >= 4 and snap.host_bytes_to_device >= 4 * BLOCK_BYTES
     assert snap.host_bytes_to_host >= snap.host_bytes_to_device
+    # the copies' own time and bytes each way (their rate): every copy has landed on the CPU
+    assert snap.host_timed_bytes_to_host == snap.host_bytes_to_host
+    assert snap.host_timed_bytes_to_device == snap.host_bytes_to_device
+    assert snap.host_seconds_to_host > 0 and snap.host_seconds_to_device > 0
     assert snapshot_of(_llm(num_blocks=16).engine).host_blocks_used == 0
 
 

@@ -22,7 +22,8 @@ reuse, where the tier can only cost (its copies out run beside every step).
 
 ``--served``: the same conversations (token-id prompts, greedy, streamed) over HTTP against an
 app of the benchmark's own on a local Ray, HAProxy in front: ``colo`` (one colocated replica) or
-``1p1d`` (a prefill and a decode replica, every prompt handed over, half a GPU each on one GPU);
+``1p1d`` (a prefill and a decode replica, every prompt handed over, half a GPU each on one GPU,
+or a GPU each with ``--gpus-per-role 1``);
 the tier on every engine. Each conversation is a client thread. Also reported: the KV blocks the
 hand-overs moved (``1p1d``: a returning turn whose history the decode replica holds, on its GPU
 or in its tier, moves only the rest) and each role's tier counters.
@@ -190,7 +191,8 @@ def run_served(args, host_gb: float) -> dict:
     disagg = args.served == "1p1d"
     engine = engine_args(args, host_gb)
     gpus = torch.cuda.device_count()
-    role = {"num_cpus": 0.5, "num_gpus": (0.5 if disagg else 1.0) if gpus else 0.0}
+    share = args.gpus_per_role or (0.5 if disagg else 1.0)
+    role = {"num_cpus": 0.5, "num_gpus": share if gpus else 0.0}
     config = {"mode": "disaggregated" if disagg else "colocated", "engine": engine,
               "decode": role, "router": {"num_replicas": 2, "num_cpus": 0.25,
                                          "request_timeout_s": 600}}
@@ -293,6 +295,9 @@ def main(argv=None) -> None:
     p.add_argument("--served", choices=["colo", "1p1d"], default=None,
                    help="over HTTP against an app of its own: one colocated replica, or 1P1D "
                         "with every prompt handed over (default: the offline engine)")
+    p.add_argument("--gpus-per-role", type=float, default=None,
+                   help="--served: each replica's share of a GPU (default: a whole one "
+                        "colocated, half of one each in 1p1d; 1 in 1p1d: a GPU per role)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     out = {"args": vars(args), "pinned_copy_GBps": pinned_copy_gbps(),

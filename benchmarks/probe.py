@@ -199,30 +199,46 @@ def probe(url: str, long: int) -> dict:
 
 # -- burst ---------------------------------------------------------------------------------------
 async def _burst(url: str, n: int, max_tokens: int, timeout: float) -> list[dict]:
+    """``n`` streams started at once. Each row's ``seconds`` run from the burst's start to the
+    answer's status; ``after_send`` from the moment its request was on the wire (aiohttp's
+    last chunk sent: headers and body on the wire) to the status: a client of 1,000 connections
+    in one Python process sends the last of them well after the first, on a small host."""
     import aiohttp
 
     body = {"prompt": "The request of a burst", "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True}
+    sent_at: dict[object, float] = {}
 
-    async def one(session) -> dict:
+    async def on_sent(session, ctx, params) -> None:
+        sent_at[ctx.trace_request_ctx] = time.monotonic()
+
+    trace = aiohttp.TraceConfig()
+    trace.on_request_chunk_sent.append(on_sent)
+    trace.on_request_headers_sent.append(on_sent)
+
+    async def one(session, key: int) -> dict:
         t0 = time.monotonic()
         try:
-            async with session.post(f"{url}/v1/completions", json=body) as resp:
+            async with session.post(f"{url}/v1/completions", json=body,
+                                    trace_request_ctx=key) as resp:
+                answered, sent = time.monotonic(), sent_at.get(key, t0)
+                row = {"status": resp.status, "seconds": answered - t0,
+                       "after_send": answered - sent, "sent": sent - t0}
                 if resp.status != 200:
                     text = (await resp.read()).decode(errors="replace")
-                    return {"status": resp.status, "seconds": time.monotonic() - t0,
-                            "at_door": "requests open here" in text}
+                    return row | {"at_door": "requests open here" in text}
                 first = None
                 async for event in sse.aevents(resp.content):
                     if first is None and event.get("choices"):
                         first = time.monotonic() - t0
-                return {"status": 200, "seconds": time.monotonic() - t0, "ttft": first}
+                return row | {"seconds": time.monotonic() - t0, "ttft": first}
         except Exception as exc:  # noqa: BLE001 - counted
             return {"status": type(exc).__name__, "seconds": time.monotonic() - t0}
 
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
-                                     timeout=aiohttp.ClientTimeout(total=timeout)) as session:
-        return await asyncio.gather(*[one(session) for _ in range(n)])
+                                     timeout=aiohttp.ClientTimeout(total=timeout),
+                                     trace_configs=[trace]) as session:
+        return await asyncio.gather(*[one(session, i) for i in range(n)])
 
 
 def _pcts(values: list[float]) -> dict:
@@ -258,6 +274,9 @@ def burst_main(argv=None) -> None:
     out = {"streams": args.streams, "served": len(served_), "refused_429": len(refused),
            "other": sorted({str(r["status"]) for r in rows} - {"200", "429"}),
            "refusal_seconds": _pcts(refused),
+           "refusal_after_send_seconds": _pcts([r["after_send"] for r in rows
+                                                if r["status"] == 429]),
+           "sent_seconds": _pcts([r["sent"] for r in rows if "sent" in r]),
            "refused_at_door": sum(1 for r in rows if r.get("at_door")),
            "door_refusal_seconds": _pcts([r["seconds"] for r in rows if r.get("at_door")]),
            "served_ttft_seconds": _pcts([r["ttft"] for r in served_ if r.get("ttft")])}

@@ -83,7 +83,15 @@ class EngineMetrics:
             ("kv_offload_bytes_to_device", "KV bytes copied from the host tier to the device"),
             ("kv_offload_seconds_to_host", "Seconds the copies to the host tier took"),
             ("kv_offload_seconds_to_device", "Seconds the copies from the host tier took"),
+            ("spec_decode_num_drafts", "Steps of a sequence that verified proposals "
+             "(speculative decoding)"),
+            ("spec_decode_num_draft_tokens", "Tokens proposed"),
+            ("spec_decode_num_accepted_tokens", "Proposed tokens accepted"),
             ("engine_steps", "Engine steps"))}
+        self.accepted_per_pos = m.Counter(
+            "baton_spec_decode_num_accepted_tokens_per_pos",
+            "Proposed tokens accepted, by their position in the proposal",
+            tag_keys=("position",))
         self.finished = m.Counter("baton_request_success", "Requests ended, by finish reason",
                                   tag_keys=("finish_reason",))
         self.step_time = m.Histogram("baton_engine_step_seconds", "Time inside one engine step",
@@ -141,9 +149,15 @@ class EngineMetrics:
                   "kv_offload_bytes_to_device": snap.host_bytes_to_device,
                   "kv_offload_seconds_to_host": snap.host_seconds_to_host,
                   "kv_offload_seconds_to_device": snap.host_seconds_to_device,
+                  "spec_decode_num_drafts": snap.spec_num_drafts,
+                  "spec_decode_num_draft_tokens": snap.spec_num_draft_tokens,
+                  "spec_decode_num_accepted_tokens": snap.spec_num_accepted_tokens,
                   "engine_steps": stats.steps}
         for name, total in totals.items():
             self._rise(self.counters[name], name, total)
+        for pos, total in enumerate(snap.spec_accepted_per_position):
+            self._rise(self.accepted_per_pos, ("accepted_per_pos", pos), total,
+                       {"position": str(pos)})
         for reason, total in snap.finished_by_reason.items():
             self._rise(self.finished, ("finished", reason), total, {"finish_reason": reason})
         for queued in self.feed.drain(self.feed.queue_times):

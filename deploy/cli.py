@@ -270,6 +270,12 @@ def serve_config_from_flags(args) -> dict:
     for key in ("max_model_len", "max_num_seqs", "kv_offloading_size"):
         if getattr(args, key, None) is not None:
             engine[key] = getattr(args, key)
+    if getattr(args, "speculative_config", None):
+        try:
+            engine["speculative_config"] = json.loads(args.speculative_config)
+        except json.JSONDecodeError as exc:
+            raise SystemExit(f"--speculative-config is not JSON ({exc}): "
+                             f"{args.speculative_config!r}") from None
     if 0 < per_replica < 1:  # replicas sharing a GPU: each sizes its KV cache to its share
         engine["gpu_memory_utilization"] = round(0.9 * per_replica, 3)
     role = {"num_gpus": per_replica, "num_cpus": 0.5}
@@ -458,6 +464,9 @@ def _serve_parser(sub) -> None:
     serve_cmd.add_argument("--kv-offloading-size", type=float, default=None,
                            help="GiB of host memory per replica under the prefix cache "
                                 "(vLLM's name; default 0: off)")
+    serve_cmd.add_argument("--speculative-config", default=None,
+                           help="speculative decoding, vLLM's JSON: e.g. '{\"method\": "
+                                "\"ngram\", \"num_speculative_tokens\": 4}' (default: off)")
     _engine_flags(serve_cmd)
     serve_cmd.add_argument("--address", default=None,
                            help="join this Ray cluster (auto: the one `ray start` runs here) "

@@ -90,6 +90,35 @@ class ModelConfig:
         return cls.from_dict(json.loads(Path(path).read_text()), source=str(path))
 
 
+class SpeculativeConfig(BaseModel):
+    """vLLM's ``speculative_config``: how tokens are proposed for the target to verify several
+    at a step (:mod:`engine.spec_decode`). Built: ``method: "ngram"`` (prompt lookup)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    method: Literal["ngram", "draft_model"] = "ngram"
+    num_speculative_tokens: int = Field(ge=1, le=16)
+    # ngram: the longest suffix of the sequence, of prompt_lookup_max down to prompt_lookup_min
+    # tokens, found earlier in it; the tokens that followed it are proposed (vLLM's defaults:
+    # 5 and 5 when neither is given, else the one given for both).
+    prompt_lookup_min: int | None = Field(None, ge=1)
+    prompt_lookup_max: int | None = Field(None, ge=1)
+    model: str | None = None  # draft_model: a smaller model of the target's vocabulary
+
+    @model_validator(mode="after")
+    def _check(self) -> "SpeculativeConfig":
+        if self.method == "draft_model":
+            raise ValueError("speculative_config.method 'draft_model' is not built yet; "
+                             "'ngram' is")
+        if self.prompt_lookup_min is None:
+            self.prompt_lookup_min = self.prompt_lookup_max or 5
+        if self.prompt_lookup_max is None:
+            self.prompt_lookup_max = self.prompt_lookup_min
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError("speculative_config: prompt_lookup_min is above prompt_lookup_max")
+        return self
+
+
 class EngineConfig(BaseModel):
     """Everything that shapes one engine instance. Validated when built."""
 
@@ -134,7 +163,10 @@ class EngineConfig(BaseModel):
     # e4m3 with a per-layer scale (the checkpoint's k_scale/v_scale, else 1.0, as vLLM).
     kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3"] = "auto"
     # Launch step N+1 before waiting for step N's tokens (host work overlaps the device's).
+    # Off with speculative decoding, whose proposals need the tokens of the step before.
     async_scheduling: bool = True
+    # Speculative decoding (vLLM's speculative_config; engine.spec_decode). None: off.
+    speculative_config: SpeculativeConfig | None = None
     # One-row (batch-1 decode) projections in bf16/fp16 on CUDA: the Triton skinny matmul
     # (kernels/gemv.py), which beats cuBLAS there on every measured Qwen3 shape.
     triton_gemv: bool = True
@@ -156,6 +188,8 @@ class EngineConfig(BaseModel):
         if self.device not in ("auto", "cpu", "cuda") and not (
                 self.device.startswith("cuda:") and self.device[5:].isdigit()):
             raise ValueError(f"device: {self.device!r} is not 'auto', 'cpu', 'cuda' or 'cuda:N'")
+        if self.speculative_config is not None:
+            self.async_scheduling = False
         return self
 
     def resolved_device(self) -> torch.device:

@@ -45,6 +45,7 @@ from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import FinishReason, Sequence
+from engine.spec_decode import NgramProposer, SpecStats, verify
 from engine.step_cost import StepCost
 from engine.step_update import LaunchedStep, StepUpdater
 
@@ -91,6 +92,10 @@ class LLMEngine:
                                    config.max_num_batched_tokens, ex.max_model_len,
                                    starvation_timeout_s=config.starvation_timeout_s)
         self.sampler = Sampler(ex.device, config.seed)
+        self.spec_stats = SpecStats()  # speculative decoding's acceptance (engine.spec_decode)
+        if (spec := config.speculative_config) is not None:
+            proposer = NgramProposer(spec)
+            self.scheduler.propose = lambda seq, limit: proposer.propose(seq.token_ids, limit)
         self.updater = StepUpdater(self.scheduler, self.kv_manager,
                                    self.processor.eos_token_ids, ex.max_model_len)
         self._running_step: LaunchedStep | None = None  # launched, not yet resolved
@@ -297,16 +302,18 @@ class LLMEngine:
             outputs += self.updater.resolve(step)
             if step.started is not None and step.done_at is not None:
                 self.step_cost.record(step.started, step.done_at, step.prompt_tokens)
-        self._count(batch, outputs, time.perf_counter() - t0)
+        self._count(batch, outputs, time.perf_counter() - t0,
+                    launched.prompt_tokens if launched is not None else 0)
         return outputs
 
-    def _count(self, batch: ScheduledBatch, outputs: list[RequestOutput], elapsed: float) -> None:
+    def _count(self, batch: ScheduledBatch, outputs: list[RequestOutput], elapsed: float,
+               prompt_tokens: int) -> None:
         stats = self.stats
         stats.steps += 1
         stats.step_seconds += elapsed
         self.step_samples.append((elapsed, len(batch.seqs)))
         stats.scheduled_tokens += batch.num_tokens
-        if batch.num_tokens > len(batch.seqs):
+        if prompt_tokens:  # (a step verifying proposals computes several tokens a sequence)
             stats.prompt_steps += 1
             stats.prompt_step_seconds += elapsed
         stats.output_tokens += sum(len(o.new_token_ids) for o in outputs)
@@ -325,7 +332,14 @@ class LLMEngine:
             p.logprobs, p.top_ids, p.top_logprobs = (self._to_host(t) for t in (
                 p.logprobs, p.top_ids, p.top_logprobs))
             step.prompt = p
-        if due:
+        if due and any(s.draft_token_ids for s in due):  # every one speculates (scheduler)
+            step.spec, step.tokens = verify(self.sampler, logits, due,
+                                            [s.draft_token_ids for s in due], self.spec_stats)
+            self.executor.share_tokens(step.tokens)
+            for row, seq in enumerate(due):
+                seq.add_pending(row)
+                seq.draft_token_ids = []
+        elif due:
             out = self.sampler(logits, due, prev, self.eos_token_ids,
                                self.grammars if any(s.matcher for s in due) else None)
             step.tokens = out.tokens

@@ -275,8 +275,10 @@ class ModelRunner:
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
             if seq.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1:
                 prompt.add(seq, len(ids), start, min(end, seq.num_prompt_tokens - 1))
-            ids += seq.token_ids[start:end]
-            if end > seq.num_resolved_tokens:  # its input is the token the running step samples
+            drafts = seq.draft_token_ids  # speculative decoding: proposals after its last token
+            ids += (seq.token_ids + drafts)[start:end] if drafts else seq.token_ids[start:end]
+            if end > seq.num_resolved_tokens and not drafts:
+                # its input is the token the running step samples
                 ids[-1] = 0
                 gathers.append((len(ids) - 1, seq.pending_row))
             positions += range(start, end)
@@ -289,8 +291,8 @@ class ModelRunner:
             indices += table[:pages]
             indptr.append(len(indices))
             last.append(end - (pages - 1) * bs)
-            if end == seq.num_tokens:
-                logit_rows.append(qsl[-1] - 1)
+            if end == seq.num_tokens + len(drafts):  # its last token's row, then each proposal's
+                logit_rows += range(qsl[-1] - 1 - len(drafts), qsl[-1])
         meta = AttentionMetadata(
             slot_mapping=None, query_start_loc=qsl, context_lens=ctx,
             kv_indptr=host_tensor(indptr, torch.int32),

@@ -98,14 +98,35 @@ class Sampler:
     def _greedy_mask(params, device) -> torch.Tensor:
         return upload([p.greedy for p in params], torch.bool, device)
 
-    def _sample(self, logits, params, generators, positions) -> torch.Tensor:
+    @staticmethod
+    def _probs(logits, params) -> torch.Tensor:
+        """Each row's sampling distribution: temperature (1 for greedy rows), min-p, top-k,
+        top-p."""
         temps = upload([p.temperature if p.temperature > 0 else 1.0 for p in params],
                        torch.float32, logits.device).to(logits.dtype)
         logits = logits / temps[:, None]
         logits = _apply_min_p(logits, [p.min_p for p in params])
         logits = _apply_top_k(logits, [p.top_k for p in params])
         logits = _apply_top_p(logits, [p.top_p for p in params])
-        probs = torch.softmax(logits, dim=-1)
+        return torch.softmax(logits, dim=-1)
+
+    def probabilities(self, logits: torch.Tensor, params) -> torch.Tensor:
+        """The distribution each row's token is drawn from (greedy rows: all on the argmax);
+        for a logits processor-free row, as :meth:`__call__` draws it."""
+        probs = self._probs(logits, params)
+        greedy = self._greedy_mask(params, logits.device)
+        if any(p.greedy for p in params):
+            one_hot = torch.zeros_like(probs).scatter_(1, logits.argmax(-1, keepdim=True), 1.0)
+            probs = torch.where(greedy[:, None], one_hot, probs)
+        return probs
+
+    def draw(self, probs: torch.Tensor) -> torch.Tensor:
+        """One id per row, drawn in proportion to ``probs`` (need not sum to one)."""
+        q = torch.empty_like(probs).exponential_(generator=self.generator)
+        return (probs / q).argmax(dim=-1)
+
+    def _sample(self, logits, params, generators, positions) -> torch.Tensor:
+        probs = self._probs(logits, params)
         q = torch.empty_like(probs).exponential_(generator=self.generator)
         for i, gen in enumerate(generators):
             if gen is not None:

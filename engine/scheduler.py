@@ -59,6 +59,7 @@ from dataclasses import dataclass, field
 
 from engine.kv_cache_manager import KVCacheManager
 from engine.sequence import FinishReason, Sequence, SequenceStatus
+from engine.spec_decode import speculates
 
 
 @dataclass
@@ -97,6 +98,9 @@ class Scheduler:
         self.finished_by_reason: dict[str, int] = {}  # sequences ended, ever, by reason
         # Seconds from arrival to first scheduling, of sequences not yet read by the metrics.
         self.queue_times: deque[float] = deque(maxlen=4096)
+        # Speculative decoding (engine.spec_decode): proposals for a decoding sequence, at
+        # most the given number of them. None: off.
+        self.propose: Callable[[Sequence, int], list[int]] | None = None
 
     # -- queue management -------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -192,6 +196,8 @@ class Scheduler:
                 self.finish(seq, FinishReason.LENGTH)  # can never fit in this cache
                 batch.finished.append(seq)
                 continue
+            seq.draft_token_ids = self._proposals(seq, n, budget)
+            n += len(seq.draft_token_ids)
             if not self._reserve_running(seq, n, batch):
                 break  # ``seq`` itself was preempted; everything after it already was
             batch.seqs.append(seq)
@@ -200,7 +206,33 @@ class Scheduler:
             i += 1
         if not batch.preempted:
             self._admit_waiting(batch, budget)
+        if self.propose is not None:
+            self._verify_all_or_none(batch)
         return batch
+
+    @staticmethod
+    def _verify_all_or_none(batch: ScheduledBatch) -> None:
+        """A step verifies proposals only when every sequence in it speculates (its sampling is
+        one the verification reproduces: engine.spec_decode.speculates); else none does."""
+        if any(s.draft_token_ids for s in batch.seqs) and not all(map(speculates, batch.seqs)):
+            for i, seq in enumerate(batch.seqs):
+                batch.num_new_tokens[i] -= len(seq.draft_token_ids)
+                seq.draft_token_ids = []
+
+    def _proposals(self, seq: Sequence, n: int, budget: int) -> list[int]:
+        """Tokens proposed for a decoding sequence to verify in this step: within the step's
+        budget, its ``max_tokens`` and context, and the cache (none when it is not decoding)."""
+        if self.propose is None or n != 1 or seq.num_pending \
+                or seq.num_computed_tokens + 1 != seq.num_tokens or not speculates(seq):
+            return []
+        room = min(budget - 1, seq.params.max_tokens - seq.num_output_tokens - 1,
+                   (self.max_model_len or seq.num_tokens + budget) - seq.num_tokens - 1)
+        drafts = self.propose(seq, room) if room > 0 else []
+        # never a preemption for a proposal: only what the free blocks hold
+        while drafts and self.kv.blocks_for(seq.num_tokens + len(drafts)) \
+                - len(seq.block_ids) > self.kv.num_free_blocks:
+            drafts.pop()
+        return drafts
 
     def _length_done(self, seq: Sequence) -> bool:
         return (seq.num_output_tokens >= seq.params.max_tokens
@@ -364,7 +396,8 @@ class Scheduler:
         """Account the computed chunks; return the sequences that are due a sampled token."""
         due = []
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            seq.num_computed_tokens += n
+            # proposals count once verified (engine.step_update), their KV kept or not
+            seq.num_computed_tokens += n - len(seq.draft_token_ids)
             self.kv.commit(seq)
             if seq.num_computed_tokens == seq.num_tokens:
                 due.append(seq)

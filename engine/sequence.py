@@ -54,6 +54,7 @@ class Sequence:
     num_cached_tokens: int = 0  # prefix-cache hit of the last admission, for stats
     num_registered_blocks: int = 0  # leading blocks already offered to the prefix cache
     kv_load: int | None = None  # the host tier's copy in its blocks wait for (engine.kv_offload)
+    draft_token_ids: list[int] = field(default_factory=list)  # proposals this step verifies
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     generator: torch.Generator | None = None
@@ -121,6 +122,7 @@ class Sequence:
     def reset_for_recompute(self) -> None:
         """Preemption by recompute: drop all KV progress, keep the tokens."""
         self.block_ids = []
+        self.draft_token_ids = []
         self.num_computed_tokens = 0
         self.num_present_tokens = 0
         self.num_registered_blocks = 0

@@ -42,6 +42,12 @@ class EngineSnapshot:
     host_seconds_to_device: float = 0.0
     host_timed_bytes_to_host: int = 0
     host_timed_bytes_to_device: int = 0
+    # speculative decoding (vLLM's figures): steps that verified proposals, proposals, those
+    # accepted, and accepted ones by position
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_position: tuple[int, ...] = ()
 
     @property
     def kv_cache_usage(self) -> float:
@@ -66,7 +72,17 @@ def snapshot_of(engine) -> EngineSnapshot:
         prefix_cache_hits=pool.hit_tokens, num_preemptions=sched.num_preemptions,
         num_starvation_preemptions=sched.num_starvation_preemptions,
         finished_by_reason=dict(sched.finished_by_reason), stats=replace(engine.stats),
+        **spec_figures(engine),
         **host_tier_figures(engine))
+
+
+def spec_figures(engine) -> dict:
+    spec = getattr(engine, "spec_stats", None)
+    if spec is None or not spec.num_drafts:
+        return {}
+    return {"spec_num_drafts": spec.num_drafts, "spec_num_draft_tokens": spec.num_draft_tokens,
+            "spec_num_accepted_tokens": spec.num_accepted_tokens,
+            "spec_accepted_per_position": tuple(spec.accepted_per_position)}
 
 
 def host_tier_figures(engine) -> dict:

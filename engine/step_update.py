@@ -39,6 +39,9 @@ class LaunchedStep:
     started: object | None = None
     done_at: object | None = None
     prompt_tokens: int = 0
+    # speculative decoding: each due sequence's new tokens (engine.spec_decode.verify), known
+    # on the host already
+    spec: list[list[int]] | None = None
 
     def wait(self) -> None:
         if self.done is not None:
@@ -60,6 +63,9 @@ class StepUpdater:
             _store_prompt_logprobs(step.prompt)
         if not step.due:
             return []
+        if step.spec is not None:
+            return [self._resolve_verified(seq, tokens)
+                    for seq, tokens in zip(step.due, step.spec) if not seq.is_finished]
         tokens = step.host_tokens.tolist()
         logprobs = step.host_logprobs.tolist() if step.host_logprobs is not None else None
         top_ids = step.host_top_ids.tolist() if step.host_top_ids is not None else None
@@ -77,6 +83,24 @@ class StepUpdater:
                 seq, [token], [logprobs[i]] if k is not None else None,
                 [list(zip(top_ids[i][:k], top_lps[i][:k]))] if k else None))
         return outputs
+
+    def _resolve_verified(self, seq: Sequence, tokens: list[int]) -> RequestOutput:
+        """A verified step's tokens for ``seq`` (the proposals kept and one more), up to the
+        first that ends it; the kept proposals' KV was computed in that step."""
+        reason = None
+        for i, token in enumerate(tokens):
+            if i == 0:
+                seq.resolve_pending(token)
+            else:
+                seq.token_ids.append(token)
+                seq.num_computed_tokens += 1
+            if (reason := self._stop_reason(seq, token)) is not None:
+                tokens = tokens[:i + 1]
+                break
+        self.kv.commit(seq)
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+        return self.output(seq, tokens, None)
 
     def append(self, seq: Sequence, token: int) -> None:
         """A token sampled elsewhere (a prefill replica's first token, say)."""
@@ -111,17 +135,20 @@ class StepUpdater:
             self.scheduler.finish(seq, FinishReason.STOP)
 
     def _check_stop(self, seq: Sequence, token: int) -> None:
-        p = seq.params
-        reason = None
-        if not p.ignore_eos and token in self.eos_token_ids:
-            reason, seq.stop_reason = FinishReason.STOP, token
-        elif token in p.stop_token_ids:
-            reason, seq.stop_reason = FinishReason.STOP, token
-        elif (seq.num_output_tokens - seq.num_pending >= p.max_tokens
-              or seq.num_resolved_tokens >= self.max_model_len):
-            reason = FinishReason.LENGTH
-        if reason is not None:
+        if (reason := self._stop_reason(seq, token)) is not None:
             self.scheduler.finish(seq, reason)
+
+    def _stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
+        """Whether ``token``, just added, ends ``seq`` (its ``stop_reason`` set where a token
+        does)."""
+        p = seq.params
+        if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
+            seq.stop_reason = token
+            return FinishReason.STOP
+        if (seq.num_output_tokens - seq.num_pending >= p.max_tokens
+                or seq.num_resolved_tokens >= self.max_model_len):
+            return FinishReason.LENGTH
+        return None
 
 
 def _store_prompt_logprobs(p) -> None:

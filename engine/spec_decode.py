@@ -1,0 +1,128 @@
+"""Speculative decoding (vLLM's ``speculative_config``; :class:`engine.config.SpeculativeConfig`).
+
+A decoding sequence's next tokens are proposed (``method: "ngram"``: prompt lookup, below); the
+scheduler gives the sequence one step of ``1 + k`` tokens, its last token and the ``k``
+proposals, and the target computes logits at all of them at once. :func:`verify` then keeps the
+proposals the target agrees with, and one token more: the target's own at the first
+disagreement, or a bonus token after the last proposal. So a step makes 1 to ``k + 1`` tokens
+for the price of one weight read.
+
+Lossless. Greedy: a proposal is kept when it is the target's argmax, so the tokens are exactly
+those of no speculation. Sampling (rejection sampling, as in Leviathan et al. and vLLM): a
+proposal ``d`` drawn with probability ``q(d)`` is kept with probability ``min(1, p(d) / q(d))``
+under the target's distribution ``p`` after temperature, min-p, top-k and top-p; at the first
+rejection the token is drawn from the residual ``max(p - q, 0)``, normalised. An n-gram
+proposal is certain (``q`` is one-hot), so it is kept with probability ``p(d)`` and the residual
+is ``p`` without ``d``. Each emitted token so follows the target's distribution.
+
+Which sequences speculate: those whose sampling the verification reproduces exactly as it is
+written here: no logits processors (penalties, bias, ``min_tokens``), no logprobs, no
+structured output, no per-request seed. The others decode one token a step beside them, as
+before. Steps are synchronous with speculation on (``async_scheduling`` is turned off: a
+proposal needs the tokens of the step before). The stop conditions are checked token by token,
+so a sequence stops at the first stop token or length it reaches within a step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from engine.config import SpeculativeConfig
+from engine.sequence import Sequence
+
+
+class NgramProposer:
+    """Prompt lookup: the longest suffix of ``prompt_lookup_max`` down to ``prompt_lookup_min``
+    tokens that occurred earlier in the sequence (prompt and output); the tokens that followed
+    its latest earlier occurrence with ``k`` tokens after it (else its earliest) are proposed."""
+
+    def __init__(self, config: SpeculativeConfig):
+        self.k = config.num_speculative_tokens
+        self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
+
+    def propose(self, token_ids: list[int], limit: int) -> list[int]:
+        k = min(self.k, limit)
+        if k <= 0 or len(token_ids) <= self.min_n:
+            return []
+        tokens = np.asarray(token_ids, dtype=np.int64)
+        for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
+            # windows that start early enough for a token to follow them, the suffix excluded
+            windows = np.lib.stride_tricks.sliding_window_view(tokens[:-1], n)
+            hits = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
+            if hits.size:  # the latest occurrence that k tokens follow, else the earliest
+                full = hits[hits + n + k <= len(tokens)]
+                start = int(full[-1] if full.size else hits[0]) + n
+                return tokens[start:start + k].tolist()
+        return []
+
+
+def speculates(seq: Sequence) -> bool:
+    """Whether ``seq``'s sampling is one :func:`verify` reproduces (see the module)."""
+    p = seq.params
+    return (not p.changes_logits and p.logprobs is None and seq.matcher is None
+            and p.seed is None)
+
+
+@dataclass
+class SpecStats:
+    """vLLM's acceptance figures: steps that verified proposals, proposals, accepted ones, and
+    accepted ones by position."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    def add(self, drafts: list[int], accepted: int) -> None:
+        if not drafts:
+            return
+        self.num_drafts += 1
+        self.num_draft_tokens += len(drafts)
+        self.num_accepted_tokens += accepted
+        if len(self.accepted_per_position) < len(drafts):
+            self.accepted_per_position += [0] * (len(drafts) - len(self.accepted_per_position))
+        for i in range(accepted):
+            self.accepted_per_position[i] += 1
+
+
+def verify(sampler, logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]],
+           stats: SpecStats | None = None) -> tuple[list[list[int]], torch.Tensor]:
+    """``logits``: float32 ``[sum(1 + len(d)), V]``, each sequence's rows in order (its last
+    token's, then one after each proposal). Returns each sequence's new tokens (the proposals
+    kept, then one more) and, on the device, one id per row (what the other ranks of a
+    tensor-parallel engine are sent)."""
+    counts = [1 + len(d) for d in drafts]
+    params = [s.params for s, c in zip(seqs, counts) for _ in range(c)]
+    device = logits.device
+    proposed = torch.tensor([t for d in drafts for t in (*d, -1)], dtype=torch.int64,
+                            device=device)  # each row's proposal to check (-1: the last row)
+    if all(p.greedy for p in params):
+        row_ids = logits.argmax(dim=-1)
+        kept = row_ids == proposed
+        drawn = row_ids
+    else:
+        probs = sampler.probabilities(logits, params)
+        draft_rows = proposed >= 0
+        at = proposed.clamp(min=0)[:, None]
+        p_draft = probs.gather(1, at).squeeze(1)
+        uniform = torch.rand(p_draft.shape, generator=sampler.generator, device=device)
+        kept = draft_rows & (uniform < p_draft)
+        residual = torch.where(draft_rows[:, None], probs.scatter(1, at, 0.0), probs)
+        drawn = sampler.draw(residual)
+        row_ids = drawn
+    kept, drawn = kept.tolist(), drawn.tolist()
+    out, row = [], 0
+    for d, c in zip(drafts, counts):
+        n = next((i for i in range(len(d)) if not kept[row + i]), len(d))
+        out.append(d[:n] + [drawn[row + n]])
+        if stats is not None:
+            stats.add(d, n)
+        row += c
+    return out, row_ids

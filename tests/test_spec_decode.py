@@ -1,0 +1,185 @@
+"""Speculative decoding (engine/spec_decode.py): the config's defaults and refusals, the n-gram
+proposer, greedy tokens identical with and without speculation (batches, prefix hits,
+preemption, chunked prefill, stop tokens, a request that does not speculate beside ones that
+do), a proposer that always agrees cutting the target's steps by ~k+1, and rejection sampling
+keeping the target's distribution."""
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.config import EngineConfig, SpeculativeConfig
+from engine.spec_decode import NgramProposer, SpecStats, verify
+from tests.models import random_prompts
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
+         "prompt_lookup_min": 1}
+GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+
+
+def test_the_config_takes_vllms_names_and_defaults():
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=3)
+    assert (spec.prompt_lookup_min, spec.prompt_lookup_max) == (5, 5)
+    assert SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=4).prompt_lookup_min == 4
+    with pytest.raises(ValueError, match="not built yet"):
+        SpeculativeConfig(method="draft_model", num_speculative_tokens=3, model="x")
+    with pytest.raises(ValueError, match="above"):
+        SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=4, prompt_lookup_max=2)
+    config = EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    assert not config.async_scheduling  # a proposal needs the tokens of the step before
+
+
+def test_the_ngram_proposer_follows_the_latest_repeat():
+    propose = NgramProposer(SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1,
+                                              prompt_lookup_max=2)).propose
+    assert propose([1, 2, 3, 4, 1, 2], 3) == [3, 4, 1]  # "1 2" was followed by 3 4 1
+    assert propose([1, 2, 3, 4, 1, 2], 2) == [3, 4]  # at most the limit
+    assert propose([5, 6, 7, 8], 3) == []  # nothing repeats
+    # the latest occurrence that 3 tokens follow, not the first
+    assert propose([9, 1, 2, 9, 3, 4, 5, 9], 3) == [3, 4, 5]
+    assert propose([9, 1, 2, 9, 3, 9], 3) == [1, 2, 9]  # none is followed by 3: the earliest
+    assert propose([1, 2], 0) == []
+
+
+def _run(prompts, params=GREEDY, spec=NGRAM, **kw):
+    llm = LLM("tiny", show_progress=False, seed=0, speculative_config=spec, **kw)
+    return [o.token_ids for o in llm.generate(prompts, params)], llm.engine
+
+
+def _prompts():
+    return random_prompts([20, 40, 33], seed=3) + [[11, 12, 13, 14, 15] * 8, [7, 8, 9] * 10]
+
+
+@pytest.mark.parametrize("kw", [
+    {}, {"max_num_batched_tokens": 24}, {"num_blocks": 14}],
+    ids=["batch", "chunked_prefill", "preemption"])
+def test_greedy_tokens_are_those_of_no_speculation(kw):
+    prompts = _prompts()
+    ref, plain = _run(prompts, spec=None, **kw)
+    out, engine = _run(prompts, **kw)
+    assert out == ref
+    stats = engine.spec_stats
+    assert stats.num_accepted_tokens > 0 and stats.num_draft_tokens >= stats.num_accepted_tokens
+    assert engine.stats.steps < plain.stats.steps
+    if "num_blocks" in kw:
+        assert engine.scheduler.num_preemptions > 0
+
+
+def test_prefix_hits_and_a_request_that_does_not_speculate_keep_the_tokens():
+    prompts = _prompts()
+    ref, _ = _run(prompts, spec=None)
+    llm = LLM("tiny", show_progress=False, seed=0, speculative_config=NGRAM)
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == ref
+    again = llm.generate(prompts, GREEDY)  # every prompt a prefix hit now
+    assert [o.token_ids for o in again] == ref and again[0].num_cached_tokens > 0
+    # logprobs: that request decodes one token a step, and so do the others beside it
+    asked = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2)
+    outs = llm.generate(prompts, [asked] + [GREEDY] * (len(prompts) - 1))
+    assert [o.token_ids for o in outs] == ref
+    assert len(outs[0].logprobs) == 40
+
+
+def _oracle(engine, continuations: dict[tuple, list[int]]):
+    """Propose the target's own greedy continuation (what a draft that always agrees does)."""
+    def propose(seq, limit):
+        prompt = tuple(seq.prompt_token_ids)
+        done = seq.num_tokens - seq.num_prompt_tokens
+        return continuations[prompt][done:done + min(limit, 4)]
+    engine.scheduler.propose = propose
+
+
+def test_a_proposer_that_always_agrees_cuts_the_steps_by_about_k_plus_one():
+    prompts = random_prompts([30], seed=4)
+    params = SamplingParams(temperature=0, max_tokens=41, ignore_eos=True)
+    ref, plain = _run(prompts, params, spec=None)
+    llm = LLM("tiny", show_progress=False, seed=0, speculative_config=NGRAM)
+    _oracle(llm.engine, {tuple(prompts[0]): ref[0]})
+    assert [o.token_ids for o in llm.generate(prompts, params)] == ref
+    stats = llm.engine.spec_stats
+    assert stats.num_accepted_tokens == stats.num_draft_tokens == 32  # every proposal kept
+    # one prefill step (the first token), then 40 tokens at 5 a step (4 kept + 1 of its own)
+    assert llm.engine.stats.steps == 1 + 8 and plain.stats.steps >= 41
+    assert stats.accepted_per_position == [8, 8, 8, 8]
+
+
+def test_a_stop_token_among_the_accepted_proposals_ends_the_request_there():
+    prompts = random_prompts([30], seed=4)
+    ref, _ = _run(prompts, SamplingParams(temperature=0, max_tokens=41, ignore_eos=True),
+                  spec=None)
+    stop = ref[0][7]
+    cut = ref[0][:ref[0].index(stop) + 1]
+    params = SamplingParams(temperature=0, max_tokens=41, ignore_eos=True,
+                            stop_token_ids=[stop])
+    llm = LLM("tiny", show_progress=False, seed=0, speculative_config=NGRAM)
+    _oracle(llm.engine, {tuple(prompts[0]): ref[0]})
+    out = llm.generate(prompts, params)[0]
+    assert out.token_ids == cut and out.finish_reason == "stop"
+    assert llm.engine.pool.num_used_blocks == 0
+
+
+def _seqs(n: int, params: SamplingParams):
+    from engine.sequence import Sequence
+    return [Sequence(str(i), [1, 2, 3], params) for i in range(n)]
+
+
+def test_rejection_sampling_keeps_the_targets_distribution():
+    """One proposal checked against a known target distribution, 40,000 times: the first token
+    follows the target's first row whatever was proposed, the proposal is kept with its
+    target probability, and after it the second token follows the second row."""
+    from engine.sampler import Sampler
+    torch.manual_seed(0)
+    n, vocab = 40_000, 6
+    rows = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, 0.3], [0.1, 0.2, 2.5, 0.0, 1.0, -0.5]])
+    p = torch.softmax(rows, -1)
+    logits = rows.repeat(n, 1)
+    sampler = Sampler(torch.device("cpu"), seed=1)
+    stats = SpecStats()
+    out, _ = verify(sampler, logits, _seqs(n, SamplingParams(temperature=1.0)), [[1]] * n, stats)
+    first = torch.bincount(torch.tensor([t[0] for t in out]), minlength=vocab) / n
+    assert (first - p[0]).abs().sum() / 2 < 0.015  # total variation
+    kept = [t for t in out if len(t) == 2]
+    assert abs(len(kept) / n - p[0, 1].item()) < 0.01 and stats.num_accepted_tokens == len(kept)
+    second = torch.bincount(torch.tensor([t[1] for t in kept]), minlength=vocab) / len(kept)
+    assert (second - p[1]).abs().sum() / 2 < 0.03
+    assert all(len(t) == 1 and t[0] != 1 for t in out if len(t) == 1)  # rejected: the residual
+
+
+def test_greedy_verification_keeps_the_agreeing_prefix_and_the_targets_next_token():
+    from engine.sampler import Sampler
+    logits = torch.full((6, 5), -1.0)
+    for row, best in enumerate([3, 1, 4, 2, 0, 2]):  # seq a: 4 rows, seq b: 2 rows
+        logits[row, best] = 1.0
+    seqs = _seqs(2, SamplingParams(temperature=0))
+    out, row_ids = verify(Sampler(torch.device("cpu")), logits, seqs, [[3, 1, 0], [0]])
+    assert out == [[3, 1, 4], [0, 2]]  # a: two kept, then the target's 4; b: all kept + bonus
+    assert row_ids.tolist() == [3, 1, 4, 2, 0, 2]
+
+
+@pytest.mark.parametrize("always", [True, False], ids=["handed_over", "prefilled_locally"])
+def test_a_decode_replica_that_speculates_gives_the_tokens_of_one_that_does_not(always):
+    """1P1D through the role servers (the local transport): the decode replica speculates,
+    the prefill replica hands over each prompt (or the decode replica prefills it itself);
+    the tokens equal the offline engine's without speculation."""
+    from decode_worker.placement import ALWAYS, DisaggregationConfig
+    from decode_worker.server import DecodeServer
+    from kvtransfer.backends.local import LocalFabric
+    from prefill_worker.server import PrefillServer
+    from tests.roles import PrefillHandle, run_to_idle
+
+    prompts = _prompts()
+    ref, _ = _run(prompts, spec=None)
+    fabric = LocalFabric()
+    prefill = PrefillServer(EngineConfig(model="tiny", show_progress=False), "local",
+                            fabric=fabric)
+    decode = DecodeServer(EngineConfig(model="tiny", show_progress=False,
+                                       speculative_config=NGRAM),
+                          "local", PrefillHandle(prefill), fabric=fabric,
+                          disaggregation=ALWAYS if always else DisaggregationConfig(mode="never"))
+    try:
+        out = [run_to_idle(prefill, decode, prompt, f"r{i}", GREEDY)[0]
+               for i, prompt in enumerate(prompts)]
+        assert out == ref
+        assert decode.aengine.engine.spec_stats.num_accepted_tokens > 0
+    finally:
+        prefill.close()
+        decode.close()

@@ -19,6 +19,9 @@ Tasks (models are ``dummy:`` specs: random weights, real shapes):
   decode steps.
 - ``overload``: per model, 256 requests at once into 64 slots, with the bounded wait
   (``starvation_timeout_s`` 1 s) and without: output tok/s, preemptions, TTFT p50/p99.
+- ``spec``: per model, speculative decoding by n-gram (k 2, 4, 6) against none, at batch 1,
+  8, 32 and 64, on repetitive prompts and random ones: output tok/s, the acceptance rate, the
+  ratio to no speculation (random weights: what is accepted is whatever the model repeats).
 - ``onerow``: the decode graph alone (device time of one replay) at batch 1 with each one-row
   projection path (Triton skinny matmul with and without the RMSNorm folded in, cuBLAS), next to
   batch 64: how the engine's per-shape choice was made.
@@ -39,6 +42,7 @@ import gc
 import json
 import statistics
 import time
+from dataclasses import replace
 
 import torch
 
@@ -387,6 +391,50 @@ def overload(model: str, seqs: int = 64, n: int = 256, prompt_len: int = 128,
     return rows
 
 
+def spec(model: str, ks=(0, 2, 4, 6), batches=(1, 8, 32, 64), prompt_len: int = 128,
+         new: int = 256) -> list[dict]:
+    """Speculative decoding by n-gram (prompt lookup) against none: output tok/s and the
+    acceptance rate at each batch, on repetitive prompts (a 16-token phrase over and over) and
+    random ones. ``k`` 0 is the engine without speculation (one step ahead, as by default)."""
+    rows = []
+    for k in ks:
+        config = {"speculative_config": {"method": "ngram", "num_speculative_tokens": k,
+                                         "prompt_lookup_max": 4, "prompt_lookup_min": 2}} \
+            if k else {}
+        engine = _engine(model, max_num_seqs=max(batches), **config)
+        params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
+        engine.add_request(_prompt(engine, 16, 99) * 4, SamplingParams(max_tokens=16))  # warm
+        while engine.has_unfinished_requests():
+            engine.step()
+        for text in ("repetitive", "random"):
+            for batch in batches:
+                prompts = [(_prompt(engine, 16, 100 + i) * (prompt_len // 16)
+                            if text == "repetitive" else _prompt(engine, prompt_len, 100 + i))
+                           for i in range(batch)]
+                engine.reset_prefix_cache()
+                before = replace(engine.spec_stats)
+                for p in prompts:
+                    engine.add_request(p, params)
+                torch.cuda.synchronize()
+                t0, steps0, made = time.perf_counter(), engine.stats.steps, 0
+                while engine.has_unfinished_requests():
+                    made += sum(len(o.new_token_ids) for o in engine.step())
+                seconds = time.perf_counter() - t0
+                stats = engine.spec_stats
+                drafted = stats.num_draft_tokens - before.num_draft_tokens
+                rows.append({"task": "spec", "model": model, **_options(engine), "k": k,
+                             "prompts": text, "batch": batch, "tok_s": round(made / seconds, 1),
+                             "acceptance": round((stats.num_accepted_tokens
+                                                  - before.num_accepted_tokens) / drafted, 3)
+                             if drafted else None,
+                             "steps": engine.stats.steps - steps0})
+        _release_engines()
+    base = {(r["prompts"], r["batch"]): r["tok_s"] for r in rows if r["k"] == 0}
+    for r in rows:
+        r["x_no_speculation"] = round(r["tok_s"] / base[r["prompts"], r["batch"]], 3)
+    return rows
+
+
 def hf_generate(model: str, prompt_len: int = 128, new: int = 128) -> dict:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -453,6 +501,8 @@ def main() -> None:
             emit(mixed(model))
         if "overload" in args.tasks:
             emit(overload(model))
+        if "spec" in args.tasks:
+            emit(spec(model))
         if "hf" in args.tasks:
             emit(hf_generate(model))
     if "long" in args.tasks:

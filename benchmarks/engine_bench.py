@@ -393,33 +393,50 @@ def overload(model: str, seqs: int = 64, n: int = 256, prompt_len: int = 128,
 
 def spec(model: str, ks=(0, 2, 4, 6), batches=(1, 8, 32, 64), prompt_len: int = 128,
          new: int = 256) -> list[dict]:
-    """Speculative decoding by n-gram (prompt lookup) against none: output tok/s and the
-    acceptance rate at each batch, on repetitive prompts (a 16-token phrase over and over) and
-    random ones. ``k`` 0 is the engine without speculation (one step ahead, as by default)."""
-    rows = []
+    """Speculative decoding against none: output tok/s and the acceptance rate at each batch.
+    Proposals by n-gram on repetitive prompts (a 16-token phrase over and over) and on random
+    ones (random weights rarely repeat themselves: little to propose, the cost of looking), and
+    ``agreeing``: the random prompts with a proposer that knows the target's own greedy
+    continuation (from the run without speculation), acceptance 1, as a draft that always
+    agrees. ``k`` 0 is the engine without speculation (one step ahead, as by default)."""
+    rows, continuations = [], {}
     for k in ks:
         config = {"speculative_config": {"method": "ngram", "num_speculative_tokens": k,
                                          "prompt_lookup_max": 4, "prompt_lookup_min": 2}} \
             if k else {}
         engine = _engine(model, max_num_seqs=max(batches), **config)
+        ngram = engine.propose if k else None
         params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
         engine.add_request(_prompt(engine, 16, 99) * 4, SamplingParams(max_tokens=16))  # warm
         while engine.has_unfinished_requests():
             engine.step()
-        for text in ("repetitive", "random"):
+
+        def agreeing(seq, limit):
+            done = seq.num_tokens - seq.num_prompt_tokens
+            return continuations[tuple(seq.prompt_token_ids)][done:done + min(limit, k)]
+
+        for text in ("repetitive", "random", "agreeing"):
+            if text == "agreeing" and not k:
+                continue
+            if k:
+                engine.propose = agreeing if text == "agreeing" else ngram
             for batch in batches:
                 prompts = [(_prompt(engine, 16, 100 + i) * (prompt_len // 16)
                             if text == "repetitive" else _prompt(engine, prompt_len, 100 + i))
                            for i in range(batch)]
                 engine.reset_prefix_cache()
                 before = replace(engine.spec_stats)
-                for p in prompts:
-                    engine.add_request(p, params)
+                rids = {engine.add_request(p, params): tuple(p) for p in prompts}
+                outs = {rid: [] for rid in rids}
                 torch.cuda.synchronize()
                 t0, steps0, made = time.perf_counter(), engine.stats.steps, 0
                 while engine.has_unfinished_requests():
-                    made += sum(len(o.new_token_ids) for o in engine.step())
+                    for o in engine.step():
+                        outs[o.request_id] += o.new_token_ids
+                        made += len(o.new_token_ids)
                 seconds = time.perf_counter() - t0
+                if not k and text == "random":
+                    continuations.update({rids[r]: t for r, t in outs.items()})
                 stats = engine.spec_stats
                 drafted = stats.num_draft_tokens - before.num_draft_tokens
                 rows.append({"task": "spec", "model": model, **_options(engine), "k": k,
@@ -428,8 +445,10 @@ def spec(model: str, ks=(0, 2, 4, 6), batches=(1, 8, 32, 64), prompt_len: int = 
                                                   - before.num_accepted_tokens) / drafted, 3)
                              if drafted else None,
                              "steps": engine.stats.steps - steps0})
+        del engine, ngram  # the next k's engine needs its memory
         _release_engines()
     base = {(r["prompts"], r["batch"]): r["tok_s"] for r in rows if r["k"] == 0}
+    base |= {("agreeing", b): t for (p, b), t in base.items() if p == "random"}
     for r in rows:
         r["x_no_speculation"] = round(r["tok_s"] / base[r["prompts"], r["batch"]], 3)
     return rows

@@ -163,7 +163,7 @@ class EngineConfig(BaseModel):
     # e4m3 with a per-layer scale (the checkpoint's k_scale/v_scale, else 1.0, as vLLM).
     kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3"] = "auto"
     # Launch step N+1 before waiting for step N's tokens (host work overlaps the device's).
-    # Off with speculative decoding, whose proposals need the tokens of the step before.
+    # A step that verifies speculative proposals does not run ahead (engine.spec_decode).
     async_scheduling: bool = True
     # Speculative decoding (vLLM's speculative_config; engine.spec_decode). None: off.
     speculative_config: SpeculativeConfig | None = None
@@ -188,8 +188,6 @@ class EngineConfig(BaseModel):
         if self.device not in ("auto", "cpu", "cuda") and not (
                 self.device.startswith("cuda:") and self.device[5:].isdigit()):
             raise ValueError(f"device: {self.device!r} is not 'auto', 'cpu', 'cuda' or 'cuda:N'")
-        if self.speculative_config is not None:
-            self.async_scheduling = False
         return self
 
     def resolved_device(self) -> torch.device:

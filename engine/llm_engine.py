@@ -45,7 +45,7 @@ from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import FinishReason, Sequence
-from engine.spec_decode import NgramProposer, SpecStats, verify
+from engine.spec_decode import NgramProposer, SpecController, SpecStats, verify
 from engine.step_cost import StepCost
 from engine.step_update import LaunchedStep, StepUpdater
 
@@ -93,9 +93,11 @@ class LLMEngine:
                                    starvation_timeout_s=config.starvation_timeout_s)
         self.sampler = Sampler(ex.device, config.seed)
         self.spec_stats = SpecStats()  # speculative decoding's acceptance (engine.spec_decode)
+        self.spec: SpecController | None = None
         if (spec := config.speculative_config) is not None:
             proposer = NgramProposer(spec)
-            self.scheduler.propose = lambda seq, limit: proposer.propose(seq.token_ids, limit)
+            self.propose = lambda seq, limit: proposer.propose(seq.token_ids, limit)
+            self.spec = SpecController()
         self.updater = StepUpdater(self.scheduler, self.kv_manager,
                                    self.processor.eos_token_ids, ex.max_model_len)
         self._running_step: LaunchedStep | None = None  # launched, not yet resolved
@@ -286,6 +288,13 @@ class LLMEngine:
     # -- the loop ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
+        # Speculative decoding: a step that looks for proposals does not run ahead, and it can
+        # propose only once no step is running (its sequences' last tokens known).
+        speculate = self.spec is not None and self.spec.wants()
+        proposing = speculate and self._running_step is None
+        self.scheduler.propose = self.propose if proposing else None
+        asked = self.scheduler.num_proposals_asked
+        drafted, accepted = self.spec_stats.num_draft_tokens, self.spec_stats.num_accepted_tokens
         batch = self.scheduler.schedule()
         outputs = [self.updater.output(s, [], None) for s in batch.finished]
         self._queue_kv_copies()
@@ -294,10 +303,15 @@ class LLMEngine:
         launched = self._launch(batch) if batch else None
         due = [self._running_step] if self._running_step is not None else []
         self._running_step = None
-        if self.config.async_scheduling:
+        if self.config.async_scheduling and not speculate:
             self._running_step = launched
         elif launched is not None:
             due.append(launched)
+        if self.spec is not None:
+            self.spec.stepped(proposing)
+        if proposing and self.scheduler.num_proposals_asked > asked:  # a sequence could propose
+            self.spec.update(self.spec_stats.num_draft_tokens - drafted,
+                             self.spec_stats.num_accepted_tokens - accepted)
         for step in due:
             outputs += self.updater.resolve(step)
             if step.started is not None and step.done_at is not None:

@@ -101,6 +101,7 @@ class Scheduler:
         # Speculative decoding (engine.spec_decode): proposals for a decoding sequence, at
         # most the given number of them. None: off.
         self.propose: Callable[[Sequence, int], list[int]] | None = None
+        self.num_proposals_asked = 0  # sequences propose was called for, ever
 
     # -- queue management -------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -227,7 +228,10 @@ class Scheduler:
             return []
         room = min(budget - 1, seq.params.max_tokens - seq.num_output_tokens - 1,
                    (self.max_model_len or seq.num_tokens + budget) - seq.num_tokens - 1)
-        drafts = self.propose(seq, room) if room > 0 else []
+        if room <= 0:
+            return []
+        self.num_proposals_asked += 1
+        drafts = self.propose(seq, room)
         # never a preemption for a proposal: only what the free blocks hold
         while drafts and self.kv.blocks_for(seq.num_tokens + len(drafts)) \
                 - len(seq.block_ids) > self.kv.num_free_blocks:

@@ -17,10 +17,18 @@ is ``p`` without ``d``. Each emitted token so follows the target's distribution.
 
 Which sequences speculate: those whose sampling the verification reproduces exactly as it is
 written here: no logits processors (penalties, bias, ``min_tokens``), no logprobs, no
-structured output, no per-request seed. The others decode one token a step beside them, as
-before. Steps are synchronous with speculation on (``async_scheduling`` is turned off: a
-proposal needs the tokens of the step before). The stop conditions are checked token by token,
-so a sequence stops at the first stop token or length it reaches within a step.
+structured output, no per-request seed; a step verifies proposals only when every sequence in
+it speculates, and otherwise decodes one token a sequence as before. The stop conditions are
+checked token by token, so a sequence stops at the first stop token or length it reaches
+within a step.
+
+When to speculate (:class:`SpecController`). A proposal needs the tokens of the step before, so
+a step that proposes cannot run ahead of the device (``async_scheduling``), and looking for
+proposals costs host time each step. Speculation goes on while the proposals pay: while the
+recent proposals' acceptance is at least ``MIN_ACCEPTANCE`` and no ``EMPTY_STEPS`` steps in a
+row found nothing to propose. Otherwise
+the engine runs ahead as without speculation and looks again once every ``PROBE_EVERY`` steps,
+so a load that speculation does not help loses at most one overlapped step in that many.
 """
 
 from __future__ import annotations
@@ -32,6 +40,45 @@ import torch
 
 from engine.config import SpeculativeConfig
 from engine.sequence import Sequence
+
+
+PROBE_EVERY = 16  # steps between two that look for proposals while speculation is off
+MIN_ACCEPTANCE = 0.5  # of the recent proposed tokens, for speculation to go on
+EMPTY_STEPS = 4  # steps in a row that find no proposal at all before speculation goes off
+WEIGHT = 0.3  # of the newest step in the acceptance's moving average
+
+
+class SpecController:
+    """Whether the next step looks for proposals (see the module's docstring)."""
+
+    def __init__(self, min_acceptance: float = MIN_ACCEPTANCE, empty_steps: int = EMPTY_STEPS,
+                 probe_every: int = PROBE_EVERY):
+        self.min_acceptance, self.empty_steps = min_acceptance, empty_steps
+        self.probe_every = probe_every
+        self.on = True
+        self.acceptance: float | None = None  # moving average over speculating steps
+        self._since = 0  # steps since the last that could propose
+        self._empty = 0  # looking steps in a row that found nothing to propose
+
+    def wants(self) -> bool:
+        """Whether the next step should look (it can once no step is running)."""
+        return self.on or self._since >= self.probe_every
+
+    def stepped(self, looked: bool) -> None:
+        """A step ran; ``looked``: it could propose."""
+        self._since = 0 if looked else self._since + 1
+
+    def update(self, drafted: int, accepted: int) -> None:
+        """A step that looked for proposals: how many tokens were proposed and accepted."""
+        if not drafted:
+            self._empty += 1
+            self.on = self.on and self._empty < self.empty_steps
+            return
+        self._empty = 0
+        rate = accepted / drafted
+        self.acceptance = rate if self.acceptance is None else \
+            (1 - WEIGHT) * self.acceptance + WEIGHT * rate
+        self.on = self.acceptance >= self.min_acceptance
 
 
 class NgramProposer:

@@ -26,7 +26,40 @@ def test_the_config_takes_vllms_names_and_defaults():
     with pytest.raises(ValueError, match="above"):
         SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=4, prompt_lookup_max=2)
     config = EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 2})
-    assert not config.async_scheduling  # a proposal needs the tokens of the step before
+    assert config.speculative_config.num_speculative_tokens == 2
+
+
+def test_speculation_goes_on_while_it_pays_and_looks_again_now_and_then():
+    from engine.spec_decode import EMPTY_STEPS, MIN_ACCEPTANCE, PROBE_EVERY, SpecController
+    spec = SpecController()
+    assert spec.wants()
+    spec.update(8, 8)
+    assert spec.wants() and spec.on
+    for _ in range(4):  # proposals mostly wrong: the average falls below the bound
+        spec.update(8, 1)
+    assert spec.acceptance < MIN_ACCEPTANCE and not spec.on
+    spec.stepped(looked=True)
+    wants = []
+    for _ in range(PROBE_EVERY + 1):
+        wants.append(spec.wants())
+        spec.stepped(looked=False)  # it ran ahead, or could not look yet
+    assert not any(wants[:PROBE_EVERY]) and wants[PROBE_EVERY]
+    assert spec.wants()  # it keeps wanting to look until a step could
+    spec.stepped(looked=True)
+    spec.update(0, 0)  # and found nothing to propose: still off
+    assert not spec.on and not spec.wants()
+    for _ in range(PROBE_EVERY):
+        spec.stepped(looked=False)
+    assert spec.wants()
+    spec.stepped(looked=True)
+    spec.update(4, 4)
+    spec.update(4, 4)
+    assert spec.on and spec.wants()
+    for _ in range(EMPTY_STEPS - 1):  # a few steps with nothing to propose: still on
+        spec.update(0, 0)
+    assert spec.on
+    spec.update(0, 0)
+    assert not spec.on
 
 
 def test_the_ngram_proposer_follows_the_latest_repeat():
@@ -41,8 +74,17 @@ def test_the_ngram_proposer_follows_the_latest_repeat():
     assert propose([1, 2], 0) == []
 
 
+def _speculating(**kw) -> LLM:
+    """An engine that speculates at every step it can (its controller held on), so that the
+    verification runs as often as the proposals allow."""
+    from engine.spec_decode import SpecController
+    llm = LLM("tiny", show_progress=False, seed=0, speculative_config=NGRAM, **kw)
+    llm.engine.spec = SpecController(min_acceptance=0.0, empty_steps=10**9)
+    return llm
+
+
 def _run(prompts, params=GREEDY, spec=NGRAM, **kw):
-    llm = LLM("tiny", show_progress=False, seed=0, speculative_config=spec, **kw)
+    llm = _speculating(**kw) if spec else LLM("tiny", show_progress=False, seed=0, **kw)
     return [o.token_ids for o in llm.generate(prompts, params)], llm.engine
 
 
@@ -68,7 +110,7 @@ def test_greedy_tokens_are_those_of_no_speculation(kw):
 def test_prefix_hits_and_a_request_that_does_not_speculate_keep_the_tokens():
     prompts = _prompts()
     ref, _ = _run(prompts, spec=None)
-    llm = LLM("tiny", show_progress=False, seed=0, speculative_config=NGRAM)
+    llm = _speculating()
     assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == ref
     again = llm.generate(prompts, GREEDY)  # every prompt a prefix hit now
     assert [o.token_ids for o in again] == ref and again[0].num_cached_tokens > 0
@@ -85,14 +127,14 @@ def _oracle(engine, continuations: dict[tuple, list[int]]):
         prompt = tuple(seq.prompt_token_ids)
         done = seq.num_tokens - seq.num_prompt_tokens
         return continuations[prompt][done:done + min(limit, 4)]
-    engine.scheduler.propose = propose
+    engine.propose = propose
 
 
 def test_a_proposer_that_always_agrees_cuts_the_steps_by_about_k_plus_one():
     prompts = random_prompts([30], seed=4)
     params = SamplingParams(temperature=0, max_tokens=41, ignore_eos=True)
     ref, plain = _run(prompts, params, spec=None)
-    llm = LLM("tiny", show_progress=False, seed=0, speculative_config=NGRAM)
+    llm = _speculating()
     _oracle(llm.engine, {tuple(prompts[0]): ref[0]})
     assert [o.token_ids for o in llm.generate(prompts, params)] == ref
     stats = llm.engine.spec_stats
@@ -110,7 +152,7 @@ def test_a_stop_token_among_the_accepted_proposals_ends_the_request_there():
     cut = ref[0][:ref[0].index(stop) + 1]
     params = SamplingParams(temperature=0, max_tokens=41, ignore_eos=True,
                             stop_token_ids=[stop])
-    llm = LLM("tiny", show_progress=False, seed=0, speculative_config=NGRAM)
+    llm = _speculating()
     _oracle(llm.engine, {tuple(prompts[0]): ref[0]})
     out = llm.generate(prompts, params)[0]
     assert out.token_ids == cut and out.finish_reason == "stop"
@@ -175,6 +217,8 @@ def test_a_decode_replica_that_speculates_gives_the_tokens_of_one_that_does_not(
                                        speculative_config=NGRAM),
                           "local", PrefillHandle(prefill), fabric=fabric,
                           disaggregation=ALWAYS if always else DisaggregationConfig(mode="never"))
+    from engine.spec_decode import SpecController
+    decode.aengine.engine.spec = SpecController(min_acceptance=0.0, empty_steps=10**9)
     try:
         out = [run_to_idle(prefill, decode, prompt, f"r{i}", GREEDY)[0]
                for i, prompt in enumerate(prompts)]
@@ -183,3 +227,22 @@ def test_a_decode_replica_that_speculates_gives_the_tokens_of_one_that_does_not(
     finally:
         prefill.close()
         decode.close()
+
+
+def test_proposals_never_accepted_turn_speculation_off_and_the_engine_runs_ahead():
+    from engine.spec_decode import PROBE_EVERY
+    prompts = random_prompts([30], seed=4)
+    params = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)
+    ref, _ = _run(prompts, params, spec=None)
+    llm = LLM("tiny", show_progress=False, seed=0, speculative_config=NGRAM)  # as shipped
+    target = ref[0]
+
+    def wrong(seq, limit):  # never the target's next token
+        done = seq.num_tokens - seq.num_prompt_tokens
+        return [target[done] + 1] * min(limit, 4) if done < len(target) else []
+    llm.engine.propose = wrong
+    assert [o.token_ids for o in llm.generate(prompts, params)] == ref
+    assert not llm.engine.spec.on
+    # it looked at the first steps, until the acceptance's average fell, then once in
+    # PROBE_EVERY steps
+    assert llm.engine.spec_stats.num_drafts <= 2 + 80 // PROBE_EVERY + 1

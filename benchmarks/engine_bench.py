@@ -396,10 +396,21 @@ def spec(model: str, ks=(0, 2, 4, 6), batches=(1, 8, 32, 64), prompt_len: int = 
     """Speculative decoding against none: output tok/s and the acceptance rate at each batch.
     Proposals by n-gram on repetitive prompts (a 16-token phrase over and over) and on random
     ones (random weights rarely repeat themselves: little to propose, the cost of looking), and
-    ``agreeing``: the random prompts with a proposer that knows the target's own greedy
-    continuation (from the run without speculation), acceptance 1, as a draft that always
-    agrees. ``k`` 0 is the engine without speculation (one step ahead, as by default)."""
-    rows, continuations = [], {}
+    ``forced``: random prompts, ``k`` proposals at every step, all kept: the step cost of
+    verification at acceptance 1, for timing only (the tokens are not the target's: a bf16
+    target with random weights has near-ties that its own continuation, made by the decode
+    path, does not survive on the verification path, so no real proposer reaches acceptance 1
+    on it). ``k`` 0 is the engine without speculation (one step ahead, as by default)."""
+    import engine.llm_engine as llm_engine
+    from engine.spec_decode import verify
+
+    def verify_all_kept(sampler, logits, seqs, drafts, stats=None):
+        out, ids = verify(sampler, logits, seqs, drafts)
+        for d in drafts:
+            stats.add(d, len(d))
+        return [d + o[-1:] for d, o in zip(drafts, out)], ids
+
+    rows = []
     for k in ks:
         config = {"speculative_config": {"method": "ngram", "num_speculative_tokens": k,
                                          "prompt_lookup_max": 4, "prompt_lookup_min": 2}} \
@@ -410,33 +421,26 @@ def spec(model: str, ks=(0, 2, 4, 6), batches=(1, 8, 32, 64), prompt_len: int = 
         engine.add_request(_prompt(engine, 16, 99) * 4, SamplingParams(max_tokens=16))  # warm
         while engine.has_unfinished_requests():
             engine.step()
-
-        def agreeing(seq, limit):
-            done = seq.num_tokens - seq.num_prompt_tokens
-            return continuations[tuple(seq.prompt_token_ids)][done:done + min(limit, k)]
-
-        for text in ("repetitive", "random", "agreeing"):
-            if text == "agreeing" and not k:
+        for text in ("repetitive", "random", "forced"):
+            if text == "forced" and not k:
                 continue
             if k:
-                engine.propose = agreeing if text == "agreeing" else ngram
+                engine.propose = (lambda seq, limit: [seq.token_ids[-1]] * min(limit, k)) \
+                    if text == "forced" else ngram
+                llm_engine.verify = verify_all_kept if text == "forced" else verify
             for batch in batches:
                 prompts = [(_prompt(engine, 16, 100 + i) * (prompt_len // 16)
                             if text == "repetitive" else _prompt(engine, prompt_len, 100 + i))
                            for i in range(batch)]
                 engine.reset_prefix_cache()
                 before = replace(engine.spec_stats)
-                rids = {engine.add_request(p, params): tuple(p) for p in prompts}
-                outs = {rid: [] for rid in rids}
+                for p in prompts:
+                    engine.add_request(p, params)
                 torch.cuda.synchronize()
                 t0, steps0, made = time.perf_counter(), engine.stats.steps, 0
                 while engine.has_unfinished_requests():
-                    for o in engine.step():
-                        outs[o.request_id] += o.new_token_ids
-                        made += len(o.new_token_ids)
+                    made += sum(len(o.new_token_ids) for o in engine.step())
                 seconds = time.perf_counter() - t0
-                if not k and text == "random":
-                    continuations.update({rids[r]: t for r, t in outs.items()})
                 stats = engine.spec_stats
                 drafted = stats.num_draft_tokens - before.num_draft_tokens
                 rows.append({"task": "spec", "model": model, **_options(engine), "k": k,
@@ -444,11 +448,13 @@ def spec(model: str, ks=(0, 2, 4, 6), batches=(1, 8, 32, 64), prompt_len: int = 
                              "acceptance": round((stats.num_accepted_tokens
                                                   - before.num_accepted_tokens) / drafted, 3)
                              if drafted else None,
-                             "steps": engine.stats.steps - steps0})
+                             "steps": engine.stats.steps - steps0,
+                             "step_ms": round(seconds / (engine.stats.steps - steps0) * 1e3, 3)})
+        llm_engine.verify = verify
         del engine, ngram  # the next k's engine needs its memory
         _release_engines()
     base = {(r["prompts"], r["batch"]): r["tok_s"] for r in rows if r["k"] == 0}
-    base |= {("agreeing", b): t for (p, b), t in base.items() if p == "random"}
+    base |= {("forced", b): t for (p, b), t in base.items() if p == "random"}
     for r in rows:
         r["x_no_speculation"] = round(r["tok_s"] / base[r["prompts"], r["batch"]], 3)
     return rows

@@ -27,8 +27,9 @@ a step that proposes cannot run ahead of the device (``async_scheduling``), and 
 proposals costs host time each step. Speculation goes on while the proposals pay: while the
 recent proposals' acceptance is at least ``MIN_ACCEPTANCE`` and no ``EMPTY_STEPS`` steps in a
 row found nothing to propose. Otherwise
-the engine runs ahead as without speculation and looks again once every ``PROBE_EVERY`` steps,
-so a load that speculation does not help loses at most one overlapped step in that many.
+the engine runs ahead as without speculation and looks again after ``PROBE_EVERY`` steps, then
+twice as long after each look that finds it does not pay (up to ``PROBE_MAX``), so a load that
+speculation does not help loses at most one overlapped step in that many.
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ from engine.config import SpeculativeConfig
 from engine.sequence import Sequence
 
 
-PROBE_EVERY = 16  # steps between two that look for proposals while speculation is off
+PROBE_EVERY = 16  # steps between two that look for proposals once speculation goes off,
+PROBE_MAX = 256  # doubled after each look that does not turn it on again, up to this
 MIN_ACCEPTANCE = 0.5  # of the recent proposed tokens, for speculation to go on
 EMPTY_STEPS = 4  # steps in a row that find no proposal at all before speculation goes off
 WEIGHT = 0.3  # of the newest step in the acceptance's moving average
@@ -54,7 +56,7 @@ class SpecController:
     def __init__(self, min_acceptance: float = MIN_ACCEPTANCE, empty_steps: int = EMPTY_STEPS,
                  probe_every: int = PROBE_EVERY):
         self.min_acceptance, self.empty_steps = min_acceptance, empty_steps
-        self.probe_every = probe_every
+        self.probe_first = self.probe_every = probe_every
         self.on = True
         self.acceptance: float | None = None  # moving average over speculating steps
         self._since = 0  # steps since the last that could propose
@@ -70,15 +72,20 @@ class SpecController:
 
     def update(self, drafted: int, accepted: int) -> None:
         """A step that looked for proposals: how many tokens were proposed and accepted."""
+        was_on = self.on
         if not drafted:
             self._empty += 1
             self.on = self.on and self._empty < self.empty_steps
-            return
-        self._empty = 0
-        rate = accepted / drafted
-        self.acceptance = rate if self.acceptance is None else \
-            (1 - WEIGHT) * self.acceptance + WEIGHT * rate
-        self.on = self.acceptance >= self.min_acceptance
+        else:
+            self._empty = 0
+            rate = accepted / drafted
+            self.acceptance = rate if self.acceptance is None else \
+                (1 - WEIGHT) * self.acceptance + WEIGHT * rate
+            self.on = self.acceptance >= self.min_acceptance
+        if self.on:
+            self.probe_every = self.probe_first
+        elif not was_on:  # a look while off that did not pay: look half as often
+            self.probe_every = min(2 * self.probe_every, PROBE_MAX)
 
 
 class NgramProposer:

@@ -35,7 +35,7 @@ def test_speculation_goes_on_while_it_pays_and_looks_again_now_and_then():
     assert spec.wants()
     spec.update(8, 8)
     assert spec.wants() and spec.on
-    for _ in range(4):  # proposals mostly wrong: the average falls below the bound
+    while spec.on:  # proposals mostly wrong: the average falls below the bound
         spec.update(8, 1)
     assert spec.acceptance < MIN_ACCEPTANCE and not spec.on
     spec.stepped(looked=True)
@@ -46,15 +46,15 @@ def test_speculation_goes_on_while_it_pays_and_looks_again_now_and_then():
     assert not any(wants[:PROBE_EVERY]) and wants[PROBE_EVERY]
     assert spec.wants()  # it keeps wanting to look until a step could
     spec.stepped(looked=True)
-    spec.update(0, 0)  # and found nothing to propose: still off
-    assert not spec.on and not spec.wants()
-    for _ in range(PROBE_EVERY):
+    spec.update(0, 0)  # and found nothing to propose: still off, and looks half as often
+    assert not spec.on and not spec.wants() and spec.probe_every == 2 * PROBE_EVERY
+    for _ in range(2 * PROBE_EVERY):
         spec.stepped(looked=False)
     assert spec.wants()
     spec.stepped(looked=True)
     spec.update(4, 4)
     spec.update(4, 4)
-    assert spec.on and spec.wants()
+    assert spec.on and spec.wants() and spec.probe_every == PROBE_EVERY
     for _ in range(EMPTY_STEPS - 1):  # a few steps with nothing to propose: still on
         spec.update(0, 0)
     assert spec.on

@@ -402,7 +402,7 @@ def spec(model: str, ks=(0, 2, 4, 6), batches=(1, 8, 32, 64), prompt_len: int = 
     path, does not survive on the verification path, so no real proposer reaches acceptance 1
     on it). ``k`` 0 is the engine without speculation (one step ahead, as by default)."""
     import engine.llm_engine as llm_engine
-    from engine.spec_decode import verify
+    from engine.spec_decode import SpecController, verify
 
     def verify_all_kept(sampler, logits, seqs, drafts, stats=None):
         out, ids = verify(sampler, logits, seqs, drafts)
@@ -433,6 +433,8 @@ def spec(model: str, ks=(0, 2, 4, 6), batches=(1, 8, 32, 64), prompt_len: int = 
                             if text == "repetitive" else _prompt(engine, prompt_len, 100 + i))
                            for i in range(batch)]
                 engine.reset_prefix_cache()
+                if k:  # each point starts as a fresh engine would: speculation on
+                    engine.spec = SpecController()
                 before = replace(engine.spec_stats)
                 for p in prompts:
                     engine.add_request(p, params)

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import random
 import shlex
 import shutil
 import socket
@@ -107,9 +108,33 @@ def warn_if_unconfigured(log) -> bool:
     return True
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    """A TCP port free on this machine right now (the OS picks it)."""
-    with socket.socket() as s:
+    """A TCP port free on this machine right now, between Ray's worker ports and the kernel's
+    ephemeral range: a port the OS picks is an ephemeral one, which any outgoing connection may
+    take before whoever it is for binds it (seen: HAProxy's gRPC listener, "Address already in
+    use"), and Ray hands its workers ports of 10002-19999. Never the same one twice in a
+    process."""
+    low = 32768
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        pass
+    rng = random.Random()
+    for _ in range(200) if low > 21000 else ():
+        port = rng.randrange(20000, low)  # above Ray's worker ports (10002-19999)
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
+    with socket.socket() as s:  # a kernel with no room below its ephemeral range
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 

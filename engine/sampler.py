@@ -114,8 +114,8 @@ class Sampler:
         """The distribution each row's token is drawn from (greedy rows: all on the argmax);
         for a logits processor-free row, as :meth:`__call__` draws it."""
         probs = self._probs(logits, params)
-        greedy = self._greedy_mask(params, logits.device)
         if any(p.greedy for p in params):
+            greedy = self._greedy_mask(params, logits.device)
             one_hot = torch.zeros_like(probs).scatter_(1, logits.argmax(-1, keepdim=True), 1.0)
             probs = torch.where(greedy[:, None], one_hot, probs)
         return probs

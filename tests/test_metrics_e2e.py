@@ -69,8 +69,11 @@ def _by_replica(series, name, replicas: set[str]) -> dict[str, float]:
 def test_every_replica_reports_its_own_series(app):
     url, port = app
     seen = {"ingress": set(), "decode": set(), "prefill": set()}
-    sent = 0
-    for i in range(3):  # several rounds, so both ingress and both decode replicas get some
+    sent, i, deadline = 0, 0, time.monotonic() + 60
+    # Rounds until both ingress and both decode replicas have had some (three at least; HAProxy
+    # may learn of the second ingress replica only after the app reports ready).
+    while i < 3 or (time.monotonic() < deadline
+                    and [len(seen[r]) for r in ("ingress", "decode")] != [2, 2]):
         for prompt in PROMPTS:
             resp = requests.post(f"{url}/v1/completions", timeout=60, json={
                 "prompt": f"{prompt} {i}", "max_tokens": 6, "temperature": 0,
@@ -79,6 +82,7 @@ def test_every_replica_reports_its_own_series(app):
             for role, replica in resp.json()["usage"]["timing"]["replicas"].items():
                 seen[role].add(replica)
             sent += 1
+        i += 1
     assert [len(seen[r]) for r in ("ingress", "decode", "prefill")] == [2, 2, 1], seen
     refused = [requests.post(f"{url}/v1/completions", timeout=60, json=body).status_code
                for body in ({"prompt": "x", "max_tokens": -1}, {"prompt": "x", "model": "nope"})]

@@ -22,6 +22,9 @@ Tasks (models are ``dummy:`` specs: random weights, real shapes):
 - ``spec``: per model, speculative decoding by n-gram (k 2, 4, 6) against none, at batch 1,
   8, 32 and 64, on repetitive prompts and random ones: output tok/s, the acceptance rate, the
   ratio to no speculation (random weights: what is accepted is whatever the model repeats).
+- ``draft``: per model, speculative decoding by a draft model (``--draft-model``, k 4) against
+  none at batch 1, 8, 32 and 64: the draft verified, the draft with every proposal kept (timing
+  at acceptance 1), the target as its own draft.
 - ``onerow``: the decode graph alone (device time of one replay) at batch 1 with each one-row
   projection path (Triton skinny matmul with and without the RMSNorm folded in, cuBLAS), next to
   batch 64: how the engine's per-shape choice was made.
@@ -391,24 +394,88 @@ def overload(model: str, seqs: int = 64, n: int = 256, prompt_len: int = 128,
     return rows
 
 
+def _forcing(percent: int):
+    """A verification that keeps ``percent`` of the proposals, the first of each sequence's
+    (``forced``: all; ``kept70``: 70%, 2 or 3 of 4 in turn), for timing at that acceptance:
+    the tokens are not the target's."""
+    import itertools
+
+    from engine.spec_decode import verify
+
+    turns = itertools.count()
+
+    def verify_forced(sampler, logits, seqs, drafts, stats=None):
+        out, ids = verify(sampler, logits, seqs, drafts)
+        tokens = []
+        for d, o in zip(drafts, out):
+            c = next(turns)
+            n = (c + 1) * percent * len(d) // 100 - c * percent * len(d) // 100
+            stats.add(d, n)
+            tokens.append(d[:n] + o[-1:])
+        return tokens, ids
+    return verify_forced
+
+
+FORCED = {"forced": 100, "kept70": 70}  # timing points: the share of proposals kept
+
+
+def _spec_point(engine: LLMEngine, text: str, batch: int, prompt_len: int, new: int) -> dict:
+    """Output tok/s, acceptance and steps of ``batch`` prompts (``repetitive``: a 16-token
+    phrase over and over; else random) decoding ``new`` tokens each, greedy; speculation on at
+    the start as in a fresh engine."""
+    from engine.spec_decode import SpecController
+
+    params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
+    prompts = [(_prompt(engine, 16, 100 + i) * (prompt_len // 16) if text == "repetitive"
+                else _prompt(engine, prompt_len, 100 + i)) for i in range(batch)]
+    engine.reset_prefix_cache()
+    if engine.spec is not None:
+        engine.spec = SpecController()
+    before = replace(engine.spec_stats)
+    for p in prompts:
+        engine.add_request(p, params)
+    torch.cuda.synchronize()
+    t0, steps0, made = time.perf_counter(), engine.stats.steps, 0
+    while engine.has_unfinished_requests():
+        made += sum(len(o.new_token_ids) for o in engine.step())
+    seconds = time.perf_counter() - t0
+    stats = engine.spec_stats
+    drafted = stats.num_draft_tokens - before.num_draft_tokens
+    steps = engine.stats.steps - steps0
+    return {"prompts": text, "batch": batch, "tok_s": round(made / seconds, 1),
+            "acceptance": round((stats.num_accepted_tokens - before.num_accepted_tokens)
+                                / drafted, 3) if drafted else None,
+            "steps": steps, "step_ms": round(seconds / steps * 1e3, 3)}
+
+
+def _warm(engine: LLMEngine) -> None:
+    engine.add_request(_prompt(engine, 16, 99) * 4, SamplingParams(max_tokens=16))
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def _against_none(rows: list[dict]) -> list[dict]:
+    """Each row's tok/s over the engine's without speculation on the same prompts and batch
+    (``forced`` points against ``random`` ones)."""
+    base = {(r["prompts"], r["batch"]): r["tok_s"] for r in rows if r["k"] == 0}
+    base |= {(f, b): t for (p, b), t in base.items() if p == "random" for f in FORCED}
+    for r in rows:
+        r["x_no_speculation"] = round(r["tok_s"] / base[r["prompts"], r["batch"]], 3)
+    return rows
+
+
 def spec(model: str, ks=(0, 2, 4, 6), batches=(1, 8, 32, 64), prompt_len: int = 128,
          new: int = 256) -> list[dict]:
-    """Speculative decoding against none: output tok/s and the acceptance rate at each batch.
-    Proposals by n-gram on repetitive prompts (a 16-token phrase over and over) and on random
-    ones (random weights rarely repeat themselves: little to propose, the cost of looking), and
-    ``forced``: random prompts, ``k`` proposals at every step, all kept: the step cost of
-    verification at acceptance 1, for timing only (the tokens are not the target's: a bf16
-    target with random weights has near-ties that its own continuation, made by the decode
-    path, does not survive on the verification path, so no real proposer reaches acceptance 1
-    on it). ``k`` 0 is the engine without speculation (one step ahead, as by default)."""
+    """Speculative decoding by n-gram against none: output tok/s and the acceptance rate at
+    each batch. Proposals on repetitive prompts and on random ones (random weights rarely
+    repeat themselves: little to propose, the cost of looking), and ``forced``/``kept70``: random
+    prompts, ``k`` proposals at every step, all or 70% kept: the step cost of verification at
+    acceptance 1 or 0.7, for timing only (the tokens are not the target's: a bf16 target with random weights has
+    near-ties that its own continuation, made by the decode path, does not survive on the
+    verification path, so no real proposer reaches acceptance 1 on it). ``k`` 0 is the engine
+    without speculation (one step ahead, as by default)."""
     import engine.llm_engine as llm_engine
-    from engine.spec_decode import SpecController, verify
-
-    def verify_all_kept(sampler, logits, seqs, drafts, stats=None):
-        out, ids = verify(sampler, logits, seqs, drafts)
-        for d in drafts:
-            stats.add(d, len(d))
-        return [d + o[-1:] for d, o in zip(drafts, out)], ids
+    from engine.spec_decode import verify
 
     rows = []
     for k in ks:
@@ -417,49 +484,56 @@ def spec(model: str, ks=(0, 2, 4, 6), batches=(1, 8, 32, 64), prompt_len: int = 
             if k else {}
         engine = _engine(model, max_num_seqs=max(batches), **config)
         ngram = engine.propose if k else None
-        params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
-        engine.add_request(_prompt(engine, 16, 99) * 4, SamplingParams(max_tokens=16))  # warm
-        while engine.has_unfinished_requests():
-            engine.step()
-        for text in ("repetitive", "random", "forced"):
-            if text == "forced" and not k:
+        _warm(engine)
+        for text in ("repetitive", "random", *FORCED):
+            if text in FORCED and not k:
                 continue
             if k:
                 engine.propose = (lambda seq, limit: [seq.token_ids[-1]] * min(limit, k)) \
-                    if text == "forced" else ngram
-                llm_engine.verify = verify_all_kept if text == "forced" else verify
+                    if text in FORCED else ngram
+                llm_engine.verify = _forcing(FORCED[text]) if text in FORCED else verify
             for batch in batches:
-                prompts = [(_prompt(engine, 16, 100 + i) * (prompt_len // 16)
-                            if text == "repetitive" else _prompt(engine, prompt_len, 100 + i))
-                           for i in range(batch)]
-                engine.reset_prefix_cache()
-                if k:  # each point starts as a fresh engine would: speculation on
-                    engine.spec = SpecController()
-                before = replace(engine.spec_stats)
-                for p in prompts:
-                    engine.add_request(p, params)
-                torch.cuda.synchronize()
-                t0, steps0, made = time.perf_counter(), engine.stats.steps, 0
-                while engine.has_unfinished_requests():
-                    made += sum(len(o.new_token_ids) for o in engine.step())
-                seconds = time.perf_counter() - t0
-                stats = engine.spec_stats
-                drafted = stats.num_draft_tokens - before.num_draft_tokens
                 rows.append({"task": "spec", "model": model, **_options(engine), "k": k,
-                             "prompts": text, "batch": batch, "tok_s": round(made / seconds, 1),
-                             "acceptance": round((stats.num_accepted_tokens
-                                                  - before.num_accepted_tokens) / drafted, 3)
-                             if drafted else None,
-                             "steps": engine.stats.steps - steps0,
-                             "step_ms": round(seconds / (engine.stats.steps - steps0) * 1e3, 3)})
+                             **_spec_point(engine, text, batch, prompt_len, new)})
         llm_engine.verify = verify
         del engine, ngram  # the next k's engine needs its memory
         _release_engines()
-    base = {(r["prompts"], r["batch"]): r["tok_s"] for r in rows if r["k"] == 0}
-    base |= {("forced", b): t for (p, b), t in base.items() if p == "random"}
-    for r in rows:
-        r["x_no_speculation"] = round(r["tok_s"] / base[r["prompts"], r["batch"]], 3)
-    return rows
+    return _against_none(rows)
+
+
+def draft(model: str, draft_model: str, k: int = 4, batches=(1, 8, 32, 64),
+          prompt_len: int = 128, new: int = 256) -> list[dict]:
+    """Speculative decoding by a draft model against none, on random prompts: ``draft_model``
+    proposing, verified (random weights: a draft other than the target itself agrees with it
+    by chance only, so speculation should turn itself off), and ``forced``/``kept70``, every
+    proposal or 70% kept (the cost of the draft's ``k`` steps and the verification at
+    acceptance 1 or 0.7, for timing); and
+    the target as its own draft, verified (acceptance near 1, less the near-ties of random bf16
+    weights)."""
+    import engine.llm_engine as llm_engine
+    from engine.spec_decode import verify
+
+    rows = []
+    for name, k_ in (("none", 0), (draft_model, k), (model, k)):
+        config = {"speculative_config": {"method": "draft_model", "model": name,
+                                         "num_speculative_tokens": k_}} if k_ else {}
+        engine = _engine(model, max_num_seqs=max(batches), **config)
+        _warm(engine)
+        for text in ("random", *FORCED):
+            if text in FORCED and (not k_ or name == model):
+                continue
+            llm_engine.verify = _forcing(FORCED[text]) if text in FORCED else verify
+            for batch in batches:
+                drafter = engine.drafter
+                steps0 = drafter.steps if drafter else 0
+                row = _spec_point(engine, text, batch, prompt_len, new)
+                rows.append({"task": "draft", "model": model, **_options(engine), "k": k_,
+                             "draft": name if k_ else None, **row,
+                             "draft_steps": drafter.steps - steps0 if drafter else 0})
+        llm_engine.verify = verify
+        del engine
+        _release_engines()
+    return _against_none(rows)
 
 
 def hf_generate(model: str, prompt_len: int = 128, new: int = 128) -> dict:
@@ -491,6 +565,8 @@ def main() -> None:
                                                    "prefill", "hf"])
     ap.add_argument("--decode-models", nargs="+", default=["dummy:Qwen3-0.6B", "dummy:Qwen3-8B"])
     ap.add_argument("--prefill-model", default="dummy:Qwen3-8B")
+    ap.add_argument("--draft-model", default="dummy:Qwen3-0.6B",
+                    help="the draft of the draft task (speculative decoding)")
     ap.add_argument("--decode-prompt-len", type=int, default=128,
                     help="prompt tokens of the batch-1 decode task (8192: decode at 8k context)")
     ap.add_argument("--quantization", choices=["fp8"], default=None)
@@ -530,6 +606,8 @@ def main() -> None:
             emit(overload(model))
         if "spec" in args.tasks:
             emit(spec(model))
+        if "draft" in args.tasks:
+            emit(draft(model, args.draft_model))
         if "hf" in args.tasks:
             emit(hf_generate(model))
     if "long" in args.tasks:

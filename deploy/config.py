@@ -152,7 +152,10 @@ class BatonConfig(_Strict):
         rc = self.prefill if role == "prefill" else self.decode
         ranks = {} if rc.tensor_parallel_size is None else {
             "tensor_parallel_size": rc.tensor_parallel_size}
-        return EngineConfig(**{**self.engine.model_dump(), **ranks, **rc.engine})
+        # A prefill replica makes one token a request: speculation (and a draft model's weights
+        # and cache) is the decode role's, unless the prefill role's own engine asks for it.
+        role = {"speculative_config": None} if role == "prefill" else {}
+        return EngineConfig(**{**self.engine.model_dump(), **ranks, **role, **rc.engine})
 
     def max_ongoing(self, role: Literal["prefill", "decode"]) -> int:
         """A decode replica holds a running batch and three waiting in its engine, where

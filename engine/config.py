@@ -92,7 +92,8 @@ class ModelConfig:
 
 class SpeculativeConfig(BaseModel):
     """vLLM's ``speculative_config``: how tokens are proposed for the target to verify several
-    at a step (:mod:`engine.spec_decode`). Built: ``method: "ngram"`` (prompt lookup)."""
+    at a step (:mod:`engine.spec_decode`): ``method: "ngram"`` (prompt lookup) or
+    ``"draft_model"`` (a smaller model of the target's vocabulary, :mod:`engine.draft_model`)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -103,13 +104,18 @@ class SpeculativeConfig(BaseModel):
     # 5 and 5 when neither is given, else the one given for both).
     prompt_lookup_min: int | None = Field(None, ge=1)
     prompt_lookup_max: int | None = Field(None, ge=1)
-    model: str | None = None  # draft_model: a smaller model of the target's vocabulary
+    # draft_model: a smaller model of the target's vocabulary (what EngineConfig.model takes:
+    # a folder, "dummy:Qwen3-0.6B" or "tiny"), in the target's dtype, unquantized, on rank 0.
+    model: str | None = None
 
     @model_validator(mode="after")
     def _check(self) -> "SpeculativeConfig":
-        if self.method == "draft_model":
-            raise ValueError("speculative_config.method 'draft_model' is not built yet; "
-                             "'ngram' is")
+        if self.method == "draft_model" and not self.model:
+            raise ValueError("speculative_config: method 'draft_model' needs 'model' (the "
+                             "draft: a folder, 'dummy:Qwen3-0.6B' or 'tiny')")
+        if self.method == "ngram" and self.model:
+            raise ValueError("speculative_config: 'model' is for method 'draft_model'; "
+                             "'ngram' proposes from the sequence itself")
         if self.prompt_lookup_min is None:
             self.prompt_lookup_min = self.prompt_lookup_max or 5
         if self.prompt_lookup_max is None:

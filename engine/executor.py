@@ -21,7 +21,7 @@ from engine.model_runner import ModelRunner
 from engine.parallel import TPGroup, broadcast, check_tp
 from engine.scheduler import ScheduledBatch
 from engine.tp_ranks import RankProcesses
-from engine.rank import build_rank, engine_shape
+from engine.rank import build_draft, build_rank, draft_runner, engine_shape
 
 
 class Executor:
@@ -38,8 +38,19 @@ class Executor:
                 self.others = RankProcesses(config)
                 weakref.finalize(self, self.others.close)  # they stop with the executor
             group = self.others.group if self.others is not None else TPGroup()
+            spec = config.speculative_config
+            draft, extra = None, 0
+            if spec is not None and spec.method == "draft_model":
+                draft, extra = build_draft(config, self.device, self.dtype, self.source,
+                                           config.show_progress)
             self.runner: ModelRunner = build_rank(config, self.device, group,
-                                                  config.show_progress)
+                                                  config.show_progress, extra)
+            # speculative decoding's draft model (engine.draft_model): rank 0 only, its cache
+            # indexed by the target's blocks
+            self.draft: ModelRunner | None = None
+            if draft is not None:
+                self.draft = draft_runner(config, draft, self.device, self.dtype,
+                                          self.max_model_len, self.runner.num_blocks)
             if self.others is not None:
                 self.others.build(self.runner.num_blocks)
                 self.runner.others = self.others
@@ -58,6 +69,8 @@ class Executor:
         if self.others is not None:
             self.others.warm_up()
         self.runner.warm_up(progress=self.config.show_progress)
+        if self.draft is not None:
+            self.draft.warm_up(progress=self.config.show_progress)
         if self.others is not None:
             self.others.warmed()
 

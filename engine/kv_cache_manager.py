@@ -109,6 +109,7 @@ class KVCacheManager:
             self.loading[new[i]] = self.copies.in_id
         seq.kv_load = max(waits, default=None)
         seq.block_ids = hit.blocks + new
+        seq.num_draft_computed = 0  # a new block table: the draft's cache holds none of it
         seq.num_present_tokens = hit.num_tokens
         seq.num_cached_tokens = hit.num_tokens
         seq.num_registered_blocks = hit.num_blocks

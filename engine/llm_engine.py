@@ -34,6 +34,7 @@ import torch
 
 from engine.block_pool import BlockPool
 from engine.config import EngineConfig
+from engine.draft_model import DraftProposer
 from engine.errors import BadRequest
 from engine.executor import Executor
 from engine.input_processor import InputProcessor, Prompt
@@ -45,7 +46,7 @@ from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import FinishReason, Sequence
-from engine.spec_decode import NgramProposer, SpecController, SpecStats, verify
+from engine.spec_decode import PROBE_SEQS, NgramProposer, SpecController, SpecStats, verify
 from engine.step_cost import StepCost
 from engine.step_update import LaunchedStep, StepUpdater
 
@@ -94,9 +95,17 @@ class LLMEngine:
         self.sampler = Sampler(ex.device, config.seed)
         self.spec_stats = SpecStats()  # speculative decoding's acceptance (engine.spec_decode)
         self.spec: SpecController | None = None
+        # draft_model: the scheduler makes room for k proposals (placeholders), which the draft
+        # fills before the step is launched (engine.draft_model)
+        self.drafter: DraftProposer | None = None
         if (spec := config.speculative_config) is not None:
-            proposer = NgramProposer(spec)
-            self.propose = lambda seq, limit: proposer.propose(seq.token_ids, limit)
+            k = spec.num_speculative_tokens
+            if ex.draft is not None:
+                self.drafter = DraftProposer(ex.draft, config.max_num_batched_tokens)
+                self.propose = lambda seq, limit: [0] * min(k, limit)
+            else:
+                proposer = NgramProposer(spec)
+                self.propose = lambda seq, limit: proposer.propose(seq.token_ids, limit)
             self.spec = SpecController()
         self.updater = StepUpdater(self.scheduler, self.kv_manager,
                                    self.processor.eos_token_ids, ex.max_model_len)
@@ -292,11 +301,15 @@ class LLMEngine:
         # propose only once no step is running (its sequences' last tokens known).
         speculate = self.spec is not None and self.spec.wants()
         proposing = speculate and self._running_step is None
-        self.scheduler.propose = self.propose if proposing else None
+        self.scheduler.propose = (self.propose if self.spec.on else self._probe()) \
+            if proposing else None
         asked = self.scheduler.num_proposals_asked
         drafted, accepted = self.spec_stats.num_draft_tokens, self.spec_stats.num_accepted_tokens
         batch = self.scheduler.schedule()
         outputs = [self.updater.output(s, [], None) for s in batch.finished]
+        if self.drafter is not None and proposing \
+                and (speculating := [s for s in batch.seqs if s.draft_token_ids]):
+            self.drafter.propose(speculating)
         self._queue_kv_copies()
         if not batch and self._running_step is None and self.scheduler.loading:
             self.executor.sync_copies()  # nothing else to run: wait for the host tier's copies
@@ -307,18 +320,45 @@ class LLMEngine:
             self._running_step = launched
         elif launched is not None:
             due.append(launched)
+        looked = proposing and self.scheduler.num_proposals_asked > asked  # one could propose
+        was_on = self.spec is not None and self.spec.on
         if self.spec is not None:
-            self.spec.stepped(proposing)
-        if proposing and self.scheduler.num_proposals_asked > asked:  # a sequence could propose
+            self.spec.stepped(looked)
+        if looked:
             self.spec.update(self.spec_stats.num_draft_tokens - drafted,
                              self.spec_stats.num_accepted_tokens - accepted)
         for step in due:
             outputs += self.updater.resolve(step)
             if step.started is not None and step.done_at is not None:
                 self.step_cost.record(step.started, step.done_at, step.prompt_tokens)
-        self._count(batch, outputs, time.perf_counter() - t0,
-                    launched.prompt_tokens if launched is not None else 0)
+        elapsed = time.perf_counter() - t0
+        if self.spec is not None and launched is not None and not launched.prompt_tokens:
+            self._time_spec(looked, was_on, due, launched, elapsed, outputs)
+        self._count(batch, outputs, elapsed, launched.prompt_tokens if launched is not None else 0)
         return outputs
+
+    def _probe(self):
+        """``propose`` for a look while speculation is off: ``PROBE_SEQS`` sequences at most."""
+        left = [PROBE_SEQS]
+
+        def propose(seq: Sequence, limit: int) -> list[int]:
+            if not left[0]:
+                return []
+            left[0] -= 1
+            return self.propose(seq, limit)
+        return propose
+
+    def _time_spec(self, looked: bool, was_on: bool, due: list[LaunchedStep],
+                   launched: LaunchedStep, elapsed: float, outputs: list[RequestOutput]) -> None:
+        """Give the speculation controller a decode step's wall time: one that speculated
+        (and the tokens a sequence it made; a look while speculation was off is a probe), or
+        one without speculation that ran ahead after one that did the same (launched, and
+        waited for the step before: a whole step's time)."""
+        if looked:
+            made = sum(len(o.new_token_ids) for o in outputs)
+            self.spec.timed(True, elapsed, made / max(len(launched.due), 1), probe=not was_on)
+        elif self._running_step is launched and due and not due[0].prompt_tokens:
+            self.spec.timed(False, elapsed)
 
     def _count(self, batch: ScheduledBatch, outputs: list[RequestOutput], elapsed: float,
                prompt_tokens: int) -> None:

@@ -29,6 +29,10 @@ from kernels.gemv import NORM_FUSE_MAX_K, config_for
 log = logging.getLogger(__name__)
 
 CPU_DEFAULT_KV_GB = 0.25
+# A step taken as one attention row a token (ModelRunner._as_rows) reads a sequence's cache once
+# a row, not once: at most this many tokens of cache read again (~0.7 ms of an H100's
+# bandwidth for Qwen3-8B's KV, about what the decode graph saves at batch 1).
+ROWS_MAX_EXTRA_KV = 16384
 
 
 def kv_cache_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
@@ -36,10 +40,19 @@ def kv_cache_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
     return dtype if name == "auto" else FP8
 
 
+def block_bytes(model_config, num_kv_heads: int, block_size: int, kv_dtype: torch.dtype) -> int:
+    """Bytes of one KV block of every layer of a rank holding ``num_kv_heads`` heads."""
+    return (model_config.num_hidden_layers * 2 * num_kv_heads * block_size
+            * model_config.head_dim * kv_dtype.itemsize)
+
+
 class ModelRunner:
     def __init__(self, model: Qwen3ForCausalLM, config: EngineConfig, device: torch.device,
-                 dtype: torch.dtype, max_model_len: int):
+                 dtype: torch.dtype, max_model_len: int, extra_block_bytes: int = 0):
+        """``extra_block_bytes``: what another cache indexed by these blocks costs a block (a
+        draft model's, engine.draft_model), counted when the blocks are sized from memory."""
         self.model, self.config, self.device, self.dtype = model, config, device, dtype
+        self.extra_block_bytes = extra_block_bytes
         cfg = model.config
         self.block_size = config.block_size
         self.max_model_len = max_model_len
@@ -67,12 +80,18 @@ class ModelRunner:
             attn.backend = self.backend
         self.graphs = None
         self.mixed: MixedGraphs | None = None
+        # Steps taken as one attention row a token (_as_rows): at most this many rows (0: never;
+        # the largest decode graph where there are graphs), and on a draft's runner every step
+        # that ends each sequence at its last token, not only those verifying proposals.
+        self.rows_max = 0
+        self.rows_for_all = False
         self.prompt_out: PromptLogprobs | None = None  # the last step's prompt logprobs
         self.others = None  # rank 0 of a tensor-parallel engine: engine.tp_ranks.RankProcesses
         if device.type == "cuda" and not config.enforce_eager \
                 and self.backend.supports_cuda_graphs:
             self.graphs = DecodeGraphs(self, min(config.max_num_seqs,
                                                  config.cuda_graph_max_batch))
+            self.rows_max = self.graphs.max_batch
             if config.cuda_graph_max_tokens:
                 self.mixed = MixedGraphs(self, min(config.cuda_graph_max_tokens,
                                                    config.max_num_batched_tokens))
@@ -83,9 +102,7 @@ class ModelRunner:
     # -- sizing -----------------------------------------------------------------------------
     @property
     def block_bytes(self) -> int:
-        cfg = self.model.config
-        return (cfg.num_hidden_layers * 2 * self.num_kv_heads * self.block_size
-                * cfg.head_dim * self.kv_dtype.itemsize)
+        return block_bytes(self.model.config, self.num_kv_heads, self.block_size, self.kv_dtype)
 
     def _num_blocks(self) -> int:
         c = self.config
@@ -99,10 +116,11 @@ class ModelRunner:
             budget = CPU_DEFAULT_KV_GB * 2**30
         # Never more than every sequence at full length needs (plus the null block).
         cap = c.max_num_seqs * -(-self.max_model_len // self.block_size) + 1
-        num = min(int(budget // self.block_bytes), cap)
+        per_block = self.block_bytes + self.extra_block_bytes
+        num = min(int(budget // per_block), cap)
         if num < 2:
             raise ValueError(f"kv cache: the memory budget ({budget / 2**30:.2f} GiB) holds no "
-                             f"block of {self.block_bytes} bytes")
+                             f"block of {per_block} bytes")
         return num
 
     def _cuda_kv_budget(self) -> float:
@@ -265,12 +283,35 @@ class ModelRunner:
         return meta
 
     # -- one step ---------------------------------------------------------------------------
+    def _as_rows(self, batch: ScheduledBatch) -> bool:
+        """Whether the step's attention takes each token as a row of its own (one query over
+        the sequence's cache up to and including its position: the causal mask made by the
+        context lengths), so that it is a decode step and replays a decode graph: a step that
+        verifies proposals (or, on a draft's runner, any step), every sequence's tokens ending
+        at its last, while the rows fit the largest graph and the cache they read again stays
+        small (``ROWS_MAX_EXTRA_KV``)."""
+        if not self.rows_max:
+            return False
+        rows = extra = 0
+        drafts = False
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            d = len(seq.draft_token_ids)
+            end = seq.num_computed_tokens + n
+            if end != seq.num_tokens + d:
+                return False
+            rows += n
+            extra += (n - 1) * end
+            drafts = drafts or d > 0
+        return ((drafts or self.rows_for_all) and len(batch.seqs) < rows <= self.rows_max
+                and extra <= ROWS_MAX_EXTRA_KV)
+
     def prepare(self, batch: ScheduledBatch) -> StepInputs:
         """Host-side inputs of one step (the device slot mapping is set when they are sent)."""
         bs = self.block_size
         ids, positions, slots, qsl, ctx, logit_rows = [], [], [], [0], [], []
         indptr, indices, last, gathers = [0], [], [], []
         prompt = PromptRows()
+        as_rows = self._as_rows(batch)
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
             if seq.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1:
@@ -285,20 +326,22 @@ class ModelRunner:
             table, present = seq.block_ids, seq.num_present_tokens
             slots += [-1 if p < present else table[p // bs] * bs + p % bs
                       for p in range(start, end)]
-            qsl.append(qsl[-1] + n)
-            ctx.append(end)
-            pages = -(-end // bs)
-            indices += table[:pages]
-            indptr.append(len(indices))
-            last.append(end - (pages - 1) * bs)
+            for row_end in (range(start + 1, end + 1) if as_rows else (end,)):
+                qsl.append(len(ids) - (end - row_end))
+                ctx.append(row_end)
+                pages = -(-row_end // bs)
+                indices += table[:pages]
+                indptr.append(len(indices))
+                last.append(row_end - (pages - 1) * bs)
             if end == seq.num_tokens + len(drafts):  # its last token's row, then each proposal's
-                logit_rows += range(qsl[-1] - 1 - len(drafts), qsl[-1])
+                logit_rows += range(len(ids) - 1 - len(drafts), len(ids))
         meta = AttentionMetadata(
             slot_mapping=None, query_start_loc=qsl, context_lens=ctx,
             kv_indptr=host_tensor(indptr, torch.int32),
             kv_indices=host_tensor(indices, torch.int32),
             kv_last_page_len=host_tensor(last, torch.int32),
-            block_size=bs, is_decode_only=all(n == 1 for n in batch.num_new_tokens))
+            block_size=bs,
+            is_decode_only=as_rows or all(n == 1 for n in batch.num_new_tokens))
         return StepInputs(ids, positions, slots, gathers, meta, logit_rows, prompt)
 
     @torch.inference_mode()

@@ -9,7 +9,7 @@ import torch
 
 from engine.config import EngineConfig, parse_dtype
 from engine.loader import load_model
-from engine.model_runner import ModelRunner
+from engine.model_runner import ModelRunner, block_bytes, kv_cache_dtype
 from engine.model_source import ModelSource, resolve_model
 from engine.parallel import TPGroup, building
 
@@ -35,12 +35,47 @@ def engine_shape(config: EngineConfig, device: torch.device) -> EngineShape:
 
 
 def build_rank(config: EngineConfig, device: torch.device, group: TPGroup,
-               progress: bool = False) -> ModelRunner:
+               progress: bool = False, extra_block_bytes: int = 0) -> ModelRunner:
     """``group``'s rank of the model on ``device`` (its slice of the weights, its KV heads) and
     the runner that owns it and its KV cache (``config.num_blocks`` blocks, or as many as the
-    device's share holds)."""
+    device's share holds, less ``extra_block_bytes`` a block for another cache)."""
     shape = engine_shape(config, device)
     with building(group):
         model = load_model(shape.source, device, shape.dtype, seed=config.seed,
                            progress=progress, quantization=config.quantization)
-        return ModelRunner(model, config, device, shape.dtype, shape.max_model_len)
+        return ModelRunner(model, config, device, shape.dtype, shape.max_model_len,
+                           extra_block_bytes)
+
+
+def build_draft(config: EngineConfig, device: torch.device, dtype: torch.dtype,
+                target: ModelSource, progress: bool = False):
+    """The draft model of ``config.speculative_config`` (method ``draft_model``), whole on
+    ``device`` in the target's compute dtype, and what its KV costs a block; its runner comes
+    once the target's blocks are sized (:func:`draft_runner`)."""
+    source = resolve_model(config.speculative_config.model)
+    mcfg, tcfg = source.config, target.config
+    if mcfg.vocab_size != tcfg.vocab_size:
+        raise ValueError(f"speculative_config: the draft {source.name} has a vocabulary of "
+                         f"{mcfg.vocab_size}, the target {tcfg.vocab_size}; they must match")
+    with building(TPGroup()):
+        model = load_model(source, device, dtype, seed=config.seed, progress=progress)
+    return model, block_bytes(mcfg, mcfg.num_key_value_heads, config.block_size,
+                              kv_cache_dtype(config.kv_cache_dtype, dtype))
+
+
+def draft_runner(config: EngineConfig, model, device: torch.device, dtype: torch.dtype,
+                 max_model_len: int, num_blocks: int) -> ModelRunner:
+    """The draft's runner: its own cache of the target's ``num_blocks`` blocks (the target's
+    block tables index it), its own CUDA graphs."""
+    if model.config.max_position_embeddings < max_model_len:
+        raise ValueError(f"speculative_config: the draft's context "
+                         f"({model.config.max_position_embeddings}) is shorter than the "
+                         f"target's max_model_len ({max_model_len})")
+    draft = config.model_copy(update={
+        "model": config.speculative_config.model, "num_blocks": num_blocks,
+        "quantization": None, "speculative_config": None, "kv_offloading_size": 0.0,
+        "tensor_parallel_size": 1})
+    with building(TPGroup()):
+        runner = ModelRunner(model, draft, device, dtype, max_model_len)
+    runner.rows_for_all = True  # its first step's two tokens (engine.draft_model) as rows
+    return runner

@@ -23,13 +23,21 @@ checked token by token, so a sequence stops at the first stop token or length it
 within a step.
 
 When to speculate (:class:`SpecController`). A proposal needs the tokens of the step before, so
-a step that proposes cannot run ahead of the device (``async_scheduling``), and looking for
-proposals costs host time each step. Speculation goes on while the proposals pay: while the
-recent proposals' acceptance is at least ``MIN_ACCEPTANCE`` and no ``EMPTY_STEPS`` steps in a
-row found nothing to propose. Otherwise
-the engine runs ahead as without speculation and looks again after ``PROBE_EVERY`` steps, then
-twice as long after each look that finds it does not pay (up to ``PROBE_MAX``), so a load that
-speculation does not help loses at most one overlapped step in that many.
+a step that proposes cannot run ahead of the device (``async_scheduling``), and proposing costs
+time each step (host time for n-gram lookups, the draft's steps for a draft model). Speculation
+goes on while the proposals pay: while the recent proposals' acceptance is at least
+``MIN_ACCEPTANCE``, no ``EMPTY_STEPS`` steps in a row found nothing to propose, and, once both are
+measured, a speculating step makes more tokens a sequence a second than a step without
+speculation (a large batch, where the verification's extra tokens stop being free, or a draft
+too slow for its acceptance: the wall time of the decode steps either way, moving averages;
+while speculation is on, ``MEASURE_STEPS`` steps in ``MEASURE_EVERY`` run without it to follow
+the batch). Otherwise the engine runs ahead as without speculation and looks again after
+``PROBE_EVERY`` steps, then twice as long after each look that finds it does not pay (up to
+``PROBE_MAX``), and never sooner than makes the looks' measured cost (the wall time a look adds
+to a step without speculation) ``PROBE_COST`` of the steps' time. A look while speculation is off (a probe, the engine's first step included)
+proposes for ``PROBE_SEQS`` sequences at most, the others decoding as they would, so that a load
+speculation does not help loses little more than one overlapped step in that many: a draft
+model catches up and proposes for those few, and their few extra tokens ride in the step.
 """
 
 from __future__ import annotations
@@ -45,30 +53,53 @@ from engine.sequence import Sequence
 
 PROBE_EVERY = 16  # steps between two that look for proposals once speculation goes off,
 PROBE_MAX = 256  # doubled after each look that does not turn it on again, up to this
+PROBE_SEQS = 4  # sequences a look while off proposes for
+PROBE_COST = 0.01  # of the steps' time, at most, that looks while off cost
 MIN_ACCEPTANCE = 0.5  # of the recent proposed tokens, for speculation to go on
 EMPTY_STEPS = 4  # steps in a row that find no proposal at all before speculation goes off
-WEIGHT = 0.3  # of the newest step in the acceptance's moving average
+WEIGHT = 0.3  # of the newest step in the moving averages
+MEASURE_EVERY = 128  # speculating steps between two windows of steps without speculation,
+MEASURE_STEPS = 3  # of this many steps (the first follows a speculating step: not timed)
 
 
 class SpecController:
     """Whether the next step looks for proposals (see the module's docstring)."""
 
     def __init__(self, min_acceptance: float = MIN_ACCEPTANCE, empty_steps: int = EMPTY_STEPS,
-                 probe_every: int = PROBE_EVERY):
+                 probe_every: int = PROBE_EVERY, min_gain: float | None = 1.0,
+                 start_on: bool = False):
+        """``min_gain``: the speculating steps' tokens a sequence a second over the plain
+        steps' below which speculation goes off (None: never for its speed); ``start_on``:
+        speculate from the first step, rather than look at a few sequences first."""
         self.min_acceptance, self.empty_steps = min_acceptance, empty_steps
+        self.min_gain = min_gain
         self.probe_first = self.probe_every = probe_every
-        self.on = True
+        self.on = start_on
         self.acceptance: float | None = None  # moving average over speculating steps
-        self._since = 0  # steps since the last that could propose
+        self.plain_s: float | None = None  # a decode step without speculation, run ahead
+        self.spec_rate: float | None = None  # tokens a sequence a second, speculating steps
+        self._since = probe_every  # steps since the last that could propose (a look is due)
         self._empty = 0  # looking steps in a row that found nothing to propose
+        self._looked = 0  # speculating steps since the last window without speculation
+        self._plain_left = 0  # steps left of the current window without speculation
 
     def wants(self) -> bool:
         """Whether the next step should look (it can once no step is running)."""
-        return self.on or self._since >= self.probe_every
+        return (self.on and not self._plain_left) or \
+            (not self.on and self._since >= self.probe_every)
 
     def stepped(self, looked: bool) -> None:
-        """A step ran; ``looked``: it could propose."""
+        """A step ran; ``looked``: a sequence in it could propose (the first step, a prompt's,
+        cannot: a look stays due)."""
         self._since = 0 if looked else self._since + 1
+        if not self.on or self.min_gain is None:
+            return
+        if looked:
+            self._looked += 1
+            if self._looked >= MEASURE_EVERY:
+                self._looked, self._plain_left = 0, MEASURE_STEPS
+        elif self._plain_left:
+            self._plain_left -= 1
 
     def update(self, drafted: int, accepted: int) -> None:
         """A step that looked for proposals: how many tokens were proposed and accepted."""
@@ -79,13 +110,41 @@ class SpecController:
         else:
             self._empty = 0
             rate = accepted / drafted
-            self.acceptance = rate if self.acceptance is None else \
-                (1 - WEIGHT) * self.acceptance + WEIGHT * rate
+            self.acceptance = _ema(self.acceptance, rate)
             self.on = self.acceptance >= self.min_acceptance
+        self._switched(was_on)
+
+    def timed(self, looked: bool, seconds: float, tokens_per_seq: float = 1.0,
+              probe: bool = False) -> None:
+        """A decode step's wall time (no prompt tokens in it): one that speculated while
+        speculation was on (``tokens_per_seq`` made), a look while it was off (``probe``), or
+        one run ahead without speculation."""
+        if probe:
+            if not self.on and self.plain_s:  # it stays off: the next look no sooner than
+                cost = seconds / self.plain_s - 1  # makes the looks PROBE_COST of the time
+                self.probe_every = max(self.probe_every,
+                                       min(int(cost / PROBE_COST), 4 * PROBE_MAX))
+            return
+        if not looked:
+            self.plain_s = _ema(self.plain_s, seconds)
+            return
+        self.spec_rate = _ema(self.spec_rate, tokens_per_seq / seconds)
+        if self.on and self.min_gain is not None and self.plain_s is not None \
+                and self.spec_rate * self.plain_s < self.min_gain:
+            self.on = False  # it makes fewer tokens a second than not speculating
+            self._switched(True)
+
+    def _switched(self, was_on: bool) -> None:
+        if self.on and not was_on:  # a look that paid: time speculation afresh
+            self.spec_rate, self._looked, self._plain_left = None, 0, 0
         if self.on:
             self.probe_every = self.probe_first
         elif not was_on:  # a look while off that did not pay: look half as often
             self.probe_every = min(2 * self.probe_every, PROBE_MAX)
+
+
+def _ema(average: float | None, sample: float) -> float:
+    return sample if average is None else (1 - WEIGHT) * average + WEIGHT * sample
 
 
 class NgramProposer:

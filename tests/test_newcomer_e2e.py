@@ -73,6 +73,13 @@ def test_one_line_configs_and_the_open_port_warning():
     app = serve_config_from_flags(args)["applications"][0]["args"]
     assert BatonConfig(**app).disaggregation.itl_target_ms == 20.0
     assert BatonConfig(**app).engine.kv_offloading_size == 4.0
+    # --speculative-config: the decode role speculates; a prefill replica (one token a
+    # request) loads no draft
+    args.speculative_config = '{"method": "draft_model", "model": "tiny", ' \
+        '"num_speculative_tokens": 4}'
+    split = BatonConfig(**serve_config_from_flags(args)["applications"][0]["args"])
+    assert split.engine_for("decode").speculative_config.model == "tiny"
+    assert split.engine_for("prefill").speculative_config is None
 
 
 def _listening(proc) -> set[tuple[str, int]]:

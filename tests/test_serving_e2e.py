@@ -1,6 +1,7 @@
 """The app on local Ray with the tiny model: HTTP answers carry the offline engine's greedy
-tokens, disaggregated (NIXL over host memory) and colocated alike; bad input is a 400; a
-cancelled stream leaves no KV block held."""
+tokens, disaggregated (NIXL over host memory) and colocated alike, the decode role speculating
+(a draft model) and the offline engine not; bad input is a 400; a cancelled stream leaves no KV
+block held."""
 
 import json
 import re
@@ -15,7 +16,11 @@ from tests.conftest import serve_log_dir, shutdown_serve
 from tests.models import random_prompts
 
 pytestmark = pytest.mark.e2e
-ENGINE = {"model": "tiny", "num_blocks": 256, "max_num_seqs": 16}
+# speculative decoding as shipped (the first decode step of a batch always looks): the tokens
+# must be the offline engine's without it
+ENGINE = {"model": "tiny", "num_blocks": 256, "max_num_seqs": 16,
+          "speculative_config": {"method": "draft_model", "model": "tiny",
+                                 "num_speculative_tokens": 3}}
 GREEDY = dict(temperature=0, max_tokens=12, ignore_eos=True)
 GRPC_SERVICER = "proto.servicer.add_to_server"
 PROMPTS = ["The quick brown fox", "Hello world! Hello there, how are you today?", "a"]

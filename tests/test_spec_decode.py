@@ -1,8 +1,9 @@
-"""Speculative decoding (engine/spec_decode.py): the config's defaults and refusals, the n-gram
-proposer, greedy tokens identical with and without speculation (batches, prefix hits,
-preemption, chunked prefill, stop tokens, a request that does not speculate beside ones that
-do), a proposer that always agrees cutting the target's steps by ~k+1, and rejection sampling
-keeping the target's distribution."""
+"""Speculative decoding (engine/spec_decode.py, engine/draft_model.py): the config's defaults
+and refusals, the n-gram proposer, greedy tokens identical with and without speculation for
+both methods (batches, prefix hits, preemption, chunked prefill, stop tokens, a request that
+does not speculate beside ones that do, a decode replica), a proposer that always agrees (the
+target as its own draft) cutting the target's steps by ~k+1, and rejection sampling keeping the
+target's distribution."""
 
 import pytest
 import torch
@@ -14,6 +15,9 @@ from tests.models import random_prompts
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
          "prompt_lookup_min": 1}
+# the target (tiny, seed 0) as its own draft: every proposal agrees unless the draft is
+# disturbed (_disturb)
+DRAFT = {"method": "draft_model", "model": "tiny", "num_speculative_tokens": 4}
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 
 
@@ -21,8 +25,10 @@ def test_the_config_takes_vllms_names_and_defaults():
     spec = SpeculativeConfig(method="ngram", num_speculative_tokens=3)
     assert (spec.prompt_lookup_min, spec.prompt_lookup_max) == (5, 5)
     assert SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=4).prompt_lookup_min == 4
-    with pytest.raises(ValueError, match="not built yet"):
-        SpeculativeConfig(method="draft_model", num_speculative_tokens=3, model="x")
+    with pytest.raises(ValueError, match="needs 'model'"):
+        SpeculativeConfig(method="draft_model", num_speculative_tokens=3)
+    with pytest.raises(ValueError, match="is for method 'draft_model'"):
+        SpeculativeConfig(method="ngram", num_speculative_tokens=3, model="tiny")
     with pytest.raises(ValueError, match="above"):
         SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=4, prompt_lookup_max=2)
     config = EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 2})
@@ -62,6 +68,42 @@ def test_speculation_goes_on_while_it_pays_and_looks_again_now_and_then():
     assert not spec.on
 
 
+def test_speculation_goes_off_where_it_makes_fewer_tokens_a_second():
+    """Steps without speculation take 10 ms: speculating steps of 20 ms that make 3 tokens a
+    sequence pay (150 against 100 a second), those that make 1.5 do not, whatever the
+    acceptance; while on, a few steps in MEASURE_EVERY run without speculation to follow the
+    batch."""
+    from engine.spec_decode import MEASURE_EVERY, MEASURE_STEPS, SpecController
+    spec = SpecController(start_on=True)
+    spec.timed(False, 0.010)
+    for _ in range(5):
+        spec.stepped(looked=True)
+        spec.update(4, 2)
+        spec.timed(True, 0.020, 3.0)
+    assert spec.on and spec.spec_rate == pytest.approx(150)
+    for _ in range(MEASURE_EVERY - 5):
+        spec.stepped(looked=True)
+    wants = []
+    for _ in range(MEASURE_STEPS + 1):
+        wants.append(spec.wants())
+        spec.stepped(looked=False)
+    assert wants == [False] * MEASURE_STEPS + [True]
+    spec.update(4, 3)  # a good acceptance, but the batch grew: 1.5 tokens in 20 ms
+    for _ in range(4):  # the moving average falls below 100 a second at the fourth
+        spec.timed(True, 0.020, 1.5)
+    assert not spec.on and spec.acceptance >= 0.5 and not spec.wants()
+    # a look while off that did not pay and cost 3 steps' time: the next after 300 steps
+    # (PROBE_COST), not after 2 x PROBE_EVERY
+    spec.stepped(looked=True)
+    spec.update(4, 0)
+    spec.timed(True, 0.040, 1.0, probe=True)
+    assert not spec.on and spec.probe_every == 300
+    held = SpecController(min_gain=None, start_on=True)  # as the tests that hold it on
+    held.timed(False, 0.010)
+    held.timed(True, 0.020, 1.0)
+    assert held.on
+
+
 def test_the_ngram_proposer_follows_the_latest_repeat():
     propose = NgramProposer(SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1,
                                               prompt_lookup_max=2)).propose
@@ -74,17 +116,29 @@ def test_the_ngram_proposer_follows_the_latest_repeat():
     assert propose([1, 2], 0) == []
 
 
-def _speculating(**kw) -> LLM:
+def _disturb(runner, noise: float) -> None:
+    """Noise on a draft's weights, so that it disagrees with the target now and then."""
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in runner.model.parameters():
+            p.add_(torch.randn(p.shape, generator=g).to(p.device, p.dtype) * noise)
+
+
+def _speculating(spec=NGRAM, noise: float = 0.0, **kw) -> LLM:
     """An engine that speculates at every step it can (its controller held on), so that the
-    verification runs as often as the proposals allow."""
+    verification runs as often as the proposals allow; ``noise``: on the draft's weights."""
     from engine.spec_decode import SpecController
-    llm = LLM("tiny", show_progress=False, seed=0, speculative_config=NGRAM, **kw)
-    llm.engine.spec = SpecController(min_acceptance=0.0, empty_steps=10**9)
+    llm = LLM("tiny", show_progress=False, seed=0, speculative_config=spec, **kw)
+    llm.engine.spec = SpecController(min_acceptance=0.0, empty_steps=10**9, min_gain=None,
+                                     start_on=True)
+    if noise:
+        _disturb(llm.engine.executor.draft, noise)
     return llm
 
 
-def _run(prompts, params=GREEDY, spec=NGRAM, **kw):
-    llm = _speculating(**kw) if spec else LLM("tiny", show_progress=False, seed=0, **kw)
+def _run(prompts, params=GREEDY, spec=NGRAM, noise=0.0, **kw):
+    llm = _speculating(spec, noise, **kw) if spec else LLM("tiny", show_progress=False, seed=0,
+                                                          **kw)
     return [o.token_ids for o in llm.generate(prompts, params)], llm.engine
 
 
@@ -92,25 +146,68 @@ def _prompts():
     return random_prompts([20, 40, 33], seed=3) + [[11, 12, 13, 14, 15] * 8, [7, 8, 9] * 10]
 
 
+METHODS = pytest.mark.parametrize("spec,noise", [(NGRAM, 0.0), (DRAFT, 0.02)],
+                                  ids=["ngram", "draft_model"])
+
+
+@METHODS
 @pytest.mark.parametrize("kw", [
     {}, {"max_num_batched_tokens": 24}, {"num_blocks": 14}],
     ids=["batch", "chunked_prefill", "preemption"])
-def test_greedy_tokens_are_those_of_no_speculation(kw):
+def test_greedy_tokens_are_those_of_no_speculation(kw, spec, noise):
     prompts = _prompts()
     ref, plain = _run(prompts, spec=None, **kw)
-    out, engine = _run(prompts, **kw)
+    out, engine = _run(prompts, spec=spec, noise=noise, **kw)
     assert out == ref
     stats = engine.spec_stats
-    assert stats.num_accepted_tokens > 0 and stats.num_draft_tokens >= stats.num_accepted_tokens
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens  # some kept, some not
     assert engine.stats.steps < plain.stats.steps
     if "num_blocks" in kw:
         assert engine.scheduler.num_preemptions > 0
 
 
-def test_prefix_hits_and_a_request_that_does_not_speculate_keep_the_tokens():
+@pytest.mark.parametrize("kw", [
+    {}, {"max_num_batched_tokens": 24}, {"num_blocks": 14}],
+    ids=["batch", "chunked_prefill", "preemption"])
+def test_the_drafts_cache_follows_the_sequence_through_chunks_and_preemption(kw):
+    """The target as its own draft: every proposal is kept only if the draft's KV is that of
+    the sequence's tokens at every step: after a prompt computed in chunks, after steps that
+    kept every proposal (two tokens to catch up), after a preemption gave new blocks."""
+    prompts = _prompts()
+    ref, _ = _run(prompts, spec=None, **kw)
+    out, engine = _run(prompts, spec=DRAFT, **kw)
+    assert out == ref
+    stats = engine.spec_stats
+    assert stats.num_accepted_tokens == stats.num_draft_tokens > 100
+    assert engine.pool.num_used_blocks == 0
+    if "num_blocks" in kw:
+        assert engine.scheduler.num_preemptions > 0
+
+
+@METHODS
+@pytest.mark.parametrize("kw", [{}, {"num_blocks": 14}], ids=["batch", "preemption"])
+def test_steps_taken_as_decode_rows_keep_the_tokens(kw, spec, noise):
+    """On CUDA a verifying step (and a draft's first step of two tokens) runs as a decode step,
+    a row per token (ModelRunner._as_rows); here the torch backend takes the same rows."""
+    prompts = _prompts()
+    ref, _ = _run(prompts, spec=None, **kw)
+    llm = _speculating(spec, noise, **kw)
+    runners = [r for r in (llm.engine.runner, llm.engine.executor.draft) if r is not None]
+    taken = []
+    for r in runners:
+        r.rows_max = 64
+        as_rows = r._as_rows
+        r._as_rows = lambda batch, f=as_rows: taken.append(f(batch)) or taken[-1]
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == ref
+    assert sum(taken) > 10
+    assert 0 < llm.engine.spec_stats.num_accepted_tokens
+
+
+@METHODS
+def test_prefix_hits_and_a_request_that_does_not_speculate_keep_the_tokens(spec, noise):
     prompts = _prompts()
     ref, _ = _run(prompts, spec=None)
-    llm = _speculating()
+    llm = _speculating(spec, noise)
     assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == ref
     again = llm.generate(prompts, GREEDY)  # every prompt a prefix hit now
     assert [o.token_ids for o in again] == ref and again[0].num_cached_tokens > 0
@@ -142,6 +239,48 @@ def test_a_proposer_that_always_agrees_cuts_the_steps_by_about_k_plus_one():
     # one prefill step (the first token), then 40 tokens at 5 a step (4 kept + 1 of its own)
     assert llm.engine.stats.steps == 1 + 8 and plain.stats.steps >= 41
     assert stats.accepted_per_position == [8, 8, 8, 8]
+
+
+def test_the_target_as_its_own_draft_cuts_the_steps_by_k_plus_one():
+    prompts = random_prompts([30], seed=4)
+    params = SamplingParams(temperature=0, max_tokens=41, ignore_eos=True)
+    ref, plain = _run(prompts, params, spec=None)
+    llm = LLM("tiny", show_progress=False, seed=0, speculative_config=DRAFT)
+    # as shipped, but for the speed rule: on the CPU a draft as large as its target costs
+    # about what it saves
+    from engine.spec_decode import SpecController
+    llm.engine.spec = SpecController(min_gain=None)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == ref
+    stats, engine = llm.engine.spec_stats, llm.engine
+    assert stats.num_accepted_tokens == stats.num_draft_tokens == 32
+    assert engine.stats.steps == 1 + 8 and plain.stats.steps >= 41
+    # the draft: its prompt (but the last token) once, then k steps each verified step, the
+    # first taking the last proposal kept and the target's token after it
+    assert engine.drafter.steps == 1 + 8 * 4
+
+
+def test_sampling_with_a_draft_keeps_the_targets_distribution():
+    """1,500 sampled continuations of one prompt with and without speculation (the target as
+    its own draft: its proposal is the argmax, kept with its probability): the distribution of
+    each of the first four tokens is the same within sampling noise (two runs without
+    speculation differ by up to 0.053 in total variation here; keeping every proposal would
+    differ by ~0.5)."""
+    prompt = random_prompts([12], seed=5)
+    params = SamplingParams(temperature=1.0, top_k=3, max_tokens=4, ignore_eos=True)
+
+    def tokens(spec):
+        llm = _speculating(DRAFT) if spec else LLM("tiny", show_progress=False, seed=7)
+        outs = llm.generate(prompt * 1500, params)
+        return torch.tensor([o.token_ids for o in outs]), llm.engine
+
+    plain, _ = tokens(False)
+    spec, engine = tokens(True)
+    assert 0 < engine.spec_stats.num_accepted_tokens < engine.spec_stats.num_draft_tokens
+    for pos in range(4):
+        values = torch.cat([plain[:, pos], spec[:, pos]]).unique()
+        a = (plain[:, pos, None] == values).float().mean(0)
+        b = (spec[:, pos, None] == values).float().mean(0)
+        assert (a - b).abs().sum() / 2 < 0.09, pos  # total variation
 
 
 def test_a_stop_token_among_the_accepted_proposals_ends_the_request_there():
@@ -197,11 +336,14 @@ def test_greedy_verification_keeps_the_agreeing_prefix_and_the_targets_next_toke
     assert row_ids.tolist() == [3, 1, 4, 2, 0, 2]
 
 
+@METHODS
 @pytest.mark.parametrize("always", [True, False], ids=["handed_over", "prefilled_locally"])
-def test_a_decode_replica_that_speculates_gives_the_tokens_of_one_that_does_not(always):
+def test_a_decode_replica_that_speculates_gives_the_tokens_of_one_that_does_not(always, spec,
+                                                                               noise):
     """1P1D through the role servers (the local transport): the decode replica speculates,
-    the prefill replica hands over each prompt (or the decode replica prefills it itself);
-    the tokens equal the offline engine's without speculation."""
+    the prefill replica hands over each prompt (or the decode replica prefills it itself; its
+    draft prefills its own cache either way); the tokens equal the offline engine's without
+    speculation."""
     from decode_worker.placement import ALWAYS, DisaggregationConfig
     from decode_worker.server import DecodeServer
     from kvtransfer.backends.local import LocalFabric
@@ -214,11 +356,14 @@ def test_a_decode_replica_that_speculates_gives_the_tokens_of_one_that_does_not(
     prefill = PrefillServer(EngineConfig(model="tiny", show_progress=False), "local",
                             fabric=fabric)
     decode = DecodeServer(EngineConfig(model="tiny", show_progress=False,
-                                       speculative_config=NGRAM),
+                                       speculative_config=spec),
                           "local", PrefillHandle(prefill), fabric=fabric,
                           disaggregation=ALWAYS if always else DisaggregationConfig(mode="never"))
     from engine.spec_decode import SpecController
-    decode.aengine.engine.spec = SpecController(min_acceptance=0.0, empty_steps=10**9)
+    decode.aengine.engine.spec = SpecController(min_acceptance=0.0, empty_steps=10**9,
+                                                min_gain=None, start_on=True)
+    if noise:
+        _disturb(decode.aengine.engine.executor.draft, noise)
     try:
         out = [run_to_idle(prefill, decode, prompt, f"r{i}", GREEDY)[0]
                for i, prompt in enumerate(prompts)]

@@ -111,3 +111,21 @@ def test_fp8_tiles_a_rank_cannot_hold_whole_are_refused(tmp_path):
     import multiprocessing
     assert failed.traceback
     assert not [p for p in multiprocessing.active_children() if p.name.startswith("baton-tp")]
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculative_decoding_over_two_ranks(method):
+    """Proposals verified over two ranks (a draft model on rank 0 only, whole): the greedy tokens
+    of one rank without speculation."""
+    path = str(model_path("tiny"))
+    prompts = random_prompts([5, 16, 33], vocab=512, seed=3) + [[7, 8, 9] * 10]
+    want = _tokens(LLM(path, show_progress=False), prompts)
+    spec = {"method": method, "num_speculative_tokens": 3}
+    spec.update({"model": path} if method == "draft_model" else {"prompt_lookup_max": 2,
+                                                                 "prompt_lookup_min": 1})
+    llm = LLM(path, tensor_parallel_size=2, speculative_config=spec, show_progress=False)
+    try:
+        assert _tokens(llm, prompts) == want
+        assert llm.engine.spec_stats.num_accepted_tokens > 0
+    finally:
+        llm.engine.shutdown()

@@ -1,0 +1,135 @@
+"""Draft-model proposals (``speculative_config`` ``method: "draft_model"``; the verification is
+:mod:`engine.spec_decode`'s).
+
+A smaller model of the target's vocabulary (Qwen3-0.6B for 8B, 14B or 32B) proposes each
+speculating sequence's next ``k`` tokens greedily, ``k`` steps of one token a sequence, the
+first reading the sequence's last token; the target then verifies them in one step. A greedy
+draft's proposal is certain (its ``q`` one-hot), so the rejection sampling of
+:func:`engine.spec_decode.verify` keeps the target's distribution as it does for n-gram
+proposals.
+
+The draft's KV cache. The draft has its own paged cache with as many blocks as the target's and
+of the same block size, and uses the target's block tables: block ``b`` of the target's cache
+and block ``b`` of the draft's hold the same positions of the same sequence. The draft costs no
+block bookkeeping of its own; the engine sizes the blocks so both caches fit the memory budget
+(:class:`engine.model_runner.ModelRunner`'s ``extra_block_bytes``). The target's cache alone
+travels (prefix cache, host tier, hand-over), so a sequence's draft KV is trusted only where the
+draft wrote it for that sequence since its blocks were given (``Sequence.num_draft_computed``,
+cut to the target's ``num_computed_tokens``, past which the draft's KV was for rejected
+proposals). Whatever it lacks, the draft computes before it proposes (catch-up): the whole
+prompt the first time (a decode replica prefills the small draft itself rather than receive its
+KV over the transfer layer), the last token after each verified step (two tokens when every
+proposal was kept), the tokens of steps that did not speculate.
+
+The draft runs on rank 0 (unsplit with tensor parallelism), on the engine's stream, with its own
+CUDA graphs: the ``k`` one-token steps replay its decode graphs, each reading the previous
+step's tokens on the device; the host waits once, for all ``k`` proposals, before the target's
+step is prepared.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.model_runner import ModelRunner
+from engine.scheduler import ScheduledBatch
+from engine.sequence import PENDING, Sequence
+
+
+@dataclass(eq=False)
+class _View:
+    """What :meth:`ModelRunner.prepare` reads of a sequence, for one of the draft's steps."""
+
+    token_ids: list[int]
+    block_ids: list[int]
+    num_computed_tokens: int
+    num_prompt_tokens: int
+    num_pending: int = 0
+    pending_row: int = -1
+    draft_token_ids: list[int] = field(default_factory=list)
+    num_present_tokens: int = 0  # the draft writes its KV at every position it computes
+    prompt_logprobs: None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_resolved_tokens(self) -> int:
+        return len(self.token_ids) - self.num_pending
+
+
+SHORT = 2  # tokens a sequence may lack in the draft's cache for its first proposing step
+
+
+class DraftProposer:
+    """Fills the proposals of a step's speculating sequences with the draft's greedy tokens."""
+
+    def __init__(self, runner: ModelRunner, max_num_batched_tokens: int):
+        self.runner = runner
+        self.max_tokens = max_num_batched_tokens  # a catch-up pass's budget
+        self.steps = 0  # the draft's forward passes (catch-up and proposing), ever
+
+    @torch.inference_mode()
+    def propose(self, seqs: list[Sequence]) -> None:
+        """``seqs``' ``draft_token_ids`` hold as many placeholders as the scheduler made room
+        for (at most ``k``); replace them with the draft's tokens."""
+        views = [_View(list(s.token_ids), s.block_ids,
+                       min(s.num_draft_computed, s.num_computed_tokens), s.num_prompt_tokens)
+                 for s in seqs]
+        self._catch_up(views)
+        lengths = [len(s.draft_token_ids) for s in seqs]
+        rows: list[list[int]] = []  # per step, the views it ran (their rows in its tokens)
+        tokens: list[torch.Tensor] = []
+        for j in range(max(lengths)):
+            active = [i for i in range(len(seqs)) if lengths[i] > j]
+            for i in active:
+                if j:  # its input: the token the step before drew, on the device
+                    views[i].token_ids.append(PENDING)
+                    views[i].num_pending = 1
+                    views[i].pending_row = rows[-1].index(i)
+            counts = [views[i].num_tokens - views[i].num_computed_tokens for i in active]
+            logits = self._run([views[i] for i in active], counts, tokens[-1] if j else None)
+            tokens.append(logits.argmax(dim=-1))
+            rows.append(active)
+            for i, n in zip(active, counts):
+                views[i].num_computed_tokens += n
+        drawn = torch.cat(tokens).tolist()  # the one wait on the device
+        at = 0
+        out: list[list[int]] = [[] for _ in seqs]
+        for step_rows in rows:
+            for i in step_rows:
+                out[i].append(drawn[at])
+                at += 1
+        for seq, proposal in zip(seqs, out):
+            seq.draft_token_ids = proposal
+            # the draft's KV now covers the last token and every proposal but the last
+            seq.num_draft_computed = seq.num_tokens + len(proposal) - 1
+
+    def _catch_up(self, views: list[_View]) -> None:
+        """The draft's KV for each view's tokens but its last, in passes of at most the step
+        budget (a long prompt split over passes), where more than ``SHORT`` are missing; the
+        first proposing step takes the rest (two tokens after a step that kept every
+        proposal: one row each of a decode graph, ``ModelRunner._as_rows``)."""
+        todo = [v for v in views if v.num_tokens - v.num_computed_tokens > SHORT]
+        while todo:
+            batch, counts, budget = [], [], self.max_tokens
+            for v in todo:
+                n = min(v.num_tokens - 1 - v.num_computed_tokens, budget)
+                if n <= 0:
+                    break
+                batch.append(v)
+                counts.append(n)
+                budget -= n
+            self._run(batch, counts, None)
+            for v, n in zip(batch, counts):
+                v.num_computed_tokens += n
+            todo = [v for v in todo if v.num_tokens - v.num_computed_tokens > 1]
+
+    def _run(self, views: list[_View], counts: list[int],
+             prev_tokens: torch.Tensor | None) -> torch.Tensor | None:
+        self.steps += 1
+        runner = self.runner
+        return runner.run(runner.prepare(ScheduledBatch(views, counts)), prev_tokens)

@@ -82,6 +82,7 @@ class SpecController:
         self._empty = 0  # looking steps in a row that found nothing to propose
         self._looked = 0  # speculating steps since the last window without speculation
         self._plain_left = 0  # steps left of the current window without speculation
+        self._probe_s: float | None = None  # the wall time of the last look while off
 
     def wants(self) -> bool:
         """Whether the next step should look (it can once no step is running)."""
@@ -120,13 +121,14 @@ class SpecController:
         speculation was on (``tokens_per_seq`` made), a look while it was off (``probe``), or
         one run ahead without speculation."""
         if probe:
-            if not self.on and self.plain_s:  # it stays off: the next look no sooner than
-                cost = seconds / self.plain_s - 1  # makes the looks PROBE_COST of the time
-                self.probe_every = max(self.probe_every,
-                                       min(int(cost / PROBE_COST), 4 * PROBE_MAX))
+            if not self.on:  # it stays off: the next look no sooner than the cost allows
+                self._probe_s = seconds
+                self._space_probes()
             return
         if not looked:
             self.plain_s = _ema(self.plain_s, seconds)
+            if not self.on:
+                self._space_probes()
             return
         self.spec_rate = _ema(self.spec_rate, tokens_per_seq / seconds)
         if self.on and self.min_gain is not None and self.plain_s is not None \
@@ -134,9 +136,17 @@ class SpecController:
             self.on = False  # it makes fewer tokens a second than not speculating
             self._switched(True)
 
+    def _space_probes(self) -> None:
+        """Looks while off no closer than makes their cost (the last look's wall time over a
+        step's without speculation, once both are known) PROBE_COST of the steps' time."""
+        if self._probe_s is not None and self.plain_s:
+            cost = self._probe_s / self.plain_s - 1
+            self.probe_every = max(self.probe_every, min(int(cost / PROBE_COST), 4 * PROBE_MAX))
+
     def _switched(self, was_on: bool) -> None:
         if self.on and not was_on:  # a look that paid: time speculation afresh
             self.spec_rate, self._looked, self._plain_left = None, 0, 0
+            self._probe_s = None
         if self.on:
             self.probe_every = self.probe_first
         elif not was_on:  # a look while off that did not pay: look half as often

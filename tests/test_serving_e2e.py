@@ -9,6 +9,7 @@ import time
 
 import pytest
 import requests
+import torch
 
 from deploy.ray_env import driver_handle, free_port
 from engine import LLM, SamplingParams
@@ -41,9 +42,13 @@ def server(request, ray_cluster):
     port, grpc_port = free_port(), free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port},
                 grpc_options={"port": grpc_port, "grpc_servicer_functions": [GRPC_SERVICER]})
+    # on a GPU host (``pytest tests/test_serving_e2e.py`` there), both roles share the GPU
+    roles = {r: {"num_gpus": 0.4} for r in ("prefill", "decode")} \
+        if torch.cuda.is_available() else {}
     serve.run(build_app({"mode": request.param, "engine": ENGINE,
                          "router": {"request_timeout_s": 60},
-                         "disaggregation": {"mode": "always"}}),  # the hand-over under test
+                         "disaggregation": {"mode": "always"},  # the hand-over under test
+                         **roles}),
               name="baton", route_prefix="/")
     yield request.param, f"http://127.0.0.1:{port}", f"127.0.0.1:{grpc_port}"
     shutdown_serve()

@@ -73,7 +73,7 @@ def test_speculation_goes_off_where_it_makes_fewer_tokens_a_second():
     sequence pay (150 against 100 a second), those that make 1.5 do not, whatever the
     acceptance; while on, a few steps in MEASURE_EVERY run without speculation to follow the
     batch."""
-    from engine.spec_decode import MEASURE_EVERY, MEASURE_STEPS, SpecController
+    from engine.spec_decode import MEASURE_EVERY, MEASURE_STEPS, PROBE_EVERY, SpecController
     spec = SpecController(start_on=True)
     spec.timed(False, 0.010)
     for _ in range(5):
@@ -98,6 +98,13 @@ def test_speculation_goes_off_where_it_makes_fewer_tokens_a_second():
     spec.update(4, 0)
     spec.timed(True, 0.040, 1.0, probe=True)
     assert not spec.on and spec.probe_every == 300
+    first = SpecController()  # a first look, before any step without speculation was timed:
+    first.stepped(looked=True)  # spaced once one is
+    first.update(4, 0)
+    first.timed(True, 0.040, 1.0, probe=True)
+    assert first.probe_every == 2 * PROBE_EVERY
+    first.timed(False, 0.010)
+    assert first.probe_every == 300
     held = SpecController(min_gain=None, start_on=True)  # as the tests that hold it on
     held.timed(False, 0.010)
     held.timed(True, 0.020, 1.0)

@@ -31,7 +31,8 @@ measured, a speculating step makes more tokens a sequence a second than a step w
 speculation (a large batch, where the verification's extra tokens stop being free, or a draft
 too slow for its acceptance: the wall time of the decode steps either way, moving averages;
 while speculation is on, ``MEASURE_STEPS`` steps in ``MEASURE_EVERY`` run without it to follow
-the batch). Otherwise the engine runs ahead as without speculation and looks again after
+the batch, the first such window after ``MEASURE_FIRST`` speculating steps where no step without
+speculation was timed yet). Otherwise the engine runs ahead as without speculation and looks again after
 ``PROBE_EVERY`` steps, then twice as long after each look that finds it does not pay (up to
 ``PROBE_MAX``), and never sooner than makes the looks' measured cost (the wall time a look adds
 to a step without speculation) ``PROBE_COST`` of the steps' time. A look while speculation is off (a probe, the engine's first step included)
@@ -59,6 +60,7 @@ MIN_ACCEPTANCE = 0.5  # of the recent proposed tokens, for speculation to go on
 EMPTY_STEPS = 4  # steps in a row that find no proposal at all before speculation goes off
 WEIGHT = 0.3  # of the newest step in the moving averages
 MEASURE_EVERY = 128  # speculating steps between two windows of steps without speculation,
+MEASURE_FIRST = 8  # (this many before the first while no step without it has been timed)
 MEASURE_STEPS = 3  # of this many steps (the first follows a speculating step: not timed)
 
 
@@ -97,7 +99,7 @@ class SpecController:
             return
         if looked:
             self._looked += 1
-            if self._looked >= MEASURE_EVERY:
+            if self._looked >= (MEASURE_EVERY if self.plain_s is not None else MEASURE_FIRST):
                 self._looked, self._plain_left = 0, MEASURE_STEPS
         elif self._plain_left:
             self._plain_left -= 1

@@ -73,7 +73,8 @@ def test_speculation_goes_off_where_it_makes_fewer_tokens_a_second():
     sequence pay (150 against 100 a second), those that make 1.5 do not, whatever the
     acceptance; while on, a few steps in MEASURE_EVERY run without speculation to follow the
     batch."""
-    from engine.spec_decode import MEASURE_EVERY, MEASURE_STEPS, PROBE_EVERY, SpecController
+    from engine.spec_decode import (MEASURE_EVERY, MEASURE_FIRST, MEASURE_STEPS, PROBE_EVERY,
+                                    SpecController)
     spec = SpecController(start_on=True)
     spec.timed(False, 0.010)
     for _ in range(5):
@@ -105,6 +106,13 @@ def test_speculation_goes_off_where_it_makes_fewer_tokens_a_second():
     assert first.probe_every == 2 * PROBE_EVERY
     first.timed(False, 0.010)
     assert first.probe_every == 300
+    fresh = SpecController(start_on=True)  # no step without speculation timed yet: the
+    wants = []  # first window comes after MEASURE_FIRST speculating steps
+    for _ in range(MEASURE_FIRST + 1):
+        spec_step = fresh.wants()
+        wants.append(spec_step)
+        fresh.stepped(looked=spec_step)
+    assert wants == [True] * MEASURE_FIRST + [False]
     held = SpecController(min_gain=None, start_on=True)  # as the tests that hold it on
     held.timed(False, 0.010)
     held.timed(True, 0.020, 1.0)

@@ -32,7 +32,9 @@ speculation (a large batch, where the verification's extra tokens stop being fre
 too slow for its acceptance: the wall time of the decode steps either way, moving averages;
 while speculation is on, ``MEASURE_STEPS`` steps in ``MEASURE_EVERY`` run without it to follow
 the batch, the first such window after ``MEASURE_FIRST`` speculating steps where no step without
-speculation was timed yet). Otherwise the engine runs ahead as without speculation and looks again after
+speculation was timed yet; the first speculating step after it goes on, which catches a draft
+up, is not timed, and the rule waits for ``SPEED_STEPS``; each time in a row it turns
+speculation off, the next look comes twice as late). Otherwise the engine runs ahead as without speculation and looks again after
 ``PROBE_EVERY`` steps, then twice as long after each look that finds it does not pay (up to
 ``PROBE_MAX``), and never sooner than makes the looks' measured cost (the wall time a look adds
 to a step without speculation) ``PROBE_COST`` of the steps' time. A look while speculation is off (a probe, the engine's first step included)
@@ -62,6 +64,7 @@ WEIGHT = 0.3  # of the newest step in the moving averages
 MEASURE_EVERY = 128  # speculating steps between two windows of steps without speculation,
 MEASURE_FIRST = 8  # (this many before the first while no step without it has been timed)
 MEASURE_STEPS = 3  # of this many steps (the first follows a speculating step: not timed)
+SPEED_STEPS = 4  # speculating steps timed before the speed rule may turn it off
 
 
 class SpecController:
@@ -85,6 +88,8 @@ class SpecController:
         self._looked = 0  # speculating steps since the last window without speculation
         self._plain_left = 0  # steps left of the current window without speculation
         self._probe_s: float | None = None  # the wall time of the last look while off
+        self._spec_steps = 0  # speculating steps timed since speculation went on
+        self._slow = 0  # times in a row it went off for its speed
 
     def wants(self) -> bool:
         """Whether the next step should look (it can once no step is running)."""
@@ -100,6 +105,8 @@ class SpecController:
         if looked:
             self._looked += 1
             if self._looked >= (MEASURE_EVERY if self.plain_s is not None else MEASURE_FIRST):
+                if self.plain_s is not None:
+                    self._slow = 0  # it has paid for MEASURE_EVERY steps
                 self._looked, self._plain_left = 0, MEASURE_STEPS
         elif self._plain_left:
             self._plain_left -= 1
@@ -132,11 +139,17 @@ class SpecController:
             if not self.on:
                 self._space_probes()
             return
+        self._spec_steps += 1
+        if self._spec_steps == 1:  # the first after turning on catches the draft up: not
+            return  # what a step costs
         self.spec_rate = _ema(self.spec_rate, tokens_per_seq / seconds)
         if self.on and self.min_gain is not None and self.plain_s is not None \
+                and self._spec_steps > SPEED_STEPS \
                 and self.spec_rate * self.plain_s < self.min_gain:
-            self.on = False  # it makes fewer tokens a second than not speculating
-            self._switched(True)
+            self.on = False  # it makes fewer tokens a second than not speculating: look
+            self._switched(True)  # again later, twice as late each time this repeats
+            self._slow += 1
+            self.probe_every = min(self.probe_first << self._slow, PROBE_MAX)
 
     def _space_probes(self) -> None:
         """Looks while off no closer than makes their cost (the last look's wall time over a
@@ -148,7 +161,7 @@ class SpecController:
     def _switched(self, was_on: bool) -> None:
         if self.on and not was_on:  # a look that paid: time speculation afresh
             self.spec_rate, self._looked, self._plain_left = None, 0, 0
-            self._probe_s = None
+            self._probe_s, self._spec_steps = None, 0
         if self.on:
             self.probe_every = self.probe_first
         elif not was_on:  # a look while off that did not pay: look half as often

@@ -93,6 +93,7 @@ def test_speculation_goes_off_where_it_makes_fewer_tokens_a_second():
     for _ in range(4):  # the moving average falls below 100 a second at the fourth
         spec.timed(True, 0.020, 1.5)
     assert not spec.on and spec.acceptance >= 0.5 and not spec.wants()
+    assert spec.probe_every == 2 * PROBE_EVERY  # twice as late after each such turn
     # a look while off that did not pay and cost 3 steps' time: the next after 300 steps
     # (PROBE_COST), not after 2 x PROBE_EVERY
     spec.stepped(looked=True)

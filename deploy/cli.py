@@ -466,7 +466,10 @@ def _serve_parser(sub) -> None:
                                 "(vLLM's name; default 0: off)")
     serve_cmd.add_argument("--speculative-config", default=None,
                            help="speculative decoding, vLLM's JSON: e.g. '{\"method\": "
-                                "\"ngram\", \"num_speculative_tokens\": 4}' (default: off)")
+                                "\"ngram\", \"num_speculative_tokens\": 4}' or '{\"method\": "
+                                "\"draft_model\", \"model\": \"dummy:Qwen3-0.6B\", "
+                                "\"num_speculative_tokens\": 4}' (default: off; the decode "
+                                "role's)")
     _engine_flags(serve_cmd)
     serve_cmd.add_argument("--address", default=None,
                            help="join this Ray cluster (auto: the one `ray start` runs here) "

@@ -46,7 +46,8 @@ from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import FinishReason, Sequence
-from engine.spec_decode import PROBE_SEQS, NgramProposer, SpecController, SpecStats, verify
+from engine.spec_decode import (PROBE_SEQS, NgramProposer, SpecController, SpecStats,
+                                verified_logprobs, verify)
 from engine.step_cost import StepCost
 from engine.step_update import LaunchedStep, StepUpdater
 
@@ -387,8 +388,10 @@ class LLMEngine:
                 p.logprobs, p.top_ids, p.top_logprobs))
             step.prompt = p
         if due and any(s.draft_token_ids for s in due):  # every one speculates (scheduler)
-            step.spec, step.tokens = verify(self.sampler, logits, due,
-                                            [s.draft_token_ids for s in due], self.spec_stats)
+            drafts = [s.draft_token_ids for s in due]
+            step.spec, step.tokens = verify(self.sampler, logits, due, drafts, self.spec_stats)
+            if any(s.params.logprobs is not None for s in due):
+                step.spec_logprobs = verified_logprobs(logits, due, drafts, step.spec)
             self.executor.share_tokens(step.tokens)
             for row, seq in enumerate(due):
                 seq.add_pending(row)

@@ -16,8 +16,8 @@ proposal is certain (``q`` is one-hot), so it is kept with probability ``p(d)`` 
 is ``p`` without ``d``. Each emitted token so follows the target's distribution.
 
 Which sequences speculate: those whose sampling the verification reproduces exactly as it is
-written here: no logits processors (penalties, bias, ``min_tokens``), no logprobs, no
-structured output, no per-request seed; a step verifies proposals only when every sequence in
+written here: no logits processors (penalties, bias, ``min_tokens``), no structured output, no
+per-request seed (logprobs are taken from the verification's rows: :func:`verified_logprobs`); a step verifies proposals only when every sequence in
 it speculates, and otherwise decodes one token a sequence as before. The stop conditions are
 checked token by token, so a sequence stops at the first stop token or length it reaches
 within a step.
@@ -200,7 +200,7 @@ class NgramProposer:
 def speculates(seq: Sequence) -> bool:
     """Whether ``seq``'s sampling is one :func:`verify` reproduces (see the module)."""
     p = seq.params
-    return (not p.changes_logits and p.logprobs is None and seq.matcher is None
+    return (not p.changes_logits and seq.matcher is None
             and p.seed is None)
 
 
@@ -260,3 +260,32 @@ def verify(sampler, logits: torch.Tensor, seqs: list[Sequence], drafts: list[lis
             stats.add(d, n)
         row += c
     return out, row_ids
+
+
+def verified_logprobs(logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]],
+                      tokens: list[list[int]]) -> list[tuple[list[float], list | None] | None]:
+    """The logprobs of each sequence's new tokens from a verified step (``logits`` and
+    ``drafts`` as :func:`verify` took them, ``tokens`` what it returned): the log-softmax of the
+    raw logits at the row that drew each token, as the sampler gives a decode step's, and the
+    top ``logprobs`` of those rows; None for a sequence that did not ask."""
+    asked = [s.params.logprobs for s in seqs if s.params.logprobs is not None]
+    if not asked:
+        return [None] * len(seqs)
+    rows, ids, row = [], [], 0
+    for d, out in zip(drafts, tokens):
+        rows += range(row, row + len(out))
+        ids += out
+        row += 1 + len(d)
+    device = logits.device
+    lp = torch.log_softmax(logits[torch.tensor(rows, device=device)], dim=-1)
+    chosen = lp.gather(1, torch.tensor(ids, device=device)[:, None]).squeeze(1).tolist()
+    top = lp.topk(max(asked), dim=-1) if max(asked) else None
+    top_v, top_i = (top.values.tolist(), top.indices.tolist()) if top is not None else ([], [])
+    result, at = [], 0
+    for seq, out in zip(seqs, tokens):
+        k, n = seq.params.logprobs, len(out)
+        result.append(None if k is None else (
+            chosen[at:at + n],
+            [list(zip(top_i[r][:k], top_v[r][:k])) for r in range(at, at + n)] if k else None))
+        at += n
+    return result

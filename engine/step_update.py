@@ -42,6 +42,8 @@ class LaunchedStep:
     # speculative decoding: each due sequence's new tokens (engine.spec_decode.verify), known
     # on the host already
     spec: list[list[int]] | None = None
+    # and, for those that asked, their logprobs (engine.spec_decode.verified_logprobs)
+    spec_logprobs: list | None = None
 
     def wait(self) -> None:
         if self.done is not None:
@@ -64,8 +66,9 @@ class StepUpdater:
         if not step.due:
             return []
         if step.spec is not None:
-            return [self._resolve_verified(seq, tokens)
-                    for seq, tokens in zip(step.due, step.spec) if not seq.is_finished]
+            lps = step.spec_logprobs or [None] * len(step.due)
+            return [self._resolve_verified(seq, tokens, lp)
+                    for seq, tokens, lp in zip(step.due, step.spec, lps) if not seq.is_finished]
         tokens = step.host_tokens.tolist()
         logprobs = step.host_logprobs.tolist() if step.host_logprobs is not None else None
         top_ids = step.host_top_ids.tolist() if step.host_top_ids is not None else None
@@ -84,9 +87,11 @@ class StepUpdater:
                 [list(zip(top_ids[i][:k], top_lps[i][:k]))] if k else None))
         return outputs
 
-    def _resolve_verified(self, seq: Sequence, tokens: list[int]) -> RequestOutput:
+    def _resolve_verified(self, seq: Sequence, tokens: list[int],
+                          logprobs: tuple | None = None) -> RequestOutput:
         """A verified step's tokens for ``seq`` (the proposals kept and one more), up to the
-        first that ends it; the kept proposals' KV was computed in that step."""
+        first that ends it; the kept proposals' KV was computed in that step. ``logprobs``:
+        theirs and their top ones, if asked."""
         reason = None
         for i, token in enumerate(tokens):
             if i == 0:
@@ -100,7 +105,11 @@ class StepUpdater:
         self.kv.commit(seq)
         if reason is not None:
             self.scheduler.finish(seq, reason)
-        return self.output(seq, tokens, None)
+        if logprobs is None:
+            return self.output(seq, tokens, None)
+        chosen, top = logprobs
+        return self.output(seq, tokens, chosen[:len(tokens)],
+                           top[:len(tokens)] if top is not None else None)
 
     def append(self, seq: Sequence, token: int) -> None:
         """A token sampled elsewhere (a prefill replica's first token, say)."""

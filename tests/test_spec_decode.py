@@ -227,11 +227,30 @@ def test_prefix_hits_and_a_request_that_does_not_speculate_keep_the_tokens(spec,
     assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == ref
     again = llm.generate(prompts, GREEDY)  # every prompt a prefix hit now
     assert [o.token_ids for o in again] == ref and again[0].num_cached_tokens > 0
-    # logprobs: that request decodes one token a step, and so do the others beside it
-    asked = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2)
-    outs = llm.generate(prompts, [asked] + [GREEDY] * (len(prompts) - 1))
+    # a per-request seed: that request decodes one token a step, and so do the others beside it
+    seeded = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, seed=3)
+    drafted = llm.engine.spec_stats.num_draft_tokens
+    outs = llm.generate(prompts, [seeded] + [GREEDY] * (len(prompts) - 1))
     assert [o.token_ids for o in outs] == ref
-    assert len(outs[0].logprobs) == 40
+    assert llm.engine.spec_stats.num_draft_tokens == drafted
+
+
+@METHODS
+def test_logprobs_with_speculation_are_those_without(spec, noise):
+    """Logprobs are read from the verification's rows: the same tokens, logprobs and top
+    logprobs as one token a step, the request speculating."""
+    prompts = _prompts()
+    asked = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2)
+    want = LLM("tiny", show_progress=False, seed=0).generate(prompts, asked)
+    llm = _speculating(spec, noise)
+    got = llm.generate(prompts, asked)
+    assert llm.engine.spec_stats.num_accepted_tokens > 0
+    for g, w in zip(got, want):
+        assert g.token_ids == w.token_ids and len(g.logprobs) == 40
+        assert g.logprobs == pytest.approx(w.logprobs, abs=1e-4)
+        for gt, wt in zip(g.top_logprobs, w.top_logprobs):
+            assert [t for t, _ in gt] == [t for t, _ in wt]
+            assert [v for _, v in gt] == pytest.approx([v for _, v in wt], abs=1e-4)
 
 
 def _oracle(engine, continuations: dict[tuple, list[int]]):

@@ -22,9 +22,9 @@ Tasks (models are ``dummy:`` specs: random weights, real shapes):
 - ``spec``: per model, speculative decoding by n-gram (k 2, 4, 6) against none, at batch 1,
   8, 32 and 64, on repetitive prompts and random ones: output tok/s, the acceptance rate, the
   ratio to no speculation (random weights: what is accepted is whatever the model repeats).
-- ``draft``: per model, speculative decoding by a draft model (``--draft-model``, k 4) against
-  none at batch 1, 8, 32 and 64: the draft verified, the draft with every proposal kept (timing
-  at acceptance 1), the target as its own draft.
+- ``draft``: per model, speculative decoding by a draft model (``--draft-model``, k 4, 2 and 6)
+  against none at batch 1, 8, 32 and 64: the draft verified, the draft with every or 70% of its
+  proposals kept (timing at acceptance 1 and 0.7), the target as its own draft (k 4).
 - ``onerow``: the decode graph alone (device time of one replay) at batch 1 with each one-row
   projection path (Triton skinny matmul with and without the RMSNorm folded in, cuBLAS), next to
   batch 64: how the engine's per-shape choice was made.
@@ -501,20 +501,20 @@ def spec(model: str, ks=(0, 2, 4, 6), batches=(1, 8, 32, 64), prompt_len: int = 
     return _against_none(rows)
 
 
-def draft(model: str, draft_model: str, k: int = 4, batches=(1, 8, 32, 64),
+def draft(model: str, draft_model: str, ks=(4, 2, 6), batches=(1, 8, 32, 64),
           prompt_len: int = 128, new: int = 256) -> list[dict]:
     """Speculative decoding by a draft model against none, on random prompts: ``draft_model``
-    proposing, verified (random weights: a draft other than the target itself agrees with it
-    by chance only, so speculation should turn itself off), and ``forced``/``kept70``, every
-    proposal or 70% kept (the cost of the draft's ``k`` steps and the verification at
-    acceptance 1 or 0.7, for timing); and
-    the target as its own draft, verified (acceptance near 1, less the near-ties of random bf16
-    weights)."""
+    proposing ``k`` tokens, verified (random weights: a draft other than the target itself
+    agrees with it by chance only, so speculation should turn itself off), and
+    ``forced``/``kept70``, every proposal or 70% kept (the cost of the draft's ``k`` steps and
+    the verification at acceptance 1 or 0.7, for timing); and the target as its own draft at
+    the first ``k``, verified (acceptance near 1, less the near-ties of random bf16 weights)."""
     import engine.llm_engine as llm_engine
     from engine.spec_decode import verify
 
     rows = []
-    for name, k_ in (("none", 0), (draft_model, k), (model, k)):
+    runs = [("none", 0), (draft_model, ks[0]), (model, ks[0])] + [(draft_model, k) for k in ks[1:]]
+    for name, k_ in runs:
         config = {"speculative_config": {"method": "draft_model", "model": name,
                                          "num_speculative_tokens": k_}} if k_ else {}
         engine = _engine(model, max_num_seqs=max(batches), **config)

@@ -219,6 +219,25 @@ def test_steps_taken_as_decode_rows_keep_the_tokens(kw, spec, noise):
     assert 0 < llm.engine.spec_stats.num_accepted_tokens
 
 
+@pytest.mark.parametrize("kw", [{"kv_cache_dtype": "fp8"},
+                                {"kv_offloading_size": 0.01, "num_blocks": 20}],
+                         ids=["fp8_cache", "host_tier"])
+def test_the_draft_beside_an_fp8_cache_and_the_host_tier(kw):
+    """An FP8 cache (the draft's in FP8 too), and the host tier (prompts returning from host
+    memory into new blocks, which the draft's cache never held): the target as its own draft
+    keeps every proposal, the tokens are those of no speculation, no block is left held."""
+    prompts = _prompts()
+    ref, _ = _run(prompts, spec=None, **kw)
+    llm = _speculating(DRAFT, **kw)
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == ref
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == ref  # prefix / host hits
+    stats = llm.engine.spec_stats
+    assert stats.num_accepted_tokens == stats.num_draft_tokens > 200
+    assert llm.engine.pool.num_used_blocks == 0
+    if "kv_offloading_size" in kw:
+        assert llm.engine.host_tier.hit_blocks > 0
+
+
 @METHODS
 def test_prefix_hits_and_a_request_that_does_not_speculate_keep_the_tokens(spec, noise):
     prompts = _prompts()

@@ -389,7 +389,8 @@ class LLMEngine:
             step.prompt = p
         if due and any(s.draft_token_ids for s in due):  # every one speculates (scheduler)
             drafts = [s.draft_token_ids for s in due]
-            step.spec, step.tokens = verify(self.sampler, logits, due, drafts, self.spec_stats)
+            step.spec, step.tokens = verify(self.sampler, logits, due, drafts, self.spec_stats,
+                                            self.eos_token_ids)
             if any(s.params.logprobs is not None for s in due):
                 step.spec_logprobs = verified_logprobs(logits, due, drafts, step.spec)
             self.executor.share_tokens(step.tokens)

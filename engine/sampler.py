@@ -76,7 +76,7 @@ class Sampler:
             logits = logits.clone()
             apply_bitmasks(logits, list(matchers), grammars.bitmasks(len(seqs), matchers))
         if any(p.changes_logits for p in params):
-            logits = _change_logits(logits if matchers else logits.clone(), seqs, prev_tokens,
+            logits = change_logits(logits if matchers else logits.clone(), seqs, prev_tokens,
                                     frozenset(eos_ids))
         greedy_ids = logits.argmax(dim=-1)
         if all(p.greedy for p in params):
@@ -135,7 +135,7 @@ class Sampler:
         return (probs / q).argmax(dim=-1)
 
 
-def _change_logits(logits: torch.Tensor, seqs: Seq[Sequence], prev_tokens: torch.Tensor | None,
+def change_logits(logits: torch.Tensor, seqs: Seq[Sequence], prev_tokens: torch.Tensor | None,
                    eos_ids: frozenset[int]) -> torch.Tensor:
     """``logits`` (a copy) with each row's bias, ``min_tokens`` ban and penalties applied."""
     vocab = logits.shape[1]

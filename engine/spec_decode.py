@@ -16,8 +16,9 @@ proposal is certain (``q`` is one-hot), so it is kept with probability ``p(d)`` 
 is ``p`` without ``d``. Each emitted token so follows the target's distribution.
 
 Which sequences speculate: those whose sampling the verification reproduces exactly as it is
-written here: no logits processors (penalties, bias, ``min_tokens``), no structured output, no
-per-request seed (logprobs are taken from the verification's rows: :func:`verified_logprobs`); a step verifies proposals only when every sequence in
+written here: no structured output, no per-request seed (logits processors apply to each row
+with the proposals before it in the history; logprobs are taken from the verification's rows:
+:func:`verified_logprobs`); a step verifies proposals only when every sequence in
 it speculates, and otherwise decodes one token a sequence as before. The stop conditions are
 checked token by token, so a sequence stops at the first stop token or length it reaches
 within a step.
@@ -51,6 +52,7 @@ import numpy as np
 import torch
 
 from engine.config import SpeculativeConfig
+from engine.sampler import change_logits
 from engine.sequence import Sequence
 
 
@@ -200,8 +202,20 @@ class NgramProposer:
 def speculates(seq: Sequence) -> bool:
     """Whether ``seq``'s sampling is one :func:`verify` reproduces (see the module)."""
     p = seq.params
-    return (not p.changes_logits and seq.matcher is None
+    return (seq.matcher is None
             and p.seed is None)
+
+
+class _RowView:
+    """A verification row's sequence for the logits processors: ``seq`` followed by the
+    proposals before the row (what its history is if they are kept)."""
+
+    def __init__(self, seq: Sequence, before: list[int]):
+        self.params = seq.params
+        self.token_ids = seq.token_ids + before
+        self.num_prompt_tokens = seq.num_prompt_tokens
+        self.num_output_tokens = seq.num_output_tokens + len(before)
+        self.num_pending, self.pending_row = 0, -1
 
 
 @dataclass
@@ -227,14 +241,20 @@ class SpecStats:
 
 
 def verify(sampler, logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]],
-           stats: SpecStats | None = None) -> tuple[list[list[int]], torch.Tensor]:
+           stats: SpecStats | None = None, eos_ids: frozenset[int] = frozenset()
+           ) -> tuple[list[list[int]], torch.Tensor]:
     """``logits``: float32 ``[sum(1 + len(d)), V]``, each sequence's rows in order (its last
     token's, then one after each proposal). Returns each sequence's new tokens (the proposals
     kept, then one more) and, on the device, one id per row (what the other ranks of a
-    tensor-parallel engine are sent)."""
+    tensor-parallel engine are sent). Logits processors (bias, ``min_tokens``, penalties) apply
+    to each row as to a decode step whose sequence ends with the proposals before that row
+    (``eos_ids``: banned until ``min_tokens``, as the sampler bans them)."""
     counts = [1 + len(d) for d in drafts]
     params = [s.params for s, c in zip(seqs, counts) for _ in range(c)]
     device = logits.device
+    if any(p.changes_logits for p in params):
+        rows = [_RowView(s, d[:i]) for s, d in zip(seqs, drafts) for i in range(len(d) + 1)]
+        logits = change_logits(logits.clone(), rows, None, eos_ids)
     proposed = torch.tensor([t for d in drafts for t in (*d, -1)], dtype=torch.int64,
                             device=device)  # each row's proposal to check (-1: the last row)
     if all(p.greedy for p in params):

@@ -255,6 +255,28 @@ def test_prefix_hits_and_a_request_that_does_not_speculate_keep_the_tokens(spec,
 
 
 @METHODS
+def test_penalties_bias_and_min_tokens_with_speculation_are_those_without(spec, noise):
+    """Logits processors apply to each verification row with the proposals before it in the
+    sequence's history: the tokens of one token a step, the requests speculating."""
+    prompts = _prompts()
+    ref = LLM("tiny", show_progress=False, seed=0).generate(prompts, GREEDY)
+    stop = ref[0].token_ids[3]  # banned until min_tokens, then it ends the request
+    asked = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True,
+                            repetition_penalty=1.3, frequency_penalty=0.4,
+                            presence_penalty=0.2),
+             SamplingParams(temperature=0, max_tokens=40, ignore_eos=True,
+                            logit_bias={ref[1].token_ids[5]: 3.0}),
+             SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, min_tokens=12,
+                            stop_token_ids=[stop])]
+    want = LLM("tiny", show_progress=False, seed=0).generate(prompts[:3], asked)
+    llm = _speculating(spec, noise)
+    got = llm.generate(prompts[:3], asked)  # each of them speculating
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert want[0].token_ids != ref[0].token_ids  # the penalties changed the tokens
+    assert llm.engine.spec_stats.num_accepted_tokens > 0
+
+
+@METHODS
 def test_logprobs_with_speculation_are_those_without(spec, noise):
     """Logprobs are read from the verification's rows: the same tokens, logprobs and top
     logprobs as one token a step, the request speculating."""

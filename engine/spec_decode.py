@@ -1,7 +1,7 @@
 """Speculative decoding (vLLM's ``speculative_config``; :class:`engine.config.SpeculativeConfig`).
 
-A decoding sequence's next tokens are proposed (``method: "ngram"``: prompt lookup, below); the
-scheduler gives the sequence one step of ``1 + k`` tokens, its last token and the ``k``
+A decoding sequence's next tokens are proposed (``method: "ngram"``: prompt lookup, below;
+``"draft_model"``: a smaller model, :mod:`engine.draft_model`); the scheduler gives the sequence one step of ``1 + k`` tokens, its last token and the ``k``
 proposals, and the target computes logits at all of them at once. :func:`verify` then keeps the
 proposals the target agrees with, and one token more: the target's own at the first
 disagreement, or a bonus token after the last proposal. So a step makes 1 to ``k + 1`` tokens
@@ -13,7 +13,8 @@ proposal ``d`` drawn with probability ``q(d)`` is kept with probability ``min(1,
 under the target's distribution ``p`` after temperature, min-p, top-k and top-p; at the first
 rejection the token is drawn from the residual ``max(p - q, 0)``, normalised. An n-gram
 proposal is certain (``q`` is one-hot), so it is kept with probability ``p(d)`` and the residual
-is ``p`` without ``d``. Each emitted token so follows the target's distribution.
+is ``p`` without ``d``; so is a greedy draft model's. Each emitted token so follows the
+target's distribution.
 
 Which sequences speculate: those whose sampling the verification reproduces exactly as it is
 written here: no structured output, no per-request seed (logits processors apply to each row

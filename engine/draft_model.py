@@ -36,6 +36,7 @@ import torch
 from engine.model_runner import ModelRunner
 from engine.scheduler import ScheduledBatch
 from engine.sequence import PENDING, Sequence
+from engine.structured import apply_bitmasks
 
 
 @dataclass(eq=False)
@@ -73,9 +74,12 @@ class DraftProposer:
         self.steps = 0  # the draft's forward passes (catch-up and proposing), ever
 
     @torch.inference_mode()
-    def propose(self, seqs: list[Sequence]) -> None:
+    def propose(self, seqs: list[Sequence], grammars=None) -> None:
         """``seqs``' ``draft_token_ids`` hold as many placeholders as the scheduler made room
-        for (at most ``k``); replace them with the draft's tokens."""
+        for (at most ``k``); replace them with the draft's tokens. A structured output's
+        proposals follow its grammar (``grammars``: :class:`engine.structured.Grammars`): each
+        of the draft's steps is masked by the matcher as the proposals before it left it (the
+        host then waits for every step's tokens), and the matcher is rolled back after."""
         views = [_View(list(s.token_ids), s.block_ids,
                        min(s.num_draft_computed, s.num_computed_tokens), s.num_prompt_tokens)
                  for s in seqs]
@@ -83,6 +87,7 @@ class DraftProposer:
         lengths = [len(s.draft_token_ids) for s in seqs]
         rows: list[list[int]] = []  # per step, the views it ran (their rows in its tokens)
         tokens: list[torch.Tensor] = []
+        taken = {i: 0 for i, s in enumerate(seqs) if s.matcher is not None}  # tokens matched
         for j in range(max(lengths)):
             active = [i for i in range(len(seqs)) if lengths[i] > j]
             for i in active:
@@ -92,11 +97,18 @@ class DraftProposer:
                     views[i].pending_row = rows[-1].index(i)
             counts = [views[i].num_tokens - views[i].num_computed_tokens for i in active]
             logits = self._run([views[i] for i in active], counts, tokens[-1] if j else None)
+            if taken:
+                logits = self._masked(logits, active, seqs, grammars)
             tokens.append(logits.argmax(dim=-1))
+            if taken:
+                self._match(tokens[-1], active, seqs, taken)
             rows.append(active)
             for i, n in zip(active, counts):
                 views[i].num_computed_tokens += n
-        drawn = torch.cat(tokens).tolist()  # the one wait on the device
+        for i, n in taken.items():
+            if n:
+                seqs[i].matcher.rollback(n)
+        drawn = torch.cat(tokens).tolist()  # the one wait on the device (without grammars)
         at = 0
         out: list[list[int]] = [[] for _ in seqs]
         for step_rows in rows:
@@ -107,6 +119,29 @@ class DraftProposer:
             seq.draft_token_ids = proposal
             # the draft's KV now covers the last token and every proposal but the last
             seq.num_draft_computed = seq.num_tokens + len(proposal) - 1
+
+    @staticmethod
+    def _masked(logits: torch.Tensor, active: list[int], seqs: list[Sequence],
+                grammars) -> torch.Tensor:
+        """The step's logits with each grammar's disallowed tokens out, where its matcher is
+        still open."""
+        matchers = {row: seqs[i].matcher for row, i in enumerate(active)
+                    if seqs[i].matcher is not None and not seqs[i].matcher.is_terminated()}
+        if not matchers:
+            return logits
+        logits = logits.clone()  # (a graph's output buffer)
+        apply_bitmasks(logits, list(matchers), grammars.bitmasks(len(active), matchers))
+        return logits
+
+    @staticmethod
+    def _match(drawn: torch.Tensor, active: list[int], seqs: list[Sequence],
+               taken: dict[int, int]) -> None:
+        """Each open matcher takes its sequence's drawn token (counted, for the rollback)."""
+        host = drawn.tolist()
+        for row, i in enumerate(active):
+            m = seqs[i].matcher
+            if m is not None and not m.is_terminated() and m.accept_token(host[row]):
+                taken[i] += 1
 
     def _catch_up(self, views: list[_View]) -> None:
         """The draft's KV for each view's tokens but its last, in passes of at most the step

@@ -310,7 +310,7 @@ class LLMEngine:
         outputs = [self.updater.output(s, [], None) for s in batch.finished]
         if self.drafter is not None and proposing \
                 and (speculating := [s for s in batch.seqs if s.draft_token_ids]):
-            self.drafter.propose(speculating)
+            self.drafter.propose(speculating, self.grammars)
         self._queue_kv_copies()
         if not batch and self._running_step is None and self.scheduler.loading:
             self.executor.sync_copies()  # nothing else to run: wait for the host tier's copies
@@ -389,8 +389,9 @@ class LLMEngine:
             step.prompt = p
         if due and any(s.draft_token_ids for s in due):  # every one speculates (scheduler)
             drafts = [s.draft_token_ids for s in due]
-            step.spec, step.tokens = verify(self.sampler, logits, due, drafts, self.spec_stats,
-                                            self.eos_token_ids)
+            step.spec, step.tokens = verify(
+                self.sampler, logits, due, drafts, self.spec_stats, self.eos_token_ids,
+                self.grammars if any(s.matcher for s in due) else None)
             if any(s.params.logprobs is not None for s in due):
                 step.spec_logprobs = verified_logprobs(logits, due, drafts, step.spec)
             self.executor.share_tokens(step.tokens)

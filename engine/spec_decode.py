@@ -17,9 +17,9 @@ is ``p`` without ``d``; so is a greedy draft model's. Each emitted token so foll
 target's distribution.
 
 Which sequences speculate: those whose sampling the verification reproduces exactly as it is
-written here: no structured output, no per-request seed (logits processors apply to each row
-with the proposals before it in the history; logprobs are taken from the verification's rows:
-:func:`verified_logprobs`); a step verifies proposals only when every sequence in
+written here: those without a per-request seed (a grammar masks each row and the logits
+processors apply to it with the proposals before it in the history; logprobs are taken from the
+verification's rows: :func:`verified_logprobs`); a step verifies proposals only when every sequence in
 it speculates, and otherwise decodes one token a sequence as before. The stop conditions are
 checked token by token, so a sequence stops at the first stop token or length it reaches
 within a step.
@@ -55,6 +55,7 @@ import torch
 from engine.config import SpeculativeConfig
 from engine.sampler import change_logits
 from engine.sequence import Sequence
+from engine.structured import apply_bitmasks
 
 
 PROBE_EVERY = 16  # steps between two that look for proposals once speculation goes off,
@@ -202,9 +203,7 @@ class NgramProposer:
 
 def speculates(seq: Sequence) -> bool:
     """Whether ``seq``'s sampling is one :func:`verify` reproduces (see the module)."""
-    p = seq.params
-    return (seq.matcher is None
-            and p.seed is None)
+    return seq.params.seed is None
 
 
 class _RowView:
@@ -242,20 +241,29 @@ class SpecStats:
 
 
 def verify(sampler, logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]],
-           stats: SpecStats | None = None, eos_ids: frozenset[int] = frozenset()
-           ) -> tuple[list[list[int]], torch.Tensor]:
+           stats: SpecStats | None = None, eos_ids: frozenset[int] = frozenset(),
+           grammars=None) -> tuple[list[list[int]], torch.Tensor]:
     """``logits``: float32 ``[sum(1 + len(d)), V]``, each sequence's rows in order (its last
     token's, then one after each proposal). Returns each sequence's new tokens (the proposals
     kept, then one more) and, on the device, one id per row (what the other ranks of a
-    tensor-parallel engine are sent). Logits processors (bias, ``min_tokens``, penalties) apply
-    to each row as to a decode step whose sequence ends with the proposals before that row
-    (``eos_ids``: banned until ``min_tokens``, as the sampler bans them)."""
+    tensor-parallel engine are sent). A structured output's grammar masks each row as it stands
+    after the proposals before that row (``grammars``: :class:`engine.structured.Grammars`),
+    and logits processors (bias, ``min_tokens``, penalties) apply to each row as to a decode
+    step whose sequence ends with those proposals (``eos_ids``: banned until ``min_tokens``,
+    as the sampler bans them)."""
     counts = [1 + len(d) for d in drafts]
     params = [s.params for s, c in zip(seqs, counts) for _ in range(c)]
     device = logits.device
+    starts = [sum(counts[:i]) for i in range(len(counts))]
+    entries = [(row, s.matcher, d) for row, s, d in zip(starts, seqs, drafts)
+               if s.matcher is not None]
+    if entries:
+        bitmask, rows = grammars.verify_bitmasks(len(params), entries)
+        logits = logits.clone()
+        apply_bitmasks(logits, rows, bitmask)
     if any(p.changes_logits for p in params):
         rows = [_RowView(s, d[:i]) for s, d in zip(seqs, drafts) for i in range(len(d) + 1)]
-        logits = change_logits(logits.clone(), rows, None, eos_ids)
+        logits = change_logits(logits if entries else logits.clone(), rows, None, eos_ids)
     proposed = torch.tensor([t for d in drafts for t in (*d, -1)], dtype=torch.int64,
                             device=device)  # each row's proposal to check (-1: the last row)
     if all(p.greedy for p in params):

@@ -99,7 +99,10 @@ class StepUpdater:
             else:
                 seq.token_ids.append(token)
                 seq.num_computed_tokens += 1
-            if (reason := self._stop_reason(seq, token)) is not None:
+            if (reason := self._stop_reason(seq, token)) is None \
+                    and self._grammar_ends(seq, token):
+                seq.stop_reason, reason = token, FinishReason.STOP
+            if reason is not None:
                 tokens = tokens[:i + 1]
                 break
         self.kv.commit(seq)
@@ -131,17 +134,22 @@ class StepUpdater:
     def _advance_grammar(self, seq: Sequence, token: int) -> None:
         """A structured-output sequence's matcher takes its new token; a complete grammar (its
         end-of-sequence token taken) ends the sequence with ``stop``."""
+        if self._grammar_ends(seq, token) and not seq.is_finished:
+            seq.stop_reason = token
+            self.scheduler.finish(seq, FinishReason.STOP)
+
+    @staticmethod
+    def _grammar_ends(seq: Sequence, token: int) -> bool:
+        """``seq``'s matcher (if any) takes ``token``: whether that completes its grammar (or
+        breaks it, which a mask that allowed the token makes an error: logged)."""
         m = seq.matcher
         if m is None or m.is_terminated():
-            return
+            return False
         if not m.accept_token(token):  # the mask allowed it: only a token from elsewhere
             log.error("request %s: token %d breaks its grammar; stopping it", seq.request_id,
                       token)
-        elif not m.is_terminated():
-            return
-        if not seq.is_finished:
-            seq.stop_reason = token
-            self.scheduler.finish(seq, FinishReason.STOP)
+            return True
+        return m.is_terminated()
 
     def _check_stop(self, seq: Sequence, token: int) -> None:
         if (reason := self._stop_reason(seq, token)) is not None:

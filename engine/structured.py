@@ -116,6 +116,32 @@ class Grammars:
         return bitmask
 
 
+    def verify_bitmasks(self, num_rows: int, entries) -> tuple[torch.Tensor, list[int]]:
+        """Host bitmasks of a step that verifies proposals (engine.spec_decode.verify):
+        ``entries`` are ``(first row, matcher, proposals)``; a sequence's first row allows what
+        its grammar allows now, each next row what it allows after the proposals before it.
+        Rows after a proposal the grammar refuses (which the mask of its own row rejects) or
+        ends on are left out. Each matcher is rolled back where it was. Returns the bitmask
+        and the rows it applies to."""
+        bitmask = self._xgr.allocate_token_bitmask(num_rows, self.vocab_size)
+        rows = []
+        for row, m, proposals in entries:
+            m.fill_next_token_bitmask(bitmask, row)
+            rows.append(row)
+            taken = 0
+            for token in proposals:
+                if not m.accept_token(token):
+                    break
+                taken += 1
+                if m.is_terminated():
+                    break
+                m.fill_next_token_bitmask(bitmask, row + taken)
+                rows.append(row + taken)
+            if taken:
+                m.rollback(taken)
+        return bitmask, rows
+
+
 _FIELDS = {"json_schema": "response_format.json_schema", "json_object": "response_format",
            "regex": "guided_regex", "choice": "guided_choice", "grammar": "guided_grammar"}
 

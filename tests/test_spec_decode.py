@@ -277,6 +277,28 @@ def test_penalties_bias_and_min_tokens_with_speculation_are_those_without(spec, 
 
 
 @METHODS
+def test_structured_outputs_with_speculation_are_those_without(spec, noise):
+    """A grammar masks each verification row as it stands after the proposals before it (and
+    each of a draft's steps), and takes the kept tokens: the tokens of one token a step (a
+    choice, a regex, a grammar, JSON by schema), the requests speculating."""
+    from engine.structured import StructuredOutput
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}},
+              "required": ["a", "b"]}
+    prompts = _prompts()[:4]
+    asked = [SamplingParams(temperature=0, max_tokens=40, structured_output=so) for so in (
+        StructuredOutput.choice(["alpha", "beta", "gamma"]),
+        StructuredOutput(kind="regex", spec=r"[a-c]{3}-\d{2}(x[a-c])*"),
+        StructuredOutput(kind="grammar", spec='root ::= "(" [0-9]+ ")" | "none"'),
+        StructuredOutput.schema(schema))]
+    want = LLM("tiny", show_progress=False, seed=0).generate(prompts, asked)
+    llm = _speculating(spec, noise)
+    got = llm.generate(prompts, asked)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert [o.finish_reason for o in got] == [o.finish_reason for o in want]
+    assert llm.engine.spec_stats.num_accepted_tokens > 0  # (a draft's proposals masked too)
+
+
+@METHODS
 def test_logprobs_with_speculation_are_those_without(spec, noise):
     """Logprobs are read from the verification's rows: the same tokens, logprobs and top
     logprobs as one token a step, the request speculating."""

@@ -310,7 +310,8 @@ class LLMEngine:
         outputs = [self.updater.output(s, [], None) for s in batch.finished]
         if self.drafter is not None and proposing \
                 and (speculating := [s for s in batch.seqs if s.draft_token_ids]):
-            self.drafter.propose(speculating, self.grammars)
+            self.drafter.propose(speculating, self.grammars if any(
+                s.matcher for s in speculating) else None)  # (built on first use)
         self._queue_kv_copies()
         if not batch and self._running_step is None and self.scheduler.loading:
             self.executor.sync_copies()  # nothing else to run: wait for the host tier's copies

@@ -290,20 +290,17 @@ class ModelRunner:
         verifies proposals (or, on a draft's runner, any step), every sequence's tokens ending
         at its last, while the rows fit the largest graph and the cache they read again stays
         small (``ROWS_MAX_EXTRA_KV``)."""
-        if not self.rows_max:
+        if not self.rows_max or not (
+                self.rows_for_all or any(s.draft_token_ids for s in batch.seqs)):
             return False
         rows = extra = 0
-        drafts = False
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            d = len(seq.draft_token_ids)
             end = seq.num_computed_tokens + n
-            if end != seq.num_tokens + d:
+            if end != seq.num_tokens + len(seq.draft_token_ids):
                 return False
             rows += n
             extra += (n - 1) * end
-            drafts = drafts or d > 0
-        return ((drafts or self.rows_for_all) and len(batch.seqs) < rows <= self.rows_max
-                and extra <= ROWS_MAX_EXTRA_KV)
+        return len(batch.seqs) < rows <= self.rows_max and extra <= ROWS_MAX_EXTRA_KV
 
     def prepare(self, batch: ScheduledBatch) -> StepInputs:
         """Host-side inputs of one step (the device slot mapping is set when they are sent)."""

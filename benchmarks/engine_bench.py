@@ -404,8 +404,8 @@ def _forcing(percent: int):
 
     turns = itertools.count()
 
-    def verify_forced(sampler, logits, seqs, drafts, stats=None):
-        out, ids = verify(sampler, logits, seqs, drafts)
+    def verify_forced(sampler, logits, seqs, drafts, stats=None, *rest):
+        out, ids = verify(sampler, logits, seqs, drafts, None, *rest)
         tokens = []
         for d, o in zip(drafts, out):
             c = next(turns)
@@ -466,14 +466,14 @@ def _against_none(rows: list[dict]) -> list[dict]:
 
 def spec(model: str, ks=(0, 2, 4, 6), batches=(1, 8, 32, 64), prompt_len: int = 128,
          new: int = 256) -> list[dict]:
-    """Speculative decoding by n-gram against none: output tok/s and the acceptance rate at
-    each batch. Proposals on repetitive prompts and on random ones (random weights rarely
-    repeat themselves: little to propose, the cost of looking), and ``forced``/``kept70``: random
+    """Speculative decoding by n-gram against none: output tok/s and the acceptance rate at each
+    batch. Proposals on repetitive prompts and on random ones (random weights rarely repeat
+    themselves: little to propose, the cost of looking), and ``forced``/``kept70``: random
     prompts, ``k`` proposals at every step, all or 70% kept: the step cost of verification at
-    acceptance 1 or 0.7, for timing only (the tokens are not the target's: a bf16 target with random weights has
-    near-ties that its own continuation, made by the decode path, does not survive on the
-    verification path, so no real proposer reaches acceptance 1 on it). ``k`` 0 is the engine
-    without speculation (one step ahead, as by default)."""
+    acceptance 1 or 0.7, for timing only (the tokens are not the target's: a bf16 target with
+    random weights has near-ties that its own continuation, made by the decode path, does not
+    survive on the verification path, so no real proposer reaches acceptance 1 on it). ``k`` 0
+    is the engine without speculation (one step ahead, as by default)."""
     import engine.llm_engine as llm_engine
     from engine.spec_decode import verify
 

@@ -310,8 +310,7 @@ class LLMEngine:
         outputs = [self.updater.output(s, [], None) for s in batch.finished]
         if self.drafter is not None and proposing \
                 and (speculating := [s for s in batch.seqs if s.draft_token_ids]):
-            self.drafter.propose(speculating, self.grammars if any(
-                s.matcher for s in speculating) else None)  # (built on first use)
+            self.drafter.propose(speculating, self._grammars_for(speculating))
         self._queue_kv_copies()
         if not batch and self._running_step is None and self.scheduler.loading:
             self.executor.sync_copies()  # nothing else to run: wait for the host tier's copies
@@ -338,6 +337,11 @@ class LLMEngine:
             self._time_spec(looked, was_on, due, launched, elapsed, outputs)
         self._count(batch, outputs, elapsed, launched.prompt_tokens if launched is not None else 0)
         return outputs
+
+    def _grammars_for(self, seqs: list[Sequence]):
+        """The grammars where one of ``seqs`` has a matcher, else None (they are built on first
+        use: a run without structured outputs never needs xgrammar)."""
+        return self.grammars if any(s.matcher for s in seqs) else None
 
     def _probe(self):
         """``propose`` for a look while speculation is off: ``PROBE_SEQS`` sequences at most."""
@@ -392,7 +396,7 @@ class LLMEngine:
             drafts = [s.draft_token_ids for s in due]
             step.spec, step.tokens = verify(
                 self.sampler, logits, due, drafts, self.spec_stats, self.eos_token_ids,
-                self.grammars if any(s.matcher for s in due) else None)
+                self._grammars_for(due))
             if any(s.params.logprobs is not None for s in due):
                 step.spec_logprobs = verified_logprobs(logits, due, drafts, step.spec)
             self.executor.share_tokens(step.tokens)
@@ -401,7 +405,7 @@ class LLMEngine:
                 seq.draft_token_ids = []
         elif due:
             out = self.sampler(logits, due, prev, self.eos_token_ids,
-                               self.grammars if any(s.matcher for s in due) else None)
+                               self._grammars_for(due))
             step.tokens = out.tokens
             self.executor.share_tokens(out.tokens)  # the other ranks' next pending inputs
             step.host_tokens, step.host_logprobs, step.host_top_ids, step.host_top_logprobs = (

@@ -72,12 +72,8 @@ class Sampler:
         params = [s.params for s in seqs]
         raw = logits
         matchers = {i: s.matcher for i, s in enumerate(seqs) if s.matcher is not None}
-        if matchers:
-            logits = logits.clone()
-            apply_bitmasks(logits, list(matchers), grammars.bitmasks(len(seqs), matchers))
-        if any(p.changes_logits for p in params):
-            logits = change_logits(logits if matchers else logits.clone(), seqs, prev_tokens,
-                                    frozenset(eos_ids))
+        masks = (list(matchers), grammars.bitmasks(len(seqs), matchers)) if matchers else None
+        logits = processed(logits, seqs, prev_tokens, frozenset(eos_ids), masks)
         greedy_ids = logits.argmax(dim=-1)
         if all(p.greedy for p in params):
             tokens = greedy_ids
@@ -133,6 +129,21 @@ class Sampler:
                 gen.manual_seed(position_seed(params[i].seed, positions[i]))
                 q[i].exponential_(generator=gen)
         return (probs / q).argmax(dim=-1)
+
+
+def processed(logits: torch.Tensor, seqs, prev_tokens: torch.Tensor | None,
+              eos_ids: frozenset[int], masks: tuple[list[int], torch.Tensor] | None
+              ) -> torch.Tensor:
+    """``logits`` as the draw sees them: the grammars' ``masks`` (rows, host bitmask) applied,
+    then each row's bias, ``min_tokens`` ban and penalties (:func:`change_logits`); a copy
+    where anything changes, ``logits`` itself otherwise. ``seqs``: one per row."""
+    if masks is not None:
+        logits = logits.clone()
+        apply_bitmasks(logits, *masks)
+    if any(s.params.changes_logits for s in seqs):
+        logits = change_logits(logits if masks is not None else logits.clone(), seqs,
+                               prev_tokens, eos_ids)
+    return logits
 
 
 def change_logits(logits: torch.Tensor, seqs: Seq[Sequence], prev_tokens: torch.Tensor | None,

@@ -1,61 +1,62 @@
 """Speculative decoding (vLLM's ``speculative_config``; :class:`engine.config.SpeculativeConfig`).
 
 A decoding sequence's next tokens are proposed (``method: "ngram"``: prompt lookup, below;
-``"draft_model"``: a smaller model, :mod:`engine.draft_model`); the scheduler gives the sequence one step of ``1 + k`` tokens, its last token and the ``k``
-proposals, and the target computes logits at all of them at once. :func:`verify` then keeps the
-proposals the target agrees with, and one token more: the target's own at the first
-disagreement, or a bonus token after the last proposal. So a step makes 1 to ``k + 1`` tokens
-for the price of one weight read.
+``"draft_model"``: a smaller model, :mod:`engine.draft_model`); the scheduler gives the sequence
+one step of ``1 + k`` tokens, its last token and the ``k`` proposals, and the target computes
+logits at all of them at once. :func:`verify` then keeps the proposals the target agrees with,
+and one token more: the target's own at the first disagreement, or a bonus token after the last
+proposal. So a step makes 1 to ``k + 1`` tokens for the price of one weight read.
 
 Lossless. Greedy: a proposal is kept when it is the target's argmax, so the tokens are exactly
 those of no speculation. Sampling (rejection sampling, as in Leviathan et al. and vLLM): a
 proposal ``d`` drawn with probability ``q(d)`` is kept with probability ``min(1, p(d) / q(d))``
 under the target's distribution ``p`` after temperature, min-p, top-k and top-p; at the first
-rejection the token is drawn from the residual ``max(p - q, 0)``, normalised. An n-gram
-proposal is certain (``q`` is one-hot), so it is kept with probability ``p(d)`` and the residual
-is ``p`` without ``d``; so is a greedy draft model's. Each emitted token so follows the
-target's distribution.
+rejection the token is drawn from the residual ``max(p - q, 0)``, normalised. An n-gram proposal
+is certain (``q`` is one-hot), so it is kept with probability ``p(d)`` and the residual is ``p``
+without ``d``; so is a greedy draft model's. Each emitted token so follows the target's
+distribution.
 
 Which sequences speculate: those whose sampling the verification reproduces exactly as it is
 written here: those without a per-request seed (a grammar masks each row and the logits
 processors apply to it with the proposals before it in the history; logprobs are taken from the
-verification's rows: :func:`verified_logprobs`); a step verifies proposals only when every sequence in
-it speculates, and otherwise decodes one token a sequence as before. The stop conditions are
-checked token by token, so a sequence stops at the first stop token or length it reaches
-within a step.
+verification's rows: :func:`verified_logprobs`); a step verifies proposals only when every
+sequence in it speculates, and otherwise decodes one token a sequence as before. The stop
+conditions are checked token by token, so a sequence stops at the first stop token or length it
+reaches within a step.
 
 When to speculate (:class:`SpecController`). A proposal needs the tokens of the step before, so
 a step that proposes cannot run ahead of the device (``async_scheduling``), and proposing costs
 time each step (host time for n-gram lookups, the draft's steps for a draft model). Speculation
 goes on while the proposals pay: while the recent proposals' acceptance is at least
-``MIN_ACCEPTANCE``, no ``EMPTY_STEPS`` steps in a row found nothing to propose, and, once both are
-measured, a speculating step makes more tokens a sequence a second than a step without
+``MIN_ACCEPTANCE``, no ``EMPTY_STEPS`` steps in a row found nothing to propose, and, once both
+are measured, a speculating step makes more tokens a sequence a second than a step without
 speculation (a large batch, where the verification's extra tokens stop being free, or a draft
 too slow for its acceptance: the wall time of the decode steps either way, moving averages;
 while speculation is on, ``MEASURE_STEPS`` steps in ``MEASURE_EVERY`` run without it to follow
 the batch, the first such window after ``MEASURE_FIRST`` speculating steps where no step without
 speculation was timed yet; the first speculating step after it goes on, which catches a draft
 up, is not timed, and the rule waits for ``SPEED_STEPS``; each time in a row it turns
-speculation off, the next look comes twice as late). Otherwise the engine runs ahead as without speculation and looks again after
-``PROBE_EVERY`` steps, then twice as long after each look that finds it does not pay (up to
-``PROBE_MAX``), and never sooner than makes the looks' measured cost (the wall time a look adds
-to a step without speculation) ``PROBE_COST`` of the steps' time. A look while speculation is off (a probe, the engine's first step included)
-proposes for ``PROBE_SEQS`` sequences at most, the others decoding as they would, so that a load
-speculation does not help loses little more than one overlapped step in that many: a draft
-model catches up and proposes for those few, and their few extra tokens ride in the step.
+speculation off, the next look comes twice as late). Otherwise the engine runs ahead as without
+speculation and looks again after ``PROBE_EVERY`` steps, then twice as long after each look that
+finds it does not pay (up to ``PROBE_MAX``), and never sooner than makes the looks' measured
+cost (the wall time a look adds to a step without speculation) ``PROBE_COST`` of the steps'
+time. A look while speculation is off (a probe, the engine's first step included) proposes for
+``PROBE_SEQS`` sequences at most, the others decoding as they would, so that a load speculation
+does not help loses little more than one overlapped step in that many: a draft model catches up
+and proposes for those few, and their few extra tokens ride in the step.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 import numpy as np
 import torch
 
 from engine.config import SpeculativeConfig
-from engine.sampler import change_logits
+from engine.sampler import processed
 from engine.sequence import Sequence
-from engine.structured import apply_bitmasks
 
 
 PROBE_EVERY = 16  # steps between two that look for proposals once speculation goes off,
@@ -254,16 +255,14 @@ def verify(sampler, logits: torch.Tensor, seqs: list[Sequence], drafts: list[lis
     counts = [1 + len(d) for d in drafts]
     params = [s.params for s, c in zip(seqs, counts) for _ in range(c)]
     device = logits.device
-    starts = [sum(counts[:i]) for i in range(len(counts))]
+    starts = accumulate(counts[:-1], initial=0)
     entries = [(row, s.matcher, d) for row, s, d in zip(starts, seqs, drafts)
                if s.matcher is not None]
-    if entries:
-        bitmask, rows = grammars.verify_bitmasks(len(params), entries)
-        logits = logits.clone()
-        apply_bitmasks(logits, rows, bitmask)
-    if any(p.changes_logits for p in params):
-        rows = [_RowView(s, d[:i]) for s, d in zip(seqs, drafts) for i in range(len(d) + 1)]
-        logits = change_logits(logits if entries else logits.clone(), rows, None, eos_ids)
+    masks = grammars.verify_bitmasks(len(params), entries) if entries else None
+    # each row's sequence, made only where a logits processor reads it (a copy of its tokens)
+    views = [_RowView(s, d[:i]) for s, d in zip(seqs, drafts) for i in range(len(d) + 1)] \
+        if any(p.changes_logits for p in params) else []
+    logits = processed(logits, views, None, eos_ids, masks)
     proposed = torch.tensor([t for d in drafts for t in (*d, -1)], dtype=torch.int64,
                             device=device)  # each row's proposal to check (-1: the last row)
     if all(p.greedy for p in params):

@@ -115,14 +115,13 @@ class Grammars:
             m.fill_next_token_bitmask(bitmask, row)
         return bitmask
 
-
-    def verify_bitmasks(self, num_rows: int, entries) -> tuple[torch.Tensor, list[int]]:
+    def verify_bitmasks(self, num_rows: int, entries) -> tuple[list[int], torch.Tensor]:
         """Host bitmasks of a step that verifies proposals (engine.spec_decode.verify):
         ``entries`` are ``(first row, matcher, proposals)``; a sequence's first row allows what
         its grammar allows now, each next row what it allows after the proposals before it.
         Rows after a proposal the grammar refuses (which the mask of its own row rejects) or
-        ends on are left out. Each matcher is rolled back where it was. Returns the bitmask
-        and the rows it applies to."""
+        ends on are left out. Each matcher is rolled back where it was. Returns the rows the
+        bitmask applies to and the bitmask."""
         bitmask = self._xgr.allocate_token_bitmask(num_rows, self.vocab_size)
         rows = []
         for row, m, proposals in entries:
@@ -139,7 +138,7 @@ class Grammars:
                 rows.append(row + taken)
             if taken:
                 m.rollback(taken)
-        return bitmask, rows
+        return rows, bitmask
 
 
 _FIELDS = {"json_schema": "response_format.json_schema", "json_object": "response_format",

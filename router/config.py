@@ -44,7 +44,9 @@ class RouterConfig(BaseModel):
     # or its prompt tokenized) while this ingress replica has its share of what the decode pool
     # holds open: live decode replicas x (max_ongoing_requests + max_queued_requests) over the
     # ingress replicas. Beyond that Serve would refuse it anyway, after the ingress had worked
-    # through every request ahead of it. HTTP only (gRPC calls reach Serve's bound).
+    # through every request ahead of it. HTTP only (gRPC calls reach Serve's bound). On a local
+    # cluster HAProxy refuses beyond the whole bound itself, before the ingress
+    # (router/ingress/haproxy.py); false turns both off.
     early_refusal: bool = True
     # Sequences one request may run (prompts of a batch × n or best_of): more is a 400 at once,
     # not a request that holds every slot (or could never be admitted).

@@ -200,7 +200,7 @@ def test_baton_serve_tiny_streams_to_the_openai_client_and_ctrl_c_stops_it(ray_c
 @pytest.mark.parametrize("host, rebound", [("127.0.0.1", True), ("0.0.0.0", False)])
 def test_haproxy_wrapper_rebinds_stats_and_metrics_only_for_a_loopback_frontend(tmp_path, host,
                                                                                rebound):
-    """``deploy/haproxy_loopback.sh`` on a config as Ray's template writes it: the two listeners
+    """``deploy/haproxy_local.sh`` on a config as Ray's template writes it: the two listeners
     without a host follow a loopback HTTP frontend; a frontend on every interface leaves the
     file as it was; the real binary then runs with the same arguments."""
     config = tmp_path / "haproxy.cfg"
@@ -212,7 +212,7 @@ def test_haproxy_wrapper_rebinds_stats_and_metrics_only_for_a_loopback_frontend(
     fake = tmp_path / "haproxy"
     fake.write_text(f'#!/bin/sh\necho "$@" > {seen}\n')
     fake.chmod(0o755)
-    run = subprocess.run([str(ray_env.HAPROXY_LOOPBACK), "-db", "-f", str(config), "-sf", "7"],
+    run = subprocess.run([str(ray_env.HAPROXY_WRAPPER), "-db", "-f", str(config), "-sf", "7"],
                          env={**os.environ, "BATON_HAPROXY_BINARY": str(fake)}, timeout=30)
     assert run.returncode == 0
     assert seen.read_text().split() == ["-db", "-f", str(config), "-sf", "7"]

@@ -17,6 +17,7 @@ import os
 from ray import serve
 
 from router.ingress.grpc_api import GrpcAdapter
+from router.ingress.haproxy import HAProxyBound, node_paths
 from router.ingress.http import HttpAdapter, app
 from router.ingress.protocol import (ChatCompletionRequest, CompletionRequest,
                                      DetokenizeRequest, TokenizeRequest)
@@ -60,6 +61,10 @@ class Ingress:
                                       fallback=prefill)
         self.http = HttpAdapter(self.service)
         self.grpc = GrpcAdapter(self.service)
+        # HAProxy refuses beyond the app's bound itself, where its config lets it (.haproxy).
+        self.haproxy_bound = HAProxyBound(self.service.pool_bound, self.service.retry_after_s,
+                                          self.service.replica, node_paths())
+        self.haproxy_bound.start()
         warn_if_open_without_key(self.service.api_key)
 
     # The HTTP routes (FastAPI through Serve binds ``self`` on this class's methods only).

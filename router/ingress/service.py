@@ -236,13 +236,20 @@ class RequestService:
                                                                         or 0)
         self._ingress_replicas = cfg.num_replicas
 
-    def open_limit(self) -> int | None:
-        """This replica's share of what the decode pool holds (its live replicas' ongoing and
-        queued bounds), the door's bound on open generation requests; None while no decode
-        replica is listed (or early refusal is off): every request goes in."""
+    def pool_bound(self) -> int | None:
+        """What the decode pool holds (its live replicas' ongoing and queued bounds): the app's
+        bound on open generation requests, which HAProxy refuses beyond (.haproxy); None while
+        no decode replica is listed (or early refusal is off): every request goes in."""
         if self._decode_replicas is None or not (n := self._decode_replicas.value):
             return None
-        return -(-n * self._per_decode_replica // self._ingress_replicas)
+        return n * self._per_decode_replica
+
+    def open_limit(self) -> int | None:
+        """This replica's share of :meth:`pool_bound`, the door's bound on open generation
+        requests (None: none)."""
+        if (bound := self.pool_bound()) is None:
+            return None
+        return -(-bound // self._ingress_replicas)
 
     async def prompt_ids(self, prompt) -> list[int]:
         """Token ids of a text (tokenized off the event loop when long) or of an id list."""

@@ -1,0 +1,67 @@
+#!/bin/sh
+# HAProxy as a one-machine Baton cluster runs it (deploy/ray_env.py names this script in
+# RAY_SERVE_HAPROXY_BINARY_PATH). Ray Serve starts HAProxy as `haproxy -db -f CONFIG [...]`,
+# at first and at every reload, from a template this script edits before running the real
+# HAProxy (BATON_HAPROXY_BINARY) with the same arguments:
+#
+# 1. Loopback. The template binds the stats and metrics listeners to every interface
+#    (`bind *:PORT`, `bind :PORT`) and has no setting for their host. When the app's HTTP
+#    frontend listens on a loopback address, bind those two there as well (a frontend on any
+#    other address, a cluster's 0.0.0.0, leaves them as Ray wrote them).
+# 2. Refusal at HAProxy. For each app backend of the HTTP frontend, a generation request
+#    (`.../v1/completions`, `.../v1/chat/completions`) is answered 429 with Retry-After by
+#    HAProxy itself, at once, while the backend already holds the app's bound of open requests.
+#    The bound and the Retry-After come from the map file `baton-bounds.map` beside the config
+#    (`<backend> <bound>:<retry-after seconds>`), which the app's ingress replicas keep
+#    (router/ingress/haproxy.py); a backend without an entry refuses nothing here. On two
+#    saturated cores the ingress's own door answered 1.8-3.7 s after the request was sent,
+#    because its HTTP server reached the request only then.
+config=""
+previous=""
+for arg in "$@"; do
+  [ "$previous" = "-f" ] && config=$arg
+  previous=$arg
+done
+if [ -n "$config" ] && [ -w "$config" ]; then
+  host=$(awk '/^frontend http_frontend/ { inside = 1; next }
+              /^(frontend|backend|listen) / { inside = 0 }
+              inside && $1 == "bind" { sub(/:[0-9]+$/, "", $2); print $2; exit }' "$config")
+  case "$host" in
+    127.*|localhost)
+      sed -i -E "s/^([[:space:]]*bind )\*?:([0-9]+)[[:space:]]*$/\1$host:\2/" "$config" ;;
+  esac
+  if ! grep -q "baton_generation" "$config"; then
+    bounds="$(dirname "$config")/baton-bounds.map"
+    [ -e "$bounds" ] || : > "$bounds"
+    rules="$config.baton-rules"
+    backends=$(awk '/^frontend http_frontend/ { inside = 1; next }
+                    /^(frontend|backend|listen) / { inside = 0 }
+                    inside && $1 == "use_backend" && $3 == "if" && $4 == "is_" $2 { print $2 }' \
+               "$config")
+    {
+      echo "    # Baton: generation requests refused here while the app holds its bound of open"
+      echo "    # requests (deploy/haproxy_local.sh, router/ingress/haproxy.py)"
+      echo "    acl baton_generation path_end /v1/completions /v1/chat/completions"
+      for name in $backends; do
+        entry="str($name),map($bounds)"
+        echo "    http-request set-var(txn.baton_bound) $entry,field(1,:) if baton_generation is_$name"
+        printf '    http-request return status 429 content-type application/json lf-string "{\\"error\\":{\\"message\\":\\"the server is at capacity (%%[be_conn(%s)] requests open); retry after %%[%s,field(2,:)] s\\",\\"type\\":\\"overloaded_error\\",\\"code\\":429}}" hdr retry-after "%%[%s,field(2,:)]" if baton_generation is_%s { var(txn.baton_bound) -m found } { be_conn(%s),sub(txn.baton_bound) ge 0 }\n' \
+          "$name" "$entry" "$entry" "$name" "$name"
+      done
+    } > "$rules"
+    if [ -n "$backends" ]; then
+      # Before the frontend's first use_backend (HAProxy runs http-request rules before any).
+      awk -v rules="$rules" '
+        /^frontend http_frontend/ { inside = 1 }
+        /^(backend|listen) / || (/^frontend / && !/^frontend http_frontend/) { inside = 0 }
+        inside && !done && $1 == "use_backend" {
+          while ((getline line < rules) > 0) print line
+          done = 1
+        }
+        { print }' "$config" > "$config.baton-tmp" && cat "$config.baton-tmp" > "$config"
+      rm -f "$config.baton-tmp"
+    fi
+    rm -f "$rules"
+  fi
+fi
+exec "${BATON_HAPROXY_BINARY:?BATON_HAPROXY_BINARY must name the HAProxy binary}" "$@"

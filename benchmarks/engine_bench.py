@@ -114,8 +114,10 @@ def _release_engines() -> None:
 
 def _options(engine: LLMEngine) -> dict:
     """What every row says of its engine."""
+    mixed = engine.runner.mixed
     return {"weights": engine.weights_name, "kv_cache": str(engine.runner.kv_dtype)[6:],
-            "tensor_parallel_size": engine.config.tensor_parallel_size}
+            "tensor_parallel_size": engine.config.tensor_parallel_size,
+            "graph_max_tokens": mixed.max_tokens if mixed else 0}
 
 
 def onerow(model: str, batches=(1, 64)) -> dict:
@@ -308,7 +310,7 @@ def prefill(model: str, ceil: dict, lengths=(1024, 2048, 8192)) -> list[dict]:
         floor_ms = flops / (ceil["gemm_TFLOPs"] * 1e12) * 1e3
         rows.append({"task": "prefill", "model": model, **_options(engine), "tokens": n,
                      "ms": round(ms, 2), "floor_ms": round(floor_ms, 2), "pct_of_floor": round(100 * floor_ms / ms, 1),
-                     "x_floor": round(ms / floor_ms, 2)})
+                     "x_floor": round(ms / floor_ms, 2), "startup_s": round(engine.startup_s, 1)})
     return rows
 
 
@@ -328,7 +330,7 @@ def mixed(model: str, batches=(0, 8, 64), prompt_lens=(16, 128, 480), steps: int
 
 def _mixed_rows(model: str, graphed: bool, batches, prompt_lens, steps: int) -> list[dict]:
     engine = _engine(model, max_num_seqs=max(batches) + 2,
-                     cuda_graph_max_tokens=512 if graphed else 0)
+                     **({} if graphed else {"cuda_graph_max_tokens": 0}))
     seeds = iter(range(1000, 10**6))
 
     def timed(n: int, prompt_len: int | None) -> float:
@@ -573,12 +575,18 @@ def main() -> None:
     ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
     ap.add_argument("--decode-tensor-cores", choices=["auto", "on", "off"], default="auto")
     ap.add_argument("--tensor-parallel-size", type=int, default=1)
+    ap.add_argument("--cuda-graph-max-tokens", type=int, default=None,
+                    help="the engine's cuda_graph_max_tokens (default: the engine's default)")
+    ap.add_argument("--prefill-lengths", default="1024,2048,8192",
+                    help="prompt lengths of the prefill task, comma-separated")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     ENGINE_OPTIONS.update(quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
                           tensor_parallel_size=args.tensor_parallel_size,
                           decode_tensor_cores={"auto": None, "on": True,
                                                "off": False}[args.decode_tensor_cores])
+    if args.cuda_graph_max_tokens is not None:
+        ENGINE_OPTIONS["cuda_graph_max_tokens"] = args.cuda_graph_max_tokens
     ceil = ceilings()
     rows = [{"task": "ceilings", **ceil}]
     print(json.dumps(rows[0]), flush=True)
@@ -613,7 +621,8 @@ def main() -> None:
     if "long" in args.tasks:
         emit(long_run("dummy:Qwen3-0.6B"))
     if "prefill" in args.tasks:
-        emit(prefill(args.prefill_model, ceil))
+        emit(prefill(args.prefill_model, ceil,
+                     tuple(int(n) for n in args.prefill_lengths.split(","))))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)

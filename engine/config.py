@@ -157,8 +157,10 @@ class EngineConfig(BaseModel):
     cuda_graph_max_batch: int = Field(256, ge=1)  # largest captured decode batch
     # Piecewise graphs (attention eager between them) for the other steps of up to this many
     # tokens: prefill chunks and prompts joining a decode batch (vLLM's piecewise CUDA graphs,
-    # whose largest size is its max_cudagraph_capture_size). 0: such steps run eagerly.
-    cuda_graph_max_tokens: int = Field(512, ge=0)
+    # whose largest size is its max_cudagraph_capture_size). 0: such steps run eagerly. None:
+    # 512, or 2048 with FP8 weights, whose eager projections cost the host more than a step
+    # of 1-2k tokens takes on the GPU (engine.cuda_graph.graph_max_tokens).
+    cuda_graph_max_tokens: int | None = Field(None, ge=0)
     # FlashInfer decode on tensor cores; None: where it pays (GQA ratio of 8 or more, an FP8 KV
     # cache) or where the CUDA-core kernel has no build for the ratio (Qwen3-14B's 5).
     decode_tensor_cores: bool | None = None

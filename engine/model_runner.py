@@ -17,7 +17,7 @@ import torch
 
 from engine.attention import get_backend
 from engine.config import EngineConfig
-from engine.cuda_graph import DecodeGraphs, MixedGraphs
+from engine.cuda_graph import DecodeGraphs, MixedGraphs, graph_max_tokens
 from engine.forward_context import AttentionMetadata, null_meta, set_forward_context
 from engine.models.qwen3 import Qwen3ForCausalLM
 from engine.scheduler import ScheduledBatch
@@ -92,9 +92,9 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self, min(config.max_num_seqs,
                                                  config.cuda_graph_max_batch))
             self.rows_max = self.graphs.max_batch
-            if config.cuda_graph_max_tokens:
-                self.mixed = MixedGraphs(self, min(config.cuda_graph_max_tokens,
-                                                   config.max_num_batched_tokens))
+            if max_tokens := graph_max_tokens(config.cuda_graph_max_tokens,
+                                              model.quantization is not None):
+                self.mixed = MixedGraphs(self, min(max_tokens, config.max_num_batched_tokens))
         self.warm_up_s = 0.0
         self.gemv_choices: dict = {}  # projection name -> GemvConfig of its one-row kernel
         self.norm_fused: list[str] = []  # projections with the RMSNorm folded in (one row)

@@ -182,16 +182,19 @@ def test_cuda_graph_decode_matches_eager_tokens(flashinfer_engine):
         assert graph_tokens == eager_tokens
 
 
-def test_piecewise_graphs_of_mixed_steps_replay_what_the_pieces_compute(flashinfer_engine):
+def test_piecewise_graphs_of_mixed_steps_replay_what_the_pieces_compute():
     """Prompts that join a decoding batch (one every 3 steps; one of 400 tokens, padded to 448
-    rows) and one behind a cached prefix. Against the same pieces run as plain calls (same
+    rows, one of 1,100, padded to 1,152, with graphs to 2,048 tokens) and one behind a cached
+    prefix. Against the same pieces run as plain calls (same
     shapes; cuBLAS may pick another kernel under capture: a first token's logprob moved by
     0.016) and against the eager engine (whose matmuls see the unpadded row count): the same
     tokens and logprobs within 0.05 up to any near-tie, where the two picks' logprobs are within
     0.05 too (this random model's next-token distribution is nearly flat, top logprobs near -9:
     requests took another token at their first or sixth step). That padding never touches a real
     row is checked exactly in float32 on the CPU: tests/test_mixed_graphs.py."""
-    runner = flashinfer_engine.runner
+    pytest.importorskip("flashinfer")
+    engine = _engine(attention_backend="flashinfer", cuda_graph_max_tokens=2048)
+    runner = engine.runner
     mixed = runner.mixed
     assert mixed is not None and set(mixed.graphs) == set(mixed.sizes)
     calls, run = [], mixed.run
@@ -200,16 +203,13 @@ def test_piecewise_graphs_of_mixed_steps_replay_what_the_pieces_compute(flashinf
         calls.append(len(step.ids))
         return run(step, prev)
     shared = random_prompts([100], vocab=VOCAB, seed=21)[0]
-    prompts = random_prompts([30, 5, 70, 17, 400, 9], vocab=VOCAB, seed=22)
+    prompts = random_prompts([30, 5, 70, 17, 400, 9, 1100], vocab=VOCAB, seed=22)
     prompts += [shared + [1, 2], shared + [3]]
     mixed.run = counting
-    try:
-        graphed = staggered(flashinfer_engine, prompts, max_tokens=24)
-        mixed.use_graphs = False
-        pieces = staggered(flashinfer_engine, prompts, max_tokens=24)
-    finally:
-        mixed.run, mixed.use_graphs = run, True
-    assert len(calls) >= len(prompts) and max(calls) > 400  # both runs, 448-row steps too
+    graphed = staggered(engine, prompts, max_tokens=24)
+    mixed.use_graphs = False
+    pieces = staggered(engine, prompts, max_tokens=24)
+    assert len(calls) >= len(prompts) and max(calls) > 1100  # both runs, 448 and 1152 rows
     eager = staggered(_engine(attention_backend="flashinfer", enforce_eager=True), prompts,
                       max_tokens=24)
     for ref in (pieces, eager):

@@ -127,6 +127,35 @@ def test_fp8_cuda_graphs_match_eager_tokens(tensor_cores, batches):
                                                                   prefix=f"g{n}-")
 
 
+def test_fp8_prefill_of_up_to_2048_tokens_replays_the_piecewise_graphs():
+    """FP8 weights take steps of up to 2,048 tokens on the piecewise graphs by default (their
+    eager steps are bound by the host): prompts of 600, 1,100 (padded to 1,152) and 2,000
+    tokens joining a decoding batch give the eager engine's greedy tokens and logprobs, up to a
+    near-tie (as for bf16 in tests/test_gpu_engine.py)."""
+    from tests.test_gpu_engine import _same_greedy_up_to_a_tie
+    from tests.test_mixed_graphs import staggered
+
+    kw = dict(attention_backend="flashinfer", **FP8_ENGINE)
+    prompts = random_prompts([30, 600, 9, 1100, 2000, 17], vocab=VOCAB, seed=31)
+    graphs = _engine(**kw)
+    mixed = graphs.runner.mixed
+    assert mixed is not None and mixed.max_tokens == 2048
+    calls, run = [], mixed.run
+
+    def counting(step, prev=None):
+        calls.append(len(step.ids))
+        return run(step, prev)
+    mixed.run = counting
+    graphed = staggered(graphs, prompts, max_tokens=16)
+    del graphs, mixed
+    _free()
+    assert max(calls) > 2000
+    eager = staggered(_engine(enforce_eager=True, **kw), prompts, max_tokens=16)
+    assert graphed.keys() == eager.keys()
+    for rid, (tokens, logprobs, _) in eager.items():
+        _same_greedy_up_to_a_tie(graphed[rid][0], graphed[rid][1], tokens, logprobs, rid)
+
+
 @pytest.mark.parametrize("per_layer", [True, False], ids=["per-layer", "logits"])
 def test_flashinfer_over_an_fp8_cache_matches_torch(fp8_engine, per_layer):
     both = TwoBackends(fp8_engine, per_layer)

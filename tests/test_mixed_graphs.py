@@ -8,9 +8,16 @@ import pytest
 
 from engine import SamplingParams
 from engine.config import EngineConfig
-from engine.cuda_graph import MixedGraphs, mixed_sizes
+from engine.cuda_graph import MixedGraphs, graph_max_tokens, mixed_sizes
 from engine.llm_engine import LLMEngine
 from tests.models import random_prompts
+
+
+def test_the_largest_graphed_step_by_default_depends_on_the_weights():
+    assert graph_max_tokens(None, fp8_weights=False) == 512
+    assert graph_max_tokens(None, fp8_weights=True) == 2048
+    assert graph_max_tokens(0, fp8_weights=True) == 0
+    assert graph_max_tokens(100, fp8_weights=False) == 100
 
 
 def test_mixed_sizes_pad_by_at_most_a_quarter():
@@ -19,6 +26,10 @@ def test_mixed_sizes_pad_by_at_most_a_quarter():
     sizes = mixed_sizes(512)
     assert sizes[0] == 16 and sizes[-1] == 512 and 256 in sizes
     assert all(b - a <= a / 4 for a, b in zip(sizes[7:], sizes[8:]))
+    sizes = mixed_sizes(2048)
+    assert sizes[:16] == mixed_sizes(512) and sizes[-1] == 2048 and 1024 in sizes
+    assert all(b - a <= a / 4 for a, b in zip(sizes[7:], sizes[8:]))
+    assert all(b - a <= a / 8 for a, b in zip(sizes, sizes[1:]) if a >= 1024)
 
 
 def _engine(piecewise: bool, **kw) -> LLMEngine:

@@ -1,5 +1,5 @@
 """The decode projections' kernels, one tool:
-``python -m benchmarks.projections_bench {bf16|fp8} [options]``.
+``python -m benchmarks.projections_bench {bf16|fp8|quantized} [options]``.
 
 ``bf16``: decode projections of Qwen3 shapes, one kernel each: cuBLAS (``F.linear``) against the
 Triton skinny matmul (``kernels/gemv.py``) over a grid of tile configs. Each figure is a CUDA graph of
@@ -29,6 +29,11 @@ checked against its float32 reference. The last table sums one decode step's pro
 
 ``attention``: FlashInfer decode and prefill over an FP8 e4m3 cache against the bf16 cache and the
 torch reference, with Qwen3-8B's heads.
+
+``quantized``: the RMSNorm and SiLU-and-multiply kernels that write e4m3 rows for a W8A8
+projection against the two kernels each replaces, at several row counts.
+
+    python -m benchmarks.projections_bench quantized --rows 256 1024 2048
 
 """
 
@@ -377,7 +382,53 @@ def fp8_main(argv=None) -> None:
             json.dump(result, f, indent=1)
 
 
-TOOLS = {"bf16": bf16_main, "fp8": fp8_main}
+def _graph_us(fn, reps: int = 50) -> float:
+    """µs per call of ``fn``, from a CUDA graph of ``reps`` calls."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps * 1e3
+
+
+def quantized_main(argv=None) -> None:
+    """``quantized``: the norm and SiLU kernels that write their rows as e4m3 for a W8A8
+    projection, against the kernel pair they replace (the bf16 kernel, then the per-row
+    quantization), µs per call in a CUDA graph."""
+    from kernels import rmsnorm, silu_and_mul
+    from kernels.activation import silu_and_mul_quant
+    from kernels.fp8 import quantize_rows
+    from kernels.norm import rmsnorm_quant
+
+    ap = argparse.ArgumentParser(description=quantized_main.__doc__)
+    ap.add_argument("--rows", type=int, nargs="+", default=[17, 64, 256, 1024, 2048])
+    ap.add_argument("--hidden", type=int, default=4096)
+    ap.add_argument("--intermediate", type=int, nargs="+", default=[12288, 25600])
+    args = ap.parse_args(argv)
+    print("rows intermediate | norm+quant: one kernel, two kernels (us) | "
+          "silu+quant: one kernel, two kernels (us)")
+    for inter in args.intermediate:
+        for m in args.rows:
+            x = torch.randn(m, args.hidden, device="cuda", dtype=torch.bfloat16)
+            r, w = torch.randn_like(x), torch.ones(args.hidden, device="cuda",
+                                                   dtype=torch.bfloat16)
+            gu = torch.randn(m, 2 * inter, device="cuda", dtype=torch.bfloat16)
+            row = [m, inter, _graph_us(lambda: rmsnorm_quant(x, w, 1e-6, r)),
+                   _graph_us(lambda: quantize_rows(rmsnorm(x, w, 1e-6, r)[0])),
+                   _graph_us(lambda: silu_and_mul_quant(gu)),
+                   _graph_us(lambda: quantize_rows(silu_and_mul(gu)))]
+            print(" ".join(str(round(v, 1)) for v in row), flush=True)
+
+
+TOOLS = {"bf16": bf16_main, "fp8": fp8_main, "quantized": quantized_main}
 
 
 def main(argv=None) -> None:

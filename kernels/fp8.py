@@ -106,6 +106,14 @@ def w8a8_reference(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
     return (xd @ dequantize(w, scale, block).t()).to(x.dtype)
 
 
+def scaled_rows_reference(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor,
+                          scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Channel format, activations quantized already (``xq`` e4m3 and ``xs`` ``[M, 1]``, as a
+    norm or SiLU kernel that quantizes its output gives them): what :func:`fp8_scaled_rows`
+    computes, in float32, rounded to ``dtype``."""
+    return ((xq.float() * xs) @ dequantize(w, scale).t()).to(dtype)
+
+
 def fp8_gemv_reference(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
                        block: tuple[int, int] | None = None) -> torch.Tensor:
     """The one-row kernel: the activation stays in its dtype, the weight is dequantized."""
@@ -307,10 +315,25 @@ def fp8_scaled_mm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torc
     row-wise scales; bf16 out (what ``torch._scaled_mm`` takes with row-wise scales)."""
     if not use_triton(x):
         return w8a8_reference(x, w, scale)
-    xq, xs = quantize_rows(x)
+    return fp8_scaled_rows(*quantize_rows(x), w, scale, x.dtype)
+
+
+def fp8_scaled_rows(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
+                    dtype: torch.dtype) -> torch.Tensor:
+    """:func:`fp8_scaled_mm` of activations quantized already (the kernel before quantized its
+    output: ``kernels.norm.rmsnorm_quant``, ``kernels.activation.silu_and_mul_quant``)."""
+    if not xq.is_cuda:
+        return scaled_rows_reference(xq, xs, w, scale, dtype)
     out = torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=scale.reshape(1, -1),
                            out_dtype=torch.bfloat16)
-    return out if x.dtype == torch.bfloat16 else out.to(x.dtype)
+    return out if dtype == torch.bfloat16 else out.to(dtype)
+
+
+def takes_quantized_rows(m: int, block: tuple[int, int] | None,
+                         gemv_config: GemvConfig | None) -> bool:
+    """Whether :func:`fp8_linear` quantizes ``m`` rows per token itself (then the kernel that
+    produces them can hand them over quantized: one launch and one pass over them fewer)."""
+    return block is None and not (gemv_config is not None and m <= SKINNY_MAX_ROWS)
 
 
 BLOCK_MM_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 128, "SUPER_M": 8, "num_warps": 4,

@@ -26,8 +26,11 @@ def rmsnorm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 if triton is not None:
     @triton.jit
-    def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, x_stride,
-                        res_stride, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+    def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, s_ptr, n_cols, x_stride,
+                        res_stride, eps, HAS_RES: tl.constexpr, QUANT: tl.constexpr,
+                        BLOCK: tl.constexpr):
+        """QUANT: ``out`` is e4m3, the normed row (rounded as unquantized) over its per-row
+        scale, stored in ``s`` (as ``kernels.fp8.quantize_rows`` would make of it)."""
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
@@ -41,7 +44,14 @@ if triton is not None:
         rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         y = (xf * rstd).to(dtype).to(tl.float32) * w
-        tl.store(out_ptr + row * n_cols + cols, y.to(dtype), mask=mask)
+        if QUANT:
+            y = y.to(dtype).to(tl.float32)
+            scale = tl.maximum(tl.max(tl.abs(y), axis=0) / 448.0, 1e-12)
+            q = tl.clamp(y / scale, -448.0, 448.0)
+            tl.store(out_ptr + row * n_cols + cols, q.to(out_ptr.dtype.element_ty), mask=mask)
+            tl.store(s_ptr + row, scale)
+        else:
+            tl.store(out_ptr + row * n_cols + cols, y.to(dtype), mask=mask)
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -49,13 +59,45 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     """Dispatch: Triton on CUDA, else the reference. Same contract as the reference."""
     if not use_triton(x) or x.dim() != 2 or weight.dtype != x.dtype:
         return rmsnorm_reference(x, weight, eps, residual)
+    return _launch(x, weight, eps, residual, quant=False)
+
+
+def rmsnorm_quant_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                            residual: torch.Tensor | None = None):
+    """The normed rows quantized per row for an FP8 projection: ``(q, scale, new_residual)``
+    (``new_residual`` is ``x`` without a residual), what :func:`rmsnorm` then
+    ``kernels.fp8.quantize_rows`` give."""
+    from kernels.fp8 import quantize_rows_reference  # kernels.fp8 imports this module
+
+    out = rmsnorm_reference(x, weight, eps, residual)
+    normed, res = out if residual is not None else (out, x)
+    return (*quantize_rows_reference(normed), res)
+
+
+def rmsnorm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                  residual: torch.Tensor | None = None):
+    """:func:`rmsnorm_quant_reference` in one kernel on CUDA: the norm's output is written as
+    e4m3 with its scale, never in bf16 (the quantization's own launch and pass saved)."""
+    if not use_triton(x) or x.dim() != 2 or weight.dtype != x.dtype:
+        return rmsnorm_quant_reference(x, weight, eps, residual)
+    return _launch(x, weight, eps, residual, quant=True)
+
+
+def _launch(x, weight, eps, residual, quant: bool):
+    from kernels.fp8 import FP8
+
     rows, n = x.shape
-    out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
-    res_out = torch.empty_like(out) if residual is not None else out
+    out = torch.empty((rows, n), dtype=FP8 if quant else x.dtype, device=x.device)
+    res_out = torch.empty((rows, n), dtype=x.dtype, device=x.device) \
+        if residual is not None else out
+    scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device) if quant else out
     if rows:
         block = triton.next_power_of_2(n)
         _rmsnorm_kernel[(rows,)](
-            x, residual if residual is not None else x, weight, out, res_out, n, x.stride(0),
-            residual.stride(0) if residual is not None else 0, eps,
-            HAS_RES=residual is not None, BLOCK=block, num_warps=num_warps_for(block))
+            x, residual if residual is not None else x, weight, out, res_out, scale, n,
+            x.stride(0), residual.stride(0) if residual is not None else 0, eps,
+            HAS_RES=residual is not None, QUANT=quant, BLOCK=block,
+            num_warps=num_warps_for(block))
+    if quant:
+        return out, scale, (res_out if residual is not None else x)
     return out if residual is None else (out, res_out)

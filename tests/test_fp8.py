@@ -189,6 +189,53 @@ def test_fp8_round_trips_and_references():
         assert ((got - exact).norm() / exact.norm()) < 0.08
 
 
+def test_norm_and_silu_hand_an_fp8_projection_rows_quantized_as_it_would():
+    """Where an FP8 projection would quantize its input rows per token itself (channel format,
+    rows beyond the one-row and skinny kernels), the norm before it (``norm_then``) and the
+    SiLU before the down projection write them quantized instead: the same output (the CUDA
+    kernels are checked against these references in tests/test_gpu_fp8.py)."""
+    from engine.models.layers import Linear, RMSNorm, norm_then
+    from engine.models.qwen3 import Qwen3MLP
+    from kernels.gemv import GemvConfig
+    from kernels.norm import rmsnorm_reference
+
+    g = torch.Generator().manual_seed(1)
+    proj = Linear(64, 96, bias=False)
+    q, s = quantize_per_channel(torch.randn(96, 64, generator=g))
+    proj.weight = torch.nn.Parameter(q, requires_grad=False)
+    proj.weight_scale = torch.nn.Parameter(s, requires_grad=False)
+    norm = RMSNorm(64, 1e-6)
+    norm.weight.data = torch.rand(64, generator=g) + 0.5
+    x, residual = torch.randn(20, 64, generator=g), torch.randn(20, 64, generator=g)
+    assert proj.takes_quantized(20)
+    out, new_residual = norm_then(proj, norm, x, residual)
+    normed, expected_residual = rmsnorm_reference(x, norm.weight, 1e-6, residual)
+    assert torch.equal(out, fp8_linear(normed, q, s, None, None))
+    assert torch.equal(new_residual, expected_residual)
+    out, new_residual = norm_then(proj, norm, x, None)  # the first layer: no residual yet
+    assert torch.equal(out, fp8_linear(rmsnorm_reference(x, norm.weight, 1e-6), q, s, None,
+                                       None)) and new_residual is x
+    proj.gemv_config = GemvConfig(4, 64, 4, 2)  # rows its own kernels take in bf16
+    assert not proj.takes_quantized(1) and not proj.takes_quantized(16)
+    assert proj.takes_quantized(17)
+    proj.fp8_block = (128, 128)
+    assert not proj.takes_quantized(64)
+
+    from engine.parallel import tp
+    assert tp().size == 1
+    mlp = Qwen3MLP.__new__(Qwen3MLP)
+    torch.nn.Module.__init__(mlp)
+    mlp.group = tp()
+    mlp.down_proj = Linear(48, 64, bias=False)
+    qd, sd = quantize_per_channel(torch.randn(64, 48, generator=g))
+    mlp.down_proj.weight = torch.nn.Parameter(qd, requires_grad=False)
+    mlp.down_proj.weight_scale = torch.nn.Parameter(sd, requires_grad=False)
+    gate_up = torch.randn(20, 96, generator=g)
+    from kernels import silu_and_mul_reference
+    assert torch.equal(mlp(gate_up), fp8_linear(silu_and_mul_reference(gate_up), qd, sd, None,
+                                                None))
+
+
 # -- the FP8 KV cache -------------------------------------------------------------------------
 def test_fp8_kv_cache_halves_block_bytes_and_keeps_prefix_hits_exact():
     fp32 = LLM("tiny", kv_cache_memory_gb=0.01)

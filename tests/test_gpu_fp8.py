@@ -82,6 +82,32 @@ def test_activation_quantization_matches_reference(group):
     assert (q.float() != qr.float()).float().mean() < 1e-3
 
 
+@pytest.mark.parametrize("rows", [1, 17, 300])
+@pytest.mark.parametrize("width", [1024, 3000, 4096, 12288, 20000])
+def test_norm_and_silu_quantizing_their_output_match_the_kernels_they_replace(rows, width):
+    """rmsnorm_quant = rmsnorm then quantize_rows, silu_and_mul_quant = silu_and_mul then
+    quantize_rows: the same e4m3 bytes and scales (each rounds the bf16 activation first)."""
+    from kernels import rmsnorm, silu_and_mul
+    from kernels.activation import silu_and_mul_quant
+    from kernels.norm import rmsnorm_quant
+
+    g = torch.Generator(device="cuda").manual_seed(rows * width)
+    x = torch.randn(rows, width, device="cuda", generator=g).to(torch.bfloat16) * 3
+    res = torch.randn(rows, width, device="cuda", generator=g).to(torch.bfloat16)
+    w = (torch.rand(width, device="cuda", generator=g) + 0.5).to(torch.bfloat16)
+    for residual in (res, None):
+        q, s, new_res = rmsnorm_quant(x, w, 1e-6, residual)
+        out = rmsnorm(x, w, 1e-6, residual)
+        normed, expected = out if residual is not None else (out, x)
+        rq, rs = quantize_rows(normed)
+        assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s, rs)
+        assert torch.equal(new_res, expected)
+    gate_up = torch.randn(rows, 2 * width, device="cuda", generator=g).to(torch.bfloat16) * 4
+    q, s = silu_and_mul_quant(gate_up)
+    rq, rs = quantize_rows(silu_and_mul(gate_up))
+    assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s, rs)
+
+
 def test_rope_store_into_an_fp8_cache_matches_reference():
     t, hq, hk, d = 9, 4, 2, 128
     qkv = torch.randn(t, (hq + 2 * hk) * d, device="cuda", dtype=torch.bfloat16)

@@ -8,7 +8,8 @@ from torch import nn
 
 from engine.parallel import all_reduce, split, tp
 from kernels import rmsnorm
-from kernels.fp8 import fp8_linear
+from kernels.fp8 import fp8_linear, fp8_scaled_rows, takes_quantized_rows
+from kernels.norm import rmsnorm_quant
 from kernels.gemv import GemvConfig, gemv, norm_gemv
 
 
@@ -40,12 +41,29 @@ class Linear(nn.Linear):
             return gemv(x, self.weight, self.gemv_config)
         return nn.functional.linear(x, self.weight, self.bias)
 
+    def takes_quantized(self, rows: int) -> bool:
+        """Whether this FP8 projection would quantize ``rows`` rows per token itself: then the
+        kernel producing them quantizes them instead (:meth:`forward_quantized`)."""
+        return self.weight_scale is not None and takes_quantized_rows(rows, self.fp8_block,
+                                                                      self.gemv_config)
+
+    def forward_quantized(self, xq: torch.Tensor, xs: torch.Tensor,
+                          dtype: torch.dtype) -> torch.Tensor:
+        """The forward of rows already quantized per token (e4m3 ``xq``, scales ``xs``), in
+        ``dtype``; only where :meth:`takes_quantized`."""
+        return fp8_scaled_rows(xq, xs, self.weight, self.weight_scale, dtype)
+
 
 def norm_then(proj: Linear, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None):
     """``proj(norm(x [+ residual]))`` and the new residual (``x`` when there is none yet): one
-    kernel for a row when ``proj.fuse_norm``, else the norm kernel and the projection."""
+    kernel for a row when ``proj.fuse_norm``; the norm writing its rows quantized where an FP8
+    projection would quantize them (:meth:`Linear.takes_quantized`); else the norm kernel and
+    the projection."""
     if proj.fuse_norm and x.shape[0] == 1:
         return norm_gemv(x, residual, norm.weight, norm.eps, proj.weight, proj.gemv_config)
+    if proj.takes_quantized(x.shape[0]):
+        xq, xs, residual = rmsnorm_quant(x, norm.weight, norm.eps, residual)
+        return proj.forward_quantized(xq, xs, x.dtype), residual
     if residual is None:
         return proj(norm(x)), x
     x, residual = norm(x, residual)

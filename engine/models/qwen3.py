@@ -11,6 +11,7 @@ from engine.forward_context import get_forward_context
 from engine.models.layers import Linear, RMSNorm, RotaryEmbedding, embedding, norm_then
 from engine.parallel import all_gather_last, all_reduce, split, tp
 from kernels import qk_norm_rope_store, silu_and_mul
+from kernels.activation import silu_and_mul_quant
 from kernels.gemv import GemvConfig, gemv
 
 # checkpoint name fragment -> (our packed parameter fragment, shard index)
@@ -78,8 +79,13 @@ class Qwen3MLP(nn.Module):
         self.shard_sizes = (inter, inter)
 
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """From the packed gate/up projection (run by the layer, like ``qkv_proj``)."""
-        return all_reduce(self.down_proj(silu_and_mul(gate_up)), self.group)
+        """From the packed gate/up projection (run by the layer, like ``qkv_proj``); the SiLU
+        kernel writes its rows quantized where the FP8 down projection would quantize them."""
+        down = self.down_proj
+        if down.takes_quantized(gate_up.shape[0]):
+            xq, xs = silu_and_mul_quant(gate_up)
+            return all_reduce(down.forward_quantized(xq, xs, gate_up.dtype), self.group)
+        return all_reduce(down(silu_and_mul(gate_up)), self.group)
 
 
 class Qwen3DecoderLayer(nn.Module):

@@ -244,12 +244,16 @@ class MixedGraphs:
         step.feed_pending(self.inputs[0], self.inputs[3], prev_tokens)
         meta = step.meta
         meta.slot_mapping = self.inputs[2, :n]
-        self.runner.backend.plan(meta)
         graphs = self.graphs.get(size) if self.use_graphs else None
         layers = self.model.layers
         with set_forward_context(meta):
+            # Piece 0 (the embedding, layer 0 up to its queries) needs no attention plan: the
+            # GPU runs it while the host plans.
+            self._replay(graphs, size, 0)
+            self.runner.backend.plan(meta)
             for i, layer in enumerate(layers):
-                self._replay(graphs, size, i)
+                if i:
+                    self._replay(graphs, size, i)
                 layer.self_attn.attend(self.queries[:n], out=self.attn_out[:n])
             self._replay(graphs, size, len(layers))
         return self.hidden[:n]

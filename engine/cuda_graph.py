@@ -192,9 +192,8 @@ class MixedGraphs:
         if i == len(layers):
             self.hidden[:size].copy_(self.model.norm(x, residual)[0])
             return
-        q, residual = layers[i].before_attention(pos, x, residual)
-        self.queries[:size].copy_(q)
-        self.residual[:size].copy_(residual)
+        layers[i].before_attention(pos, x, residual,
+                                   out=(self.queries[:size], self.residual[:size]))
 
     def _meta_for_capture(self, size: int) -> AttentionMetadata:
         meta = null_meta(size, 1, self.runner.block_size)

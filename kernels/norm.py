@@ -55,11 +55,16 @@ if triton is not None:
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-            residual: torch.Tensor | None = None):
-    """Dispatch: Triton on CUDA, else the reference. Same contract as the reference."""
+            residual: torch.Tensor | None = None, residual_out: torch.Tensor | None = None):
+    """Dispatch: Triton on CUDA, else the reference. Same contract as the reference; with a
+    residual, the new one is written into ``residual_out`` when given (row by row: it may be
+    ``residual`` itself)."""
     if not use_triton(x) or x.dim() != 2 or weight.dtype != x.dtype:
-        return rmsnorm_reference(x, weight, eps, residual)
-    return _launch(x, weight, eps, residual, quant=False)
+        out = rmsnorm_reference(x, weight, eps, residual)
+        if residual is None or residual_out is None:
+            return out
+        return out[0], residual_out.copy_(out[1])
+    return _launch(x, weight, eps, residual, quant=False, residual_out=residual_out)
 
 
 def rmsnorm_quant_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -75,21 +80,29 @@ def rmsnorm_quant_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 
 def rmsnorm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                  residual: torch.Tensor | None = None):
+                  residual: torch.Tensor | None = None,
+                  residual_out: torch.Tensor | None = None):
     """:func:`rmsnorm_quant_reference` in one kernel on CUDA: the norm's output is written as
-    e4m3 with its scale, never in bf16 (the quantization's own launch and pass saved)."""
+    e4m3 with its scale, never in bf16 (the quantization's own launch and pass saved). With a
+    residual, the new one goes into ``residual_out`` when given."""
     if not use_triton(x) or x.dim() != 2 or weight.dtype != x.dtype:
-        return rmsnorm_quant_reference(x, weight, eps, residual)
-    return _launch(x, weight, eps, residual, quant=True)
+        q, s, res = rmsnorm_quant_reference(x, weight, eps, residual)
+        if residual is None or residual_out is None:
+            return q, s, res
+        return q, s, residual_out.copy_(res)
+    return _launch(x, weight, eps, residual, quant=True, residual_out=residual_out)
 
 
-def _launch(x, weight, eps, residual, quant: bool):
+def _launch(x, weight, eps, residual, quant: bool, residual_out=None):
     from kernels.fp8 import FP8
 
     rows, n = x.shape
     out = torch.empty((rows, n), dtype=FP8 if quant else x.dtype, device=x.device)
-    res_out = torch.empty((rows, n), dtype=x.dtype, device=x.device) \
-        if residual is not None else out
+    if residual is None:
+        res_out = out
+    else:
+        res_out = residual_out if residual_out is not None else torch.empty(
+            (rows, n), dtype=x.dtype, device=x.device)
     scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device) if quant else out
     if rows:
         block = triton.next_power_of_2(n)

@@ -112,18 +112,21 @@ if triton is not None:
 def qk_norm_rope_store(qkv: torch.Tensor, positions: torch.Tensor, q_weight: torch.Tensor,
                        k_weight: torch.Tensor, eps: float, cos_sin: torch.Tensor,
                        kv_cache: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int,
-                       num_kv_heads: int, k_scale: float = 1.0,
-                       v_scale: float = 1.0) -> torch.Tensor:
-    """Returns the rotated query ``[T, Hq, D]`` and stores K/V (an FP8 cache: divided by the
-    layer's ``k_scale``/``v_scale``); see the module docstring."""
+                       num_kv_heads: int, k_scale: float = 1.0, v_scale: float = 1.0,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
+    """Returns the rotated query ``[T, Hq, D]`` (written into ``out`` when given, contiguous)
+    and stores K/V (an FP8 cache: divided by the layer's ``k_scale``/``v_scale``); see the
+    module docstring."""
     d = q_weight.numel()
     if (not use_triton(qkv) or d & (d - 1) or d < 2 or qkv.stride(1) != 1
             or kv_cache.stride(4) != 1 or q_weight.dtype != qkv.dtype):
-        return qk_norm_rope_store_reference(qkv, positions, q_weight, k_weight, eps, cos_sin,
-                                            kv_cache, slot_mapping, num_heads, num_kv_heads,
-                                            k_scale, v_scale)
+        q = qk_norm_rope_store_reference(qkv, positions, q_weight, k_weight, eps, cos_sin,
+                                         kv_cache, slot_mapping, num_heads, num_kv_heads,
+                                         k_scale, v_scale)
+        return q if out is None else out.copy_(q)
     t = qkv.shape[0]
-    q = torch.empty((t, num_heads, d), dtype=qkv.dtype, device=qkv.device)
+    q = out if out is not None else torch.empty((t, num_heads, d), dtype=qkv.dtype,
+                                                device=qkv.device)
     if t:
         _qk_norm_rope_store_kernel[(t, num_heads + 2 * num_kv_heads)](
             qkv, positions, q_weight, k_weight, cos_sin, kv_cache, slot_mapping, q,

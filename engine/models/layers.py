@@ -54,19 +54,25 @@ class Linear(nn.Linear):
         return fp8_scaled_rows(xq, xs, self.weight, self.weight_scale, dtype)
 
 
-def norm_then(proj: Linear, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None):
-    """``proj(norm(x [+ residual]))`` and the new residual (``x`` when there is none yet): one
+def norm_then(proj: Linear, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None,
+              residual_out: torch.Tensor | None = None):
+    """``proj(norm(x [+ residual]))`` and the new residual (``x`` when there is none yet), the
+    latter written into ``residual_out`` when given (a piecewise graph's static buffer): one
     kernel for a row when ``proj.fuse_norm``; the norm writing its rows quantized where an FP8
     projection would quantize them (:meth:`Linear.takes_quantized`); else the norm kernel and
     the projection."""
-    if proj.fuse_norm and x.shape[0] == 1:
-        return norm_gemv(x, residual, norm.weight, norm.eps, proj.weight, proj.gemv_config)
+    if residual is None and residual_out is not None:
+        x = residual_out.copy_(x)  # the first layer's residual is its input
+    elif proj.fuse_norm and x.shape[0] == 1:
+        out, residual = norm_gemv(x, residual, norm.weight, norm.eps, proj.weight,
+                                  proj.gemv_config)
+        return out, (residual if residual_out is None else residual_out.copy_(residual))
     if proj.takes_quantized(x.shape[0]):
-        xq, xs, residual = rmsnorm_quant(x, norm.weight, norm.eps, residual)
+        xq, xs, residual = rmsnorm_quant(x, norm.weight, norm.eps, residual, residual_out)
         return proj.forward_quantized(xq, xs, x.dtype), residual
     if residual is None:
         return proj(norm(x)), x
-    x, residual = norm(x, residual)
+    x, residual = norm(x, residual, residual_out)
     return proj(x), residual
 
 
@@ -105,8 +111,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        return rmsnorm(x, self.weight, self.eps, residual)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
+                residual_out: torch.Tensor | None = None):
+        return rmsnorm(x, self.weight, self.eps, residual, residual_out)
 
 
 class RotaryEmbedding(nn.Module):

@@ -53,13 +53,15 @@ class Qwen3Attention(nn.Module):
 
     # The three parts, apart for the piecewise CUDA graphs (engine.cuda_graph.MixedGraphs):
     # ``attend`` reads the step's plan and runs eagerly between the captured pieces.
-    def queries(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
+    def queries(self, positions: torch.Tensor, qkv: torch.Tensor,
+                out: torch.Tensor | None = None) -> torch.Tensor:
         """q/k norm, RoPE and the K/V store in one kernel on CUDA; the rotated ``[T, H, D]``
-        queries."""
+        queries (into ``out`` when given)."""
         return qk_norm_rope_store(qkv, positions, self.q_norm.weight,
                                   self.k_norm.weight, self.q_norm.eps, self.rope.cos_sin,
                                   self.kv_cache, get_forward_context().slot_mapping,
-                                  self.num_heads, self.num_kv_heads, self.k_scale, self.v_scale)
+                                  self.num_heads, self.num_kv_heads, self.k_scale, self.v_scale,
+                                  out=out)
 
     def attend(self, q: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         return self.backend.forward(q, self.kv_cache, get_forward_context(), self.k_scale,
@@ -100,11 +102,14 @@ class Qwen3DecoderLayer(nn.Module):
         q, residual = self.before_attention(positions, x, residual)
         return self.after_attention(self.self_attn.attend(q), residual)
 
-    def before_attention(self, positions, x, residual):
-        """Norm, qkv projection, q/k norm, RoPE, the K/V store: ``(queries, residual)``."""
+    def before_attention(self, positions, x, residual, out=None):
+        """Norm, qkv projection, q/k norm, RoPE, the K/V store: ``(queries, residual)``, written
+        into ``out = (queries, residual)`` when given (a piecewise graph's static buffers)."""
         attn = self.self_attn
-        qkv, residual = norm_then(attn.qkv_proj, self.input_layernorm, x, residual)
-        return attn.queries(positions, qkv), residual
+        q_out, residual_out = out if out is not None else (None, None)
+        qkv, residual = norm_then(attn.qkv_proj, self.input_layernorm, x, residual,
+                                  residual_out)
+        return attn.queries(positions, qkv, q_out), residual
 
     def after_attention(self, o, residual):
         """Output projection, norm, MLP: ``(x, residual)`` for the next layer."""

@@ -392,7 +392,7 @@ class LLMEngine:
             p.logprobs, p.top_ids, p.top_logprobs = (self._to_host(t) for t in (
                 p.logprobs, p.top_ids, p.top_logprobs))
             step.prompt = p
-        if due and any(s.draft_token_ids for s in due):  # every one speculates (scheduler)
+        if due and any(s.draft_token_ids for s in due):  # the others verify their one row
             drafts = [s.draft_token_ids for s in due]
             step.spec, step.tokens = verify(
                 self.sampler, logits, due, drafts, self.spec_stats, self.eos_token_ids,

@@ -124,11 +124,26 @@ class Sampler:
     def _sample(self, logits, params, generators, positions) -> torch.Tensor:
         probs = self._probs(logits, params)
         q = torch.empty_like(probs).exponential_(generator=self.generator)
-        for i, gen in enumerate(generators):
-            if gen is not None:
-                gen.manual_seed(position_seed(params[i].seed, positions[i]))
-                q[i].exponential_(generator=gen)
+        _seeded_noise(q, [(i, gen, params[i].seed, positions[i])
+                          for i, gen in enumerate(generators) if gen is not None])
         return (probs / q).argmax(dim=-1)
+
+    @staticmethod
+    def seeded_draws(probs: torch.Tensor, rows) -> torch.Tensor:
+        """Row ``i``'s draw from ``probs[i]`` with the noise a seeded request's token at
+        ``position`` is drawn with (``rows``: ``(generator, seed, position)`` per row): the
+        token :meth:`__call__` draws there from the same distribution."""
+        q = torch.empty_like(probs)
+        _seeded_noise(q, [(i, *row) for i, row in enumerate(rows)])
+        return (probs / q).argmax(dim=-1)
+
+
+def _seeded_noise(q: torch.Tensor, rows) -> None:
+    """Fill row ``i`` of ``q`` with Exp(1) noise from ``generator`` seeded by (seed, position),
+    for each ``(i, generator, seed, position)``."""
+    for i, gen, seed, position in rows:
+        gen.manual_seed(position_seed(seed, position))
+        q[i].exponential_(generator=gen)
 
 
 def processed(logits: torch.Tensor, seqs, prev_tokens: torch.Tensor | None,

@@ -59,7 +59,6 @@ from dataclasses import dataclass, field
 
 from engine.kv_cache_manager import KVCacheManager
 from engine.sequence import FinishReason, Sequence, SequenceStatus
-from engine.spec_decode import speculates
 
 
 @dataclass
@@ -207,24 +206,13 @@ class Scheduler:
             i += 1
         if not batch.preempted:
             self._admit_waiting(batch, budget)
-        if self.propose is not None:
-            self._verify_all_or_none(batch)
         return batch
-
-    @staticmethod
-    def _verify_all_or_none(batch: ScheduledBatch) -> None:
-        """A step verifies proposals only when every sequence in it speculates (its sampling is
-        one the verification reproduces: engine.spec_decode.speculates); else none does."""
-        if any(s.draft_token_ids for s in batch.seqs) and not all(map(speculates, batch.seqs)):
-            for i, seq in enumerate(batch.seqs):
-                batch.num_new_tokens[i] -= len(seq.draft_token_ids)
-                seq.draft_token_ids = []
 
     def _proposals(self, seq: Sequence, n: int, budget: int) -> list[int]:
         """Tokens proposed for a decoding sequence to verify in this step: within the step's
         budget, its ``max_tokens`` and context, and the cache (none when it is not decoding)."""
         if self.propose is None or n != 1 or seq.num_pending \
-                or seq.num_computed_tokens + 1 != seq.num_tokens or not speculates(seq):
+                or seq.num_computed_tokens + 1 != seq.num_tokens:
             return []
         room = min(budget - 1, seq.params.max_tokens - seq.num_output_tokens - 1,
                    (self.max_model_len or seq.num_tokens + budget) - seq.num_tokens - 1)

@@ -16,11 +16,13 @@ is certain (``q`` is one-hot), so it is kept with probability ``p(d)`` and the r
 without ``d``; so is a greedy draft model's. Each emitted token so follows the target's
 distribution.
 
-Which sequences speculate: those whose sampling the verification reproduces exactly as it is
-written here: those without a per-request seed (a grammar masks each row and the logits
-processors apply to it with the proposals before it in the history; logprobs are taken from the
-verification's rows: :func:`verified_logprobs`); a step verifies proposals only when every
-sequence in it speculates, and otherwise decodes one token a sequence as before. The stop
+Every sequence speculates: a grammar masks each row and the logits processors apply to it with
+the proposals before it in the history; logprobs are taken from the verification's rows
+(:func:`verified_logprobs`). A request with a per-request seed draws each row with the noise its
+token at that position is drawn with one token a step (``engine.sampler``: seeded by (seed,
+position)), and a proposal is kept when that draw is the proposal: the same tokens as without
+speculation, so a seeded request stays reproducible whether speculation is on or off, and a
+certain proposal is kept with probability ``p(d)``, as rejection sampling keeps it. The stop
 conditions are checked token by token, so a sequence stops at the first stop token or length it
 reaches within a step.
 
@@ -202,11 +204,6 @@ class NgramProposer:
         return []
 
 
-def speculates(seq: Sequence) -> bool:
-    """Whether ``seq``'s sampling is one :func:`verify` reproduces (see the module)."""
-    return seq.params.seed is None
-
-
 class _RowView:
     """A verification row's sequence for the logits processors: ``seq`` followed by the
     proposals before the row (what its history is if they are kept)."""
@@ -255,7 +252,7 @@ def verify(sampler, logits: torch.Tensor, seqs: list[Sequence], drafts: list[lis
     counts = [1 + len(d) for d in drafts]
     params = [s.params for s, c in zip(seqs, counts) for _ in range(c)]
     device = logits.device
-    starts = accumulate(counts[:-1], initial=0)
+    starts = list(accumulate(counts[:-1], initial=0))
     entries = [(row, s.matcher, d) for row, s, d in zip(starts, seqs, drafts)
                if s.matcher is not None]
     masks = grammars.verify_bitmasks(len(params), entries) if entries else None
@@ -278,6 +275,14 @@ def verify(sampler, logits: torch.Tensor, seqs: list[Sequence], drafts: list[lis
         kept = draft_rows & (uniform < p_draft)
         residual = torch.where(draft_rows[:, None], probs.scatter(1, at, 0.0), probs)
         drawn = sampler.draw(residual)
+        seeded = [(row + i, (s.generator, s.params.seed, s.num_tokens + i))
+                  for row, s, d in zip(starts, seqs, drafts) if s.generator is not None
+                  for i in range(len(d) + 1)]
+        if seeded:  # each row drawn with the noise of its token's position: kept if it agrees
+            at_rows = torch.tensor([r for r, _ in seeded], device=device)
+            own = sampler.seeded_draws(probs[at_rows], [draw for _, draw in seeded])
+            drawn[at_rows] = own
+            kept[at_rows] = draft_rows[at_rows] & (own == proposed[at_rows])
         row_ids = drawn
     kept, drawn = kept.tolist(), drawn.tolist()
     out, row = [], 0

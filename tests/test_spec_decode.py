@@ -239,19 +239,40 @@ def test_the_draft_beside_an_fp8_cache_and_the_host_tier(kw):
 
 
 @METHODS
-def test_prefix_hits_and_a_request_that_does_not_speculate_keep_the_tokens(spec, noise):
+def test_prefix_hits_and_a_seeded_request_keep_the_tokens(spec, noise):
     prompts = _prompts()
     ref, _ = _run(prompts, spec=None)
     llm = _speculating(spec, noise)
     assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == ref
     again = llm.generate(prompts, GREEDY)  # every prompt a prefix hit now
     assert [o.token_ids for o in again] == ref and again[0].num_cached_tokens > 0
-    # a per-request seed: that request decodes one token a step, and so do the others beside it
+    # a per-request seed (greedy here): it speculates too, with the same tokens
     seeded = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, seed=3)
     drafted = llm.engine.spec_stats.num_draft_tokens
     outs = llm.generate(prompts, [seeded] + [GREEDY] * (len(prompts) - 1))
     assert [o.token_ids for o in outs] == ref
-    assert llm.engine.spec_stats.num_draft_tokens == drafted
+    assert llm.engine.spec_stats.num_draft_tokens > drafted
+
+
+@METHODS
+def test_seeded_sampling_speculates_with_the_tokens_of_one_token_a_step(spec, noise):
+    """A seeded request draws each verification row with the noise of its token's position, so
+    its tokens are those it gets without speculation (reproducible either way), beside
+    unseeded sampled requests and greedy ones in the same steps; proposals are kept."""
+    prompts = _prompts()
+    params = [SamplingParams(temperature=t, top_p=p, max_tokens=40, ignore_eos=True, seed=s)
+              for t, p, s in ((0.8, 1.0, 11), (0.5, 0.9, 12), (1.0, 1.0, 13), (0.7, 1.0, 14),
+                              (0.9, 0.95, 15))]
+    ref, _ = _run(prompts, params, spec=None)
+    got, engine = _run(prompts, params, spec=spec, noise=noise)
+    assert got == ref
+    stats = engine.spec_stats
+    assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens > 0
+    mixed = params[:2] + [SamplingParams(temperature=0.8, max_tokens=40, ignore_eos=True)] \
+        + [GREEDY] * 2
+    got, _ = _run(prompts, mixed, spec=spec, noise=noise)
+    ref, _ = _run(prompts, mixed, spec=None)
+    assert got[:2] == ref[:2] and got[3:] == ref[3:]  # the unseeded one: its own draws
 
 
 @METHODS

@@ -117,7 +117,8 @@ def _options(engine: LLMEngine) -> dict:
     mixed = engine.runner.mixed
     return {"weights": engine.weights_name, "kv_cache": str(engine.runner.kv_dtype)[6:],
             "tensor_parallel_size": engine.config.tensor_parallel_size,
-            "graph_max_tokens": mixed.max_tokens if mixed else 0}
+            "graph_max_tokens": mixed.max_tokens if mixed else 0,
+            "lm_head": "fp8" if engine.model.lm_head_fp8 is not None else "bf16"}
 
 
 def onerow(model: str, batches=(1, 64)) -> dict:
@@ -575,6 +576,7 @@ def main() -> None:
     ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
     ap.add_argument("--decode-tensor-cores", choices=["auto", "on", "off"], default="auto")
     ap.add_argument("--tensor-parallel-size", type=int, default=1)
+    ap.add_argument("--fp8-lm-head", action="store_true", help="the engine's fp8_lm_head")
     ap.add_argument("--cuda-graph-max-tokens", type=int, default=None,
                     help="the engine's cuda_graph_max_tokens (default: the engine's default)")
     ap.add_argument("--prefill-lengths", default="1024,2048,8192",
@@ -587,6 +589,8 @@ def main() -> None:
                                                "off": False}[args.decode_tensor_cores])
     if args.cuda_graph_max_tokens is not None:
         ENGINE_OPTIONS["cuda_graph_max_tokens"] = args.cuda_graph_max_tokens
+    if args.fp8_lm_head:
+        ENGINE_OPTIONS["fp8_lm_head"] = True
     ceil = ceilings()
     rows = [{"task": "ceilings", **ceil}]
     print(json.dumps(rows[0]), flush=True)

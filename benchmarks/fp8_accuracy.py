@@ -3,6 +3,9 @@ have random weights).
 
     python -m benchmarks.fp8_accuracy --models dummy:Qwen3-0.6B dummy:Qwen3-8B --formats
 
+``--lm-head``: what ``fp8_lm_head`` costs on top of FP8 weights, per model (and per checkpoint
+format with ``--formats``).
+
 ``sizes``: for each model, the next-token distribution at every position of 32 prompts of 64
 tokens, bf16 weights against FP8 weights quantized at load (``quantization="fp8"``): mean KL
 divergence KL(bf16 || fp8) and top-1 agreement. ``--kv-cache-dtype fp8`` adds the FP8 cache to
@@ -90,9 +93,27 @@ def sizes(models, kv_cache_dtype: str) -> list[dict]:
     return rows
 
 
-def formats(model: str = "dummy:Qwen3-0.6B") -> list[dict]:
+def lm_head(models) -> list[dict]:
+    """``fp8_lm_head``'s own cost: FP8 weights with the bf16 head against the same with the FP8
+    head, and bf16 against FP8 weights with either head."""
+    rows = []
+    for model in models:
+        prompts = _prompts(151936)
+        bf16 = _logprobs(model, prompts)
+        fp8 = _logprobs(model, prompts, quantization="fp8")
+        head = _logprobs(model, prompts, quantization="fp8", fp8_lm_head=True)
+        for what, ref, got in (("fp8 weights: bf16 head -> fp8 head", fp8, head),
+                               ("bf16 -> fp8 weights, bf16 head", bf16, fp8),
+                               ("bf16 -> fp8 weights, fp8 head", bf16, head)):
+            rows.append({"model": model, "compare": what, **compare(ref, got)})
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def formats(model: str = "dummy:Qwen3-0.6B", fp8_lm_head: bool = False) -> list[dict]:
     """Write ``model``'s random weights as the two FP8 checkpoint formats and as bf16
-    checkpoints of their dequantized weights; compare each pair."""
+    checkpoints of their dequantized weights; compare each pair (``fp8_lm_head``: and each FP8
+    checkpoint with its bf16 head against the same with the FP8 head)."""
     from safetensors.torch import save_file
 
     from engine.loader import load_model
@@ -132,11 +153,16 @@ def formats(model: str = "dummy:Qwen3-0.6B") -> list[dict]:
             (folder / "config.json").write_text(json.dumps(
                 {**raw, **({"quantization_config": qcfg} if qcfg else {})}))
         prompts = _prompts(source.config.vocab_size)
-        row = {"format": name, "model": model,
-               **compare(_logprobs(str(tmp / "ref"), prompts),
-                         _logprobs(str(tmp / "fp8"), prompts))}
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+        native = _logprobs(str(tmp / "fp8"), prompts)
+        rows.append({"format": name, "model": model,
+                     **compare(_logprobs(str(tmp / "ref"), prompts), native)})
+        if fp8_lm_head:
+            rows.append({"format": name, "model": model,
+                         "compare": "bf16 head -> fp8 head",
+                         **compare(native, _logprobs(str(tmp / "fp8"), prompts,
+                                                     fp8_lm_head=True))})
+        for row in rows[-1 - fp8_lm_head:]:
+            print(json.dumps(row), flush=True)
     return rows
 
 
@@ -162,12 +188,18 @@ def main() -> None:
     ap.add_argument("--models", nargs="+", default=["dummy:Qwen3-0.6B", "dummy:Qwen3-8B"])
     ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
     ap.add_argument("--formats", action="store_true")
+    ap.add_argument("--lm-head", action="store_true",
+                    help="what fp8_lm_head costs: per model, and per checkpoint format with "
+                         "--formats (instead of the sizes comparison)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    result = {"gpu": torch.cuda.get_device_name(), "sizes": sizes(args.models,
-                                                                  args.kv_cache_dtype)}
+    result = {"gpu": torch.cuda.get_device_name()}
+    if args.lm_head:
+        result["lm_head"] = lm_head(args.models)
+    else:
+        result["sizes"] = sizes(args.models, args.kv_cache_dtype)
     if args.formats:
-        result["formats"] = formats()
+        result["formats"] = formats(fp8_lm_head=args.lm_head)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
 

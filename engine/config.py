@@ -167,6 +167,11 @@ class EngineConfig(BaseModel):
     # FP8 weights: "fp8" quantizes a bf16 checkpoint at load (per-channel scales); an FP8
     # checkpoint (Qwen's or compressed-tensors) is detected from config.json with no flag.
     quantization: Literal["fp8"] | None = None
+    # The LM head in FP8 too (per-channel e4m3, quantized at load; the bf16 head stays for the
+    # embedding it may share): logits of one row read half the bytes (8B: ~0.2 ms of a ~4 ms
+    # step). Off by default: it moves the next-token distribution (KL in docs/benchmarks.md).
+    # Needs FP8 matmuls (CUDA, compute capability 8.9+, bf16).
+    fp8_lm_head: bool = False
     # The KV cache's element type: "auto" is the compute dtype; "fp8" (= "fp8_e4m3") stores
     # e4m3 with a per-layer scale (the checkpoint's k_scale/v_scale, else 1.0, as vLLM).
     kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3"] = "auto"

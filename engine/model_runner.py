@@ -23,7 +23,7 @@ from engine.models.qwen3 import Qwen3ForCausalLM
 from engine.scheduler import ScheduledBatch
 from engine.uploads import host_tensor, upload
 from kernels._triton import triton as _triton
-from kernels.fp8 import FP8, fp8_gemv_config
+from kernels.fp8 import FP8, fp8_gemv_config, fp8_supported
 from kernels.gemv import NORM_FUSE_MAX_K, config_for
 
 log = logging.getLogger(__name__)
@@ -53,6 +53,12 @@ class ModelRunner:
         draft model's, engine.draft_model), counted when the blocks are sized from memory."""
         self.model, self.config, self.device, self.dtype = model, config, device, dtype
         self.extra_block_bytes = extra_block_bytes
+        if config.fp8_lm_head:
+            if not (fp8_supported(device) and dtype == torch.bfloat16):
+                raise ValueError("fp8_lm_head: needs FP8 matmuls (CUDA, compute capability "
+                                 f"8.9 or later, bf16); this engine runs {str(dtype)[6:]} on "
+                                 f"{device}")
+            model.quantize_lm_head()
         cfg = model.config
         self.block_size = config.block_size
         self.max_model_len = max_model_len

@@ -236,6 +236,22 @@ def test_norm_and_silu_hand_an_fp8_projection_rows_quantized_as_it_would():
                                                 None))
 
 
+def test_the_fp8_lm_head_needs_fp8_matmuls_and_computes_from_the_rounded_head():
+    """``fp8_lm_head`` is refused where there are no FP8 matmuls (here: float32 on the CPU), and
+    the logits it gives are those of the e4m3 head (as W8A8 computes them), near the head's."""
+    with pytest.raises(ValueError, match="fp8_lm_head: needs FP8 matmuls"):
+        LLM("tiny", show_progress=False, fp8_lm_head=True)
+    model = LLM("tiny", show_progress=False).engine.model
+    hidden = torch.randn(3, model.config.hidden_size, generator=torch.Generator().manual_seed(2))
+    exact = model.compute_logits(hidden)
+    model.quantize_lm_head()
+    w, scale = model.lm_head_fp8
+    assert w.dtype == FP8 and scale.shape == (model.config.vocab_size, 1)
+    got = model.compute_logits(hidden)
+    assert torch.equal(got, w8a8_reference(hidden, w, scale).float())
+    assert ((got - exact).norm() / exact.norm()) < 0.08
+
+
 # -- the FP8 KV cache -------------------------------------------------------------------------
 def test_fp8_kv_cache_halves_block_bytes_and_keeps_prefix_hits_exact():
     fp32 = LLM("tiny", kv_cache_memory_gb=0.01)

@@ -12,6 +12,7 @@ from engine.models.layers import Linear, RMSNorm, RotaryEmbedding, embedding, no
 from engine.parallel import all_gather_last, all_reduce, split, tp
 from kernels import qk_norm_rope_store, silu_and_mul
 from kernels.activation import silu_and_mul_quant
+from kernels.fp8 import fp8_gemv_config, fp8_linear, quantize_per_channel
 from kernels.gemv import GemvConfig, gemv
 
 # checkpoint name fragment -> (our packed parameter fragment, shard index)
@@ -150,15 +151,27 @@ class Qwen3ForCausalLM(nn.Module):
                         else Linear(cfg.hidden_size, split(cfg.vocab_size, "vocabulary"),
                                     bias=False))
         self.lm_head_gemv: GemvConfig | None = None  # one-row logits through the skinny matmul
+        # fp8_lm_head: (e4m3 weight, per-row scales) of this rank's vocabulary rows
+        self.lm_head_fp8: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.lm_head_fp8 is not None:
+            w, scale = self.lm_head_fp8
+            one_row = fp8_gemv_config(*w.shape) if self.lm_head_gemv is not None else None
+            return all_gather_last(fp8_linear(hidden, w, scale, None, one_row).float(),
+                                   self.group)
         weight = self.lm_head_weight
         if self.lm_head_gemv is not None and hidden.shape[0] == 1:
             return all_gather_last(gemv(hidden, weight, self.lm_head_gemv).float(), self.group)
         return all_gather_last(torch.nn.functional.linear(hidden, weight).float(), self.group)
+
+    def quantize_lm_head(self) -> None:
+        """``fp8_lm_head``: logits from an e4m3 copy of the head with one scale per vocabulary
+        row (the one-row FP8 kernel for a row, W8A8 for more, as the projections)."""
+        self.lm_head_fp8 = quantize_per_channel(self.lm_head_weight)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:

@@ -12,8 +12,10 @@
 #    (`.../v1/completions`, `.../v1/chat/completions`) is answered 429 with Retry-After by
 #    HAProxy itself, at once, while the backend already holds the app's bound of open requests.
 #    The bound and the Retry-After come from the map file `baton-bounds.map` beside the config
-#    (`<backend> <bound>:<retry-after seconds>`), which the app's ingress replicas keep
-#    (router/ingress/haproxy.py); a backend without an entry refuses nothing here. On two
+#    (`<backend> <bound>:<retry-after seconds>:<until>`), which the app's ingress replicas keep
+#    (router/ingress/haproxy.py) and renew every second; an entry past its `until` (epoch
+#    seconds: no live replica renews it, e.g. an app that is gone) and a backend without one
+#    refuse nothing here. On two
 #    saturated cores the ingress's own door answered 1.8-3.7 s after the request was sent,
 #    because its HTTP server reached the request only then.
 config=""
@@ -45,7 +47,8 @@ if [ -n "$config" ] && [ -w "$config" ]; then
       for name in $backends; do
         entry="str($name),map($bounds)"
         echo "    http-request set-var(txn.baton_bound) $entry,field(1,:) if baton_generation is_$name"
-        printf '    http-request return status 429 content-type application/json lf-string "{\\"error\\":{\\"message\\":\\"the server is at capacity (%%[be_conn(%s)] requests open); retry after %%[%s,field(2,:)] s\\",\\"type\\":\\"overloaded_error\\",\\"code\\":429}}" hdr retry-after "%%[%s,field(2,:)]" if baton_generation is_%s { var(txn.baton_bound) -m found } { be_conn(%s),sub(txn.baton_bound) ge 0 }\n' \
+        echo "    http-request set-var(txn.baton_until) $entry,field(3,:) if baton_generation is_$name"
+        printf '    http-request return status 429 content-type application/json lf-string "{\\"error\\":{\\"message\\":\\"the server is at capacity (%%[be_conn(%s)] requests open); retry after %%[%s,field(2,:)] s\\",\\"type\\":\\"overloaded_error\\",\\"code\\":429}}" hdr retry-after "%%[%s,field(2,:)]" if baton_generation is_%s { var(txn.baton_bound) -m found } { date,neg,add(txn.baton_until) gt 0 } { be_conn(%s),sub(txn.baton_bound) ge 0 }\n' \
           "$name" "$entry" "$entry" "$name" "$name"
       done
     } > "$rules"

@@ -124,7 +124,9 @@ def test_haproxy_refuses_beyond_the_published_bound_at_once(tmp_path, binary):
             assert time.time() < deadline, "HAProxy did not come up"
             time.sleep(0.2)
         asyncio.run(publisher.tick())
-        assert read_map((tmp_path / MAP_NAME).read_text()) == {"http-app": "2:3"}
+        entry = read_map((tmp_path / MAP_NAME).read_text())["http-app"]
+        value, retry, until = entry.split(":")
+        assert (value, retry) == ("2", "3") and 0 < int(until) - time.time() <= 3
 
         def post(path):
             t0 = time.time()
@@ -151,6 +153,13 @@ def test_haproxy_refuses_beyond_the_published_bound_at_once(tmp_path, binary):
         with ThreadPoolExecutor(4) as pool:
             codes = [r[0] for r in pool.map(post, ["/v1/completions"] * 4)]
         assert codes == [200] * 4
+
+        bound["value"] = 1  # an entry nobody renews lapses (an app gone, another of its name)
+        asyncio.run(publisher.tick())
+        time.sleep(3.2)
+        with ThreadPoolExecutor(3) as pool:
+            codes = [r[0] for r in pool.map(post, ["/v1/completions"] * 3)]
+        assert codes == [200] * 3
     finally:
         proxy.terminate()
         proxy.wait(timeout=10)
@@ -158,6 +167,6 @@ def test_haproxy_refuses_beyond_the_published_bound_at_once(tmp_path, binary):
 
 
 def test_read_map_takes_files_and_show_map_answers():
-    assert read_map("a 1:2\n# note\nb 3:1\n") == {"a": "1:2", "b": "3:1"}
-    assert read_map("0x55d0 http-app 320:1\n\n") == {"http-app": "320:1"}
+    assert read_map("a 1:2:9\n# note\nb 3:1:9\n") == {"a": "1:2:9", "b": "3:1:9"}
+    assert read_map("0x55d0 http-app 320:1:9\n\n") == {"http-app": "320:1:9"}
     assert json.dumps(read_map("")) == "{}"

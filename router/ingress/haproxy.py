@@ -3,10 +3,12 @@ then refuses what is beyond it itself (429 with Retry-After, in well under a mil
 
 On a local cluster HAProxy runs through ``deploy/haproxy_local.sh``, which adds to each app
 backend of the HTTP frontend a rule refusing a generation request while the backend holds as
-many open requests as the entry ``<backend> <bound>:<retry-after>`` of the map file
-``baton-bounds.map`` beside the config says. Each ingress replica keeps that entry for its own
-backend (the one listing it as a server): the bound is what the door admits (the decode pool's
-live replicas x their ongoing and queued bounds, :meth:`RequestService.pool_bound`), the
+many open requests as the entry ``<backend> <bound>:<retry-after>:<until>`` of the map file
+``baton-bounds.map`` beside the config says, until ``until`` (epoch seconds). Each ingress
+replica renews that entry for its own backend (the one listing it as a server) every second,
+``until`` a few seconds ahead, so an entry nobody renews (an app shut down, whose successor of
+the same name must not inherit its bound) lapses: the bound is what the door admits (the decode
+pool's live replicas x their ongoing and queued bounds, :meth:`RequestService.pool_bound`), the
 Retry-After the router's. It writes the file (kept across HAProxy's reloads) and the running
 HAProxy's copy (the runtime API's ``set map``/``add map``/``del map`` over the admin socket);
 every replica of the app writes the same values. Where the config has no such rules (a cluster
@@ -18,12 +20,14 @@ import asyncio
 import logging
 import os
 import re
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 log = logging.getLogger(__name__)
 MAP_NAME = "baton-bounds.map"
 EVERY_S = 1.0
+LEASE_S = 3  # how long past its last renewal an entry holds
 CLI_TIMEOUT_S = 2.0
 
 
@@ -127,7 +131,8 @@ class HAProxyBound:
         if not backends:
             return
         bound = self.bound()
-        value = f"{bound}:{self.retry_after}" if bound else None
+        until = int(time.time()) + LEASE_S
+        value = f"{bound}:{self.retry_after}:{until}" if bound else None
         self._write_file(bounds, backends, value)
         running = read_map(await cli(socket, f"show map {bounds}"))
         for backend in backends:

@@ -240,8 +240,8 @@ def test_the_fp8_lm_head_needs_fp8_matmuls_and_computes_from_the_rounded_head():
     """``fp8_lm_head`` is refused where there are no FP8 matmuls (here: float32 on the CPU), and
     the logits it gives are those of the e4m3 head (as W8A8 computes them), near the head's."""
     with pytest.raises(ValueError, match="fp8_lm_head: needs FP8 matmuls"):
-        LLM("tiny", show_progress=False, fp8_lm_head=True)
-    model = LLM("tiny", show_progress=False).engine.model
+        LLM("tiny", device="cpu", show_progress=False, fp8_lm_head=True)
+    model = LLM("tiny", device="cpu", show_progress=False).engine.model
     hidden = torch.randn(3, model.config.hidden_size, generator=torch.Generator().manual_seed(2))
     exact = model.compute_logits(hidden)
     model.quantize_lm_head()

@@ -122,6 +122,7 @@ def fp8_gemv_reference(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
 
 # -- Triton kernels ---------------------------------------------------------------------------
 if triton is not None:
+    from kernels.gemv import row_input
     @triton.jit
     def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, stride_s,
                               GROUP: tl.constexpr, GROUPS_PER_ROW: tl.constexpr):
@@ -140,7 +141,7 @@ if triton is not None:
     def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, stride_wn, stride_sn,
                          BLOCK_SCALE: tl.constexpr, GROUP_N: tl.constexpr,
                          GROUP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         EVEN_K: tl.constexpr):
+                         EVEN_K: tl.constexpr, SILU: tl.constexpr):
         """``y = x @ (w * scale).T`` for one row: each program streams BLOCK_N whole rows of the
         FP8 weight. Block format: BLOCK_N divides GROUP_N, so a program's rows share one row
         of tiles, and the scale of each K position folds into x."""
@@ -152,17 +153,16 @@ if triton is not None:
         tile_row = (pid * BLOCK_N) // GROUP_N
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
+            x = row_input(x_ptr, k0, cols, K, SILU, EVEN_K)
             if EVEN_K:
                 w = tl.load(w_ptrs + k0, mask=rmask[:, None], other=0.0,
                             eviction_policy="evict_first")
-                x = tl.load(x_ptr + k0 + cols).to(tl.float32)
                 if BLOCK_SCALE:
                     x *= tl.load(s_ptr + tile_row * stride_sn + (k0 + cols) // GROUP_K)
             else:
                 kmask = k0 + cols < K
                 w = tl.load(w_ptrs + k0, mask=rmask[:, None] & kmask[None, :], other=0.0,
                             eviction_policy="evict_first")
-                x = tl.load(x_ptr + k0 + cols, mask=kmask, other=0.0).to(tl.float32)
                 if BLOCK_SCALE:
                     x *= tl.load(s_ptr + tile_row * stride_sn + (k0 + cols) // GROUP_K,
                                  mask=kmask, other=0.0)
@@ -263,10 +263,17 @@ def quantize_rows(x: torch.Tensor, group: int | None = None):
 
 def fp8_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
              block: tuple[int, int] | None = None,
-             config: GemvConfig = GemvConfig(block_n=4, block_k=2048)) -> torch.Tensor:
-    """One row ``x`` ``[1, K]`` (bf16/fp16) times an FP8 weight: ``[1, N]`` in x's dtype."""
-    if not (use_triton(x) and x.dim() == 2 and x.shape[0] == 1 and x.stride(1) == 1
-            and w.stride(1) == 1):
+             config: GemvConfig = GemvConfig(block_n=4, block_k=2048),
+             silu: bool = False) -> torch.Tensor:
+    """One row ``x`` ``[1, K]`` (bf16/fp16) times an FP8 weight: ``[1, N]`` in x's dtype.
+    ``silu``: ``x`` is a packed ``[gate | up]`` row ``[1, 2K]``, its SiLU-and-multiply computed
+    in the kernel (as :func:`kernels.gemv.gemv` does)."""
+    supported = (use_triton(x) and x.dim() == 2 and x.shape[0] == 1 and x.stride(1) == 1
+                 and w.stride(1) == 1)
+    if silu and not (supported and x.shape[1] == 2 * w.shape[1]):
+        from kernels.activation import silu_and_mul
+        return fp8_gemv(silu_and_mul(x), w, scale, block, config)
+    if not supported:
         return fp8_gemv_reference(x, w, scale, block)
     n, k = w.shape
     group_n, group_k = block if block is not None else (config.block_n, k)
@@ -277,7 +284,7 @@ def fp8_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
     _fp8_gemv_kernel[(triton.cdiv(n, config.block_n),)](
         x, w, scale, y, n, k, w.stride(0), scale.stride(0), BLOCK_SCALE=block is not None,
         GROUP_N=group_n, GROUP_K=group_k, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        EVEN_K=k % config.block_k == 0, num_warps=config.num_warps,
+        EVEN_K=k % config.block_k == 0, SILU=silu, num_warps=config.num_warps,
         num_stages=config.num_stages)
     return y
 

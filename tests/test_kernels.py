@@ -131,6 +131,29 @@ def test_gemv_triton_matches_reference(rows, shape):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(1024, 3072), (4096, 12288), (300, 1000)])  # N, K (odd K)
+def test_one_row_kernels_with_the_silu_folded_in_equal_silu_then_the_kernel(shape):
+    """The down projection of one row computing the SiLU-and-multiply of its ``[gate | up]``
+    input itself: the same output as the SiLU kernel then the projection, bf16 and FP8 (both
+    weight formats)."""
+    from kernels import silu_and_mul
+    from kernels.fp8 import fp8_gemv, fp8_gemv_config, quantize_per_block, quantize_per_channel
+    from kernels.gemv import config_for, gemv
+    n, k = shape
+    g = torch.Generator(device="cuda").manual_seed(n)
+    gate_up = torch.randn(1, 2 * k, device="cuda", generator=g).to(torch.bfloat16) * 3
+    w = (torch.randn(n, k, device="cuda", generator=g) * 0.05).to(torch.bfloat16)
+    act = silu_and_mul(gate_up)
+    assert torch.equal(gemv(gate_up, w, config_for(n, k), silu=True),
+                       gemv(act, w, config_for(n, k)))
+    cfg = fp8_gemv_config(n, k)
+    for q, s, block in ((*quantize_per_channel(w), None),
+                        (*quantize_per_block(w, (128, 128)), (128, 128))):
+        assert torch.equal(fp8_gemv(gate_up, q, s, block, cfg, silu=True),
+                           fp8_gemv(act, q, s, block, cfg))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("with_residual", [True, False])
 @pytest.mark.parametrize("shape", [(4096, 1024), (1000, 1000)])  # N, K
 def test_norm_gemv_triton_matches_reference(with_residual, shape):

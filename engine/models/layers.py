@@ -8,7 +8,7 @@ from torch import nn
 
 from engine.parallel import all_reduce, split, tp
 from kernels import rmsnorm
-from kernels.fp8 import fp8_linear, fp8_scaled_rows, takes_quantized_rows
+from kernels.fp8 import fp8_gemv, fp8_linear, fp8_scaled_rows, takes_quantized_rows
 from kernels.norm import rmsnorm_quant
 from kernels.gemv import GemvConfig, gemv, norm_gemv
 
@@ -40,6 +40,14 @@ class Linear(nn.Linear):
         if self.gemv_config is not None and x.shape[0] == 1:
             return gemv(x, self.weight, self.gemv_config)
         return nn.functional.linear(x, self.weight, self.bias)
+
+    def forward_silu(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """The forward of one row's SiLU-and-multiply of a packed ``[gate | up]`` row, the
+        activation computed inside the one-row kernel (only where ``gemv_config`` is set)."""
+        if self.weight_scale is not None:
+            return fp8_gemv(gate_up, self.weight, self.weight_scale, self.fp8_block,
+                            self.gemv_config, silu=True)
+        return gemv(gate_up, self.weight, self.gemv_config, silu=True)
 
     def takes_quantized(self, rows: int) -> bool:
         """Whether this FP8 projection would quantize ``rows`` rows per token itself: then the

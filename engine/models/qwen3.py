@@ -13,7 +13,7 @@ from engine.parallel import all_gather_last, all_reduce, split, tp
 from kernels import qk_norm_rope_store, silu_and_mul
 from kernels.activation import silu_and_mul_quant
 from kernels.fp8 import fp8_gemv_config, fp8_linear, quantize_per_channel
-from kernels.gemv import GemvConfig, gemv
+from kernels.gemv import SILU_FUSE_MAX_K, GemvConfig, gemv
 
 # checkpoint name fragment -> (our packed parameter fragment, shard index)
 PACKED_MODULES = {
@@ -82,9 +82,14 @@ class Qwen3MLP(nn.Module):
         self.shard_sizes = (inter, inter)
 
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """From the packed gate/up projection (run by the layer, like ``qkv_proj``); the SiLU
-        kernel writes its rows quantized where the FP8 down projection would quantize them."""
+        """From the packed gate/up projection (run by the layer, like ``qkv_proj``): for one row
+        of a small model the down projection's kernel computes the SiLU-and-multiply itself
+        (``kernels.gemv.SILU_FUSE_MAX_K``); for more rows, the SiLU kernel writes its rows
+        quantized where the FP8 down projection would quantize them."""
         down = self.down_proj
+        if (down.gemv_config is not None and gate_up.shape[0] == 1
+                and down.weight.shape[1] <= SILU_FUSE_MAX_K):  # one row: in the kernel
+            return all_reduce(down.forward_silu(gate_up), self.group)
         if down.takes_quantized(gate_up.shape[0]):
             xq, xs = silu_and_mul_quant(gate_up)
             return all_reduce(down.forward_quantized(xq, xs, gate_up.dtype), self.group)

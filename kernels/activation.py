@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels._triton import tl, triton, use_triton
-from kernels.fp8 import FP8, quantize_rows_reference
+from kernels.fp8_base import FP8, quantize_rows_reference
 
 
 def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:

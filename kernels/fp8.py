@@ -26,11 +26,10 @@ import torch
 import torch.nn.functional as F
 
 from kernels._triton import tl, triton, use_triton
+from kernels.activation import silu_and_mul
+from kernels.fp8_base import FP8, FP8_MAX, quantize_rows_reference, to_fp8  # noqa: F401
+from kernels.fp8_base import MIN_SCALE as _MIN_SCALE
 from kernels.gemv import GemvConfig
-
-FP8 = torch.float8_e4m3fn
-FP8_MAX = float(torch.finfo(FP8).max)  # 448
-_MIN_SCALE = 1e-12
 
 
 def fp8_supported(device: torch.device) -> bool:
@@ -40,11 +39,6 @@ def fp8_supported(device: torch.device) -> bool:
 
 
 # -- quantization and its inverse (torch; also the references) --------------------------------
-def to_fp8(x: torch.Tensor) -> torch.Tensor:
-    """Round to e4m3, saturating at ±448 (e4m3fn has no infinity)."""
-    return x.clamp(-FP8_MAX, FP8_MAX).to(FP8)
-
-
 def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``[N, K]`` → e4m3 weight and ``[N, 1]`` float32 scales (amax of each row / 448)."""
     wf = w.float()
@@ -80,21 +74,6 @@ def dequantize(w: torch.Tensor, scale: torch.Tensor,
         return wf * expand_block_scale(scale.float(), w.shape, block)
     scale = scale.float()
     return wf * (scale.reshape(-1, 1) if scale.numel() > 1 else scale.reshape(()))
-
-
-def quantize_rows_reference(x: torch.Tensor, group: int | None = None):
-    """Dynamic activation scales: one per row (``group=None``) or per 1×``group`` slice of a
-    row. Returns e4m3 ``[M, K]`` and float32 scales ``[M, 1]`` or ``[M, ceil(K/group)]``."""
-    m, k = x.shape
-    xf = x.float()
-    if group is None:
-        scale = (xf.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=_MIN_SCALE)
-        return to_fp8(xf / scale), scale
-    groups = -(-k // group)
-    padded = F.pad(xf, (0, groups * group - k)).view(m, groups, group)
-    scale = (padded.abs().amax(dim=2) / FP8_MAX).clamp(min=_MIN_SCALE)
-    q = to_fp8(padded / scale[:, :, None]).view(m, groups * group)[:, :k]
-    return q.contiguous(), scale
 
 
 def w8a8_reference(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
@@ -271,7 +250,6 @@ def fp8_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
     supported = (use_triton(x) and x.dim() == 2 and x.shape[0] == 1 and x.stride(1) == 1
                  and w.stride(1) == 1)
     if silu and not (supported and x.shape[1] == 2 * w.shape[1]):
-        from kernels.activation import silu_and_mul
         return fp8_gemv(silu_and_mul(x), w, scale, block, config)
     if not supported:
         return fp8_gemv_reference(x, w, scale, block)

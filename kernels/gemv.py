@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels._triton import tl, triton, use_triton
+from kernels.activation import silu_and_mul
 from kernels.norm import rmsnorm_reference
 
 MAX_ROWS = 8
@@ -167,7 +168,6 @@ def gemv(x: torch.Tensor, w: torch.Tensor, config: GemvConfig = GemvConfig(),
     """``x @ w.T``; ``silu`` (one row): ``x`` is a packed ``[gate | up]`` row and the product is
     of its SiLU-and-multiply, computed in the kernel (no launch of its own)."""
     if silu and not (gemv_supported(x, w) and x.shape[0] == 1 and x.shape[1] == 2 * w.shape[1]):
-        from kernels.activation import silu_and_mul
         return gemv(silu_and_mul(x), w, config)
     if not gemv_supported(x, w):
         return gemv_reference(x, w)

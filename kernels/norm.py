@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from kernels._triton import num_warps_for, tl, triton, use_triton
+from kernels.fp8_base import FP8, quantize_rows_reference
 
 
 def rmsnorm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -72,8 +73,6 @@ def rmsnorm_quant_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
     """The normed rows quantized per row for an FP8 projection: ``(q, scale, new_residual)``
     (``new_residual`` is ``x`` without a residual), what :func:`rmsnorm` then
     ``kernels.fp8.quantize_rows`` give."""
-    from kernels.fp8 import quantize_rows_reference  # kernels.fp8 imports this module
-
     out = rmsnorm_reference(x, weight, eps, residual)
     normed, res = out if residual is not None else (out, x)
     return (*quantize_rows_reference(normed), res)
@@ -94,8 +93,6 @@ def rmsnorm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 
 def _launch(x, weight, eps, residual, quant: bool, residual_out=None):
-    from kernels.fp8 import FP8
-
     rows, n = x.shape
     out = torch.empty((rows, n), dtype=FP8 if quant else x.dtype, device=x.device)
     if residual is None:

@@ -73,9 +73,13 @@ def shutdown_serve(timeout_s: float = 90.0) -> None:
     from ray._private import state
 
     def leftovers() -> list[str]:
+        # the proxy too (HAProxyManager): a serve.start while the old one is still being
+        # killed takes it as its own (same name) and then sees it die (CI: "ActorDiedError:
+        # HAProxyManager ... killed by ray.kill" in the next test's serve.start)
         return [f"{a['ActorClassName']}:{a['State']}:{a.get('Pid')}"
                 for a in state.actors().values()
-                if a["State"] != "DEAD" and "Serve" in a["ActorClassName"]]
+                if a["State"] != "DEAD" and ("Serve" in a["ActorClassName"]
+                                             or "Proxy" in a["ActorClassName"])]
 
     serve.shutdown()
     total = ray.cluster_resources().get("CPU", 0.0)

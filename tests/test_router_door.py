@@ -248,16 +248,20 @@ def test_beyond_the_open_bound_a_generation_request_is_refused_at_the_door(monke
 
 
 def test_the_door_bound_is_this_replicas_share_of_the_decode_pool():
+    """The app's bound (HAProxy's, router.ingress.haproxy) is what the live decode replicas
+    hold; the door's is this ingress replica's share of it."""
     from types import SimpleNamespace
 
     from router.ingress.service import RequestService
     svc = SimpleNamespace(_decode_replicas=SimpleNamespace(value=3), _per_decode_replica=320,
                           _ingress_replicas=2)
+    svc.pool_bound = lambda: RequestService.pool_bound(svc)
+    assert RequestService.pool_bound(svc) == 960
     assert RequestService.open_limit(svc) == 480
     svc._decode_replicas.value = 0  # none listed (starting, or all gone): no bound
-    assert RequestService.open_limit(svc) is None
+    assert RequestService.open_limit(svc) is None and RequestService.pool_bound(svc) is None
     svc._decode_replicas = None  # early refusal off
-    assert RequestService.open_limit(svc) is None
+    assert RequestService.open_limit(svc) is None and RequestService.pool_bound(svc) is None
 
 
 # -- what a failure says ----------------------------------------------------------------------

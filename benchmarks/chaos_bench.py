@@ -88,11 +88,13 @@ def kill_under_steady_load(url: str, args, prompts, role: str) -> dict:
         return sorted(r["ttft"] * 1e3 for r in rs if r.get("ttft") is not None)
 
     out = {"requests": len(recs), "failed": sum(1 for r in recs if r["error"]),
+           "failed_sent_after_kill": sum(1 for r in after if r["error"]),
            "refused": sum(1 for r in recs if (r["error"] or "").startswith("HTTP 429")),
            "ttft_before_ms": ttfts(before), "ttft_after_ms": ttfts(after),
            "first_error": next((r["error"] for r in recs if r["error"]), None)}
     a, b = out["ttft_after_ms"] or [float("nan")], out["ttft_before_ms"] or [float("nan")]
-    print(f"requests {len(recs)}, failed {out['failed']} ({out['refused']} refused; first: "
+    print(f"requests {len(recs)}, failed {out['failed']} ({out['failed_sent_after_kill']} sent "
+          f"after the kill, {out['refused']} refused; first: "
           f"{out['first_error']}); TTFT before the kill p50 {statistics.median(b):.0f} ms; "
           f"after: p50 {statistics.median(a):.0f} ms, max {max(a):.0f} ms", flush=True)
     return {**out, "cut_short": 0}

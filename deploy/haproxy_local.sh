@@ -7,7 +7,11 @@
 # 1. Loopback. The template binds the stats and metrics listeners to every interface
 #    (`bind *:PORT`, `bind :PORT`) and has no setting for their host. When the app's HTTP
 #    frontend listens on a loopback address, bind those two there as well (a frontend on any
-#    other address, a cluster's 0.0.0.0, leaves them as Ray wrote them).
+#    other address, a cluster's 0.0.0.0, leaves them as Ray wrote them). On loopback the
+#    connect timeout also becomes 250 ms (Ray's setting is whole seconds, 5 by default):
+#    HAProxy waits min(connect timeout, 1 s) before retrying a request whose server went away,
+#    so a request that met a killed ingress replica was answered by the other one after 1.0 s;
+#    a connect on one machine takes microseconds.
 # 2. Refusal at HAProxy. For each app backend of the HTTP frontend, a generation request
 #    (`.../v1/completions`, `.../v1/chat/completions`) is answered 429 with Retry-After by
 #    HAProxy itself, at once, while the backend already holds the app's bound of open requests.
@@ -30,7 +34,8 @@ if [ -n "$config" ] && [ -w "$config" ]; then
               inside && $1 == "bind" { sub(/:[0-9]+$/, "", $2); print $2; exit }' "$config")
   case "$host" in
     127.*|localhost)
-      sed -i -E "s/^([[:space:]]*bind )\*?:([0-9]+)[[:space:]]*$/\1$host:\2/" "$config" ;;
+      sed -i -E -e "s/^([[:space:]]*bind )\*?:([0-9]+)[[:space:]]*$/\1$host:\2/" \
+        -e "s/^([[:space:]]*timeout connect )[0-9]+s[[:space:]]*$/\1250ms/" "$config" ;;
   esac
   if ! grep -q "baton_generation" "$config"; then
     bounds="$(dirname "$config")/baton-bounds.map"

@@ -27,9 +27,11 @@ fixed ones, two clusters on one machine shared a fallback proxy: with apps X and
 Y's ingress replica died 55 of 190 requests sent to Y's port were answered by X. Ray's HAProxy
 template binds the stats and metrics listeners to every interface and has no setting for their
 host, so a local cluster runs HAProxy through ``deploy/haproxy_local.sh``, which binds them to
-the app's HTTP host when that is a loopback address (``baton serve``'s and the demo's default),
-and which also makes HAProxy refuse generation requests beyond the app's bound itself (a 429 in
-well under a millisecond; ``router/ingress/haproxy.py``); likewise the ingress replicas' own gRPC servers, which Serve binds to every interface
+the app's HTTP host when that is a loopback address (``baton serve``'s and the demo's default)
+and there shortens the connect timeout to 250 ms (HAProxy retries a request whose ingress
+replica died after min(connect timeout, 1 s)), and which also makes HAProxy refuse generation
+requests beyond the app's bound itself (a 429 in well under a millisecond;
+``router/ingress/haproxy.py``); likewise the ingress replicas' own gRPC servers, which Serve binds to every interface
 (``apply(host)`` sets ``BATON_GRPC_HOST``).
 """
 

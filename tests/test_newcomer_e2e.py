@@ -201,11 +201,15 @@ def test_baton_serve_tiny_streams_to_the_openai_client_and_ctrl_c_stops_it(ray_c
 def test_haproxy_wrapper_rebinds_stats_and_metrics_only_for_a_loopback_frontend(tmp_path, host,
                                                                                rebound):
     """``deploy/haproxy_local.sh`` on a config as Ray's template writes it: the two listeners
-    without a host follow a loopback HTTP frontend; a frontend on every interface leaves the
-    file as it was; the real binary then runs with the same arguments."""
+    without a host follow a loopback HTTP frontend, and its connect timeouts become 250 ms (a
+    request that met a dead server is retried after min(connect timeout, 1 s)); a frontend on
+    every interface leaves the file as it was; the real binary then runs with the same
+    arguments."""
     config = tmp_path / "haproxy.cfg"
-    text = ("frontend prometheus\n    bind :41001\n    mode http\n"
+    text = ("defaults\n    mode http\n    timeout connect 5s\n"
+            "frontend prometheus\n    bind :41001\n    mode http\n"
             f"frontend http_frontend\n    bind {host}:8000\n    mode http\n"
+            "backend http-app\n    timeout connect 5s\n"
             "listen stats\n  bind *:41002\n  stats enable\n")
     config.write_text(text)
     seen = tmp_path / "args"
@@ -219,5 +223,6 @@ def test_haproxy_wrapper_rebinds_stats_and_metrics_only_for_a_loopback_frontend(
     binds = re.findall(r"bind (\S+)", config.read_text())
     if rebound:
         assert binds == ["127.0.0.1:41001", "127.0.0.1:8000", "127.0.0.1:41002"]
+        assert re.findall(r"timeout connect (\S+)", config.read_text()) == ["250ms", "250ms"]
     else:
         assert config.read_text() == text

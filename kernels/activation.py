@@ -17,15 +17,27 @@ def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
 
 if triton is not None:
     @triton.jit
+    def silu_mul(row_ptr, cols, mask, n, EVEN: tl.constexpr):
+        """``silu(gate) * up`` at ``cols`` of a packed ``[gate | up]`` row (each ``n`` wide), in
+        the activation dtype and rounded as transformers rounds it; EVEN: no column is masked.
+        Every kernel that computes the activation (here and ``kernels.gemv``) calls this."""
+        if EVEN:
+            gate = tl.load(row_ptr + cols)
+            up = tl.load(row_ptr + n + cols)
+        else:
+            gate = tl.load(row_ptr + cols, mask=mask, other=0.0)
+            up = tl.load(row_ptr + n + cols, mask=mask, other=0.0)
+        g = gate.to(tl.float32)
+        act = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
+        return (act * up.to(tl.float32)).to(gate.dtype)
+
+    @triton.jit
     def _silu_and_mul_kernel(x_ptr, out_ptr, n, x_stride, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < n
-        gate = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)
-        up = tl.load(x_ptr + row * x_stride + n + cols, mask=mask, other=0.0)
-        g = gate.to(tl.float32)
-        act = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
-        tl.store(out_ptr + row * n + cols, (act * up.to(tl.float32)).to(gate.dtype), mask=mask)
+        y = silu_mul(x_ptr + row * x_stride, cols, mask, n, False)
+        tl.store(out_ptr + row * n + cols, y, mask=mask)
 
 
     @triton.jit
@@ -38,11 +50,7 @@ if triton is not None:
         if ONE_PASS:
             cols = tl.arange(0, BLOCK)
             mask = cols < n
-            gate = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)
-            up = tl.load(x_ptr + row * x_stride + n + cols, mask=mask, other=0.0)
-            g = gate.to(tl.float32)
-            act = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
-            y = (act * up.to(tl.float32)).to(gate.dtype).to(tl.float32)
+            y = silu_mul(x_ptr + row * x_stride, cols, mask, n, False).to(tl.float32)
             scale = tl.maximum(tl.max(tl.abs(y), axis=0) / 448.0, 1e-12)
             q = tl.clamp(y / scale, -448.0, 448.0)
             tl.store(q_ptr + row * n + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
@@ -52,21 +60,13 @@ if triton is not None:
         for start in range(0, n, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             mask = cols < n
-            gate = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)
-            up = tl.load(x_ptr + row * x_stride + n + cols, mask=mask, other=0.0)
-            g = gate.to(tl.float32)
-            act = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
-            y = (act * up.to(tl.float32)).to(gate.dtype).to(tl.float32)
+            y = silu_mul(x_ptr + row * x_stride, cols, mask, n, False).to(tl.float32)
             peak = tl.maximum(peak, tl.abs(y))
         scale = tl.maximum(tl.max(peak, axis=0) / 448.0, 1e-12)
         for start in range(0, n, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             mask = cols < n
-            gate = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)
-            up = tl.load(x_ptr + row * x_stride + n + cols, mask=mask, other=0.0)
-            g = gate.to(tl.float32)
-            act = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
-            y = (act * up.to(tl.float32)).to(gate.dtype).to(tl.float32)
+            y = silu_mul(x_ptr + row * x_stride, cols, mask, n, False).to(tl.float32)
             q = tl.clamp(y / scale, -448.0, 448.0)
             tl.store(q_ptr + row * n + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
         tl.store(s_ptr + row, scale)

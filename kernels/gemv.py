@@ -37,23 +37,19 @@ def gemv_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 if triton is not None:
+    from kernels.activation import silu_mul
+
     @triton.jit
     def row_input(x_ptr, k0, cols, K, SILU: tl.constexpr, EVEN_K: tl.constexpr):
         """A one-row kernel's input at ``k0 + cols``, in float32: ``x`` itself, or with SILU
         the SiLU-and-multiply of the packed ``[gate | up]`` row (``2K`` wide) there, rounded as
         ``kernels.activation.silu_and_mul`` rounds it (so the product is the same)."""
-        if EVEN_K:
+        if SILU:
+            x = silu_mul(x_ptr + k0, cols, k0 + cols < K, K, EVEN_K)
+        elif EVEN_K:
             x = tl.load(x_ptr + k0 + cols)
         else:
             x = tl.load(x_ptr + k0 + cols, mask=k0 + cols < K, other=0.0)
-        if SILU:
-            if EVEN_K:
-                up = tl.load(x_ptr + K + k0 + cols)
-            else:
-                up = tl.load(x_ptr + K + k0 + cols, mask=k0 + cols < K, other=0.0)
-            g = x.to(tl.float32)
-            act = (g / (1.0 + tl.exp(-g))).to(x.dtype).to(tl.float32)
-            x = (act * up.to(tl.float32)).to(x.dtype)
         return x.to(tl.float32)
 
     @triton.jit

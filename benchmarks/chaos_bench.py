@@ -17,6 +17,8 @@ the requests sent after the kill (median and the slowest), against those sent be
 decode replica (``--decode-replicas 1``) that is the only decode replica's death, which the
 prefill replica covers by decoding whole requests. ``--disaggregation`` sets where
 prompts are prefilled (``always``: every one handed over, the case a dead prefill replica hurts).
+``--burst N``: besides the steady arrivals, N requests sent at once right after the kill (the
+moment when a new request can still meet the dying replica).
 """
 
 from __future__ import annotations
@@ -71,7 +73,15 @@ def kill_under_steady_load(url: str, args, prompts, role: str) -> dict:
             os.kill(replica_pids(role)[0], signal.SIGKILL)
             killed_at = time.perf_counter()
             print(f"SIGKILL {role} replica", flush=True)
-        rec = {"sent": time.perf_counter()}
+            for _ in range(args.burst):
+                rec = {"sent": time.perf_counter(), "sent_at": time.time()}
+                recs.append(rec)
+                th = threading.Thread(target=first_token, args=(
+                    url, prompts[i % len(prompts)], args.output_len, rec, args.timeout))
+                th.start()
+                threads.append(th)
+                i += 1
+        rec = {"sent": time.perf_counter(), "sent_at": time.time()}
         recs.append(rec)
         th = threading.Thread(target=first_token, args=(url, prompts[i % len(prompts)],
                                                         args.output_len, rec, args.timeout))
@@ -91,7 +101,9 @@ def kill_under_steady_load(url: str, args, prompts, role: str) -> dict:
            "failed_sent_after_kill": sum(1 for r in after if r["error"]),
            "refused": sum(1 for r in recs if (r["error"] or "").startswith("HTTP 429")),
            "ttft_before_ms": ttfts(before), "ttft_after_ms": ttfts(after),
-           "first_error": next((r["error"] for r in recs if r["error"]), None)}
+           "first_error": next((r["error"] for r in recs if r["error"]), None),
+           "failures": [{"sent_after_kill_s": round(r["sent"] - killed_at, 4),
+                         "sent_at": r["sent_at"], "error": r["error"]} for r in recs if r["error"]]}
     a, b = out["ttft_after_ms"] or [float("nan")], out["ttft_before_ms"] or [float("nan")]
     print(f"requests {len(recs)}, failed {out['failed']} ({out['failed_sent_after_kill']} sent "
           f"after the kill, {out['refused']} refused; first: "
@@ -118,6 +130,8 @@ def main() -> None:
                    help="--kill decode under steady arrivals (as --kill prefill always is)")
     p.add_argument("--rate", type=float, default=3.0, help="steady load: requests per second")
     p.add_argument("--seconds", type=float, default=30.0, help="steady load: how long")
+    p.add_argument("--burst", type=int, default=0,
+                   help="steady load: requests sent at once right after the kill")
     p.add_argument("--disaggregation", choices=["auto", "always", "never"], default="always")
     p.add_argument("--json", default=None)
     args = p.parse_args()

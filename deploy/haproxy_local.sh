@@ -22,6 +22,13 @@
 #    refuse nothing here. On two
 #    saturated cores the ingress's own door answered 1.8-3.7 s after the request was sent,
 #    because its HTTP server reached the request only then.
+# 3. Retries that work (on any frontend address). Ray's `retry-on conn-failure empty-response`
+#    (deploy/ray_env.py) resends a request whose ingress replica closed the connection without
+#    answering (it was killed) to another replica, but HAProxy can resend only a request it
+#    still holds whole: without `option http-buffer-request` on the HTTP frontend it forwards
+#    the request before its body is in the buffer and answers 502 instead (measured: requests
+#    sent within ~30 ms of an ingress replica's SIGKILL got 502 or a connection closed without
+#    a response; with the option, every one was answered by the other replica).
 config=""
 previous=""
 for arg in "$@"; do
@@ -37,6 +44,9 @@ if [ -n "$config" ] && [ -w "$config" ]; then
       sed -i -E -e "s/^([[:space:]]*bind )\*?:([0-9]+)[[:space:]]*$/\1$host:\2/" \
         -e "s/^([[:space:]]*timeout connect )[0-9]+s[[:space:]]*$/\1250ms/" "$config" ;;
   esac
+  if ! grep -q "option http-buffer-request" "$config"; then
+    sed -i -E "s/^(frontend http_frontend)[[:space:]]*$/\1\n    option http-buffer-request/" "$config"
+  fi
   if ! grep -q "baton_generation" "$config"; then
     bounds="$(dirname "$config")/baton-bounds.map"
     [ -e "$bounds" ] || : > "$bounds"

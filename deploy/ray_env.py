@@ -5,7 +5,8 @@
   ("direct ingress"). Serve's Python proxy otherwise relays every streamed chunk as a Ray
   message, which caps a node at a few thousand chunks per second.
 - ``RAY_SERVE_HAPROXY_RETRY_ON=conn-failure empty-response``: HAProxy also retries, on another
-  ingress replica, a request whose replica closed the connection without answering (it died).
+  ingress replica, a request whose replica closed the connection without answering (it died);
+  it can resend only a request it holds whole, which ``deploy/haproxy_local.sh`` makes so.
 - ``RAY_SERVE_THROUGHPUT_OPTIMIZED=1``: Serve's own throughput profile (user code on the
   replica's event loop, gRPC between handles and replicas, direct ingress).
 - ``RAY_SERVE_GRPC_MAX_MESSAGE_SIZE=4194304``: the gRPC port refuses a message over 4 MiB

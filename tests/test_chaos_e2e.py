@@ -13,6 +13,7 @@ import os
 import signal
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
@@ -27,6 +28,7 @@ from deploy.ray_env import free_port
 pytestmark = pytest.mark.e2e
 PROMPTS = random_prompts([10 + 3 * i for i in range(6)], vocab=512, seed=91)
 MAX_TOKENS = 400
+BURST = 12  # new requests sent at once right after an ingress replica's death
 PARAMS = [dict(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)] * 4 + \
          [dict(temperature=0.9, seed=11 + i, max_tokens=MAX_TOKENS, ignore_eos=True)
           for i in range(2)]
@@ -307,18 +309,19 @@ def test_killing_an_ingress_replica_cuts_only_its_own_streams(ray_cluster, expec
         routers = _pids("Router")
         assert len(routers) == 2
         os.kill(routers[0], signal.SIGKILL)
-        t0, ok, slow_failures = time.time(), 0, []
-        while ok < 3 and time.time() - t0 < 10:  # new requests while the killed one is down
-            t1 = time.time()
-            body = requests.post(f"{url}/v1/completions", timeout=30,
-                                 json={"prompt": PROMPTS[0], **PARAMS[0], "max_tokens": 4})
-            ok = ok + 1 if body.status_code == 200 else 0
-            if body.status_code != 200 and time.time() - t1 > 2:
-                slow_failures.append((body.status_code, body.text))
+        t0 = time.time()
+        # New requests in the moment of the death (those sent within ~30 ms of it met the dead
+        # replica: before deploy/haproxy_local.sh buffered requests, 1-6 of 16 such got a 502
+        # or a connection closed without a response, every time): each is answered, by the
+        # other replica, at once.
+        with ThreadPoolExecutor(BURST) as pool:
+            answers = list(pool.map(lambda _: requests.post(
+                f"{url}/v1/completions", timeout=30,
+                json={"prompt": PROMPTS[0], **PARAMS[0], "max_tokens": 4}), range(BURST)))
         waited = time.time() - t0
-        # HAProxy may answer a request caught in the moment of the death with a fast 500
-        # (docs/serving.md); none waits for the restart, and none fails slowly.
-        assert ok == 3 and not slow_failures
+        assert [a.status_code for a in answers] == [200] * BURST, \
+            [a.text[:200] for a in answers if a.status_code != 200]
+        assert all(a.json()["choices"][0]["token_ids"] == expected[0][:4] for a in answers)
         for t in threads:
             t.join(timeout=150)
         cut = [i for i, e in enumerate(errors) if e]

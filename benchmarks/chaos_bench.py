@@ -67,27 +67,25 @@ def first_token(url: str, prompt: list[int], max_tokens: int, rec: dict, timeout
 def kill_under_steady_load(url: str, args, prompts, role: str) -> dict:
     """Steady arrivals; SIGKILL of the role's (first) replica a third of the way in."""
     recs, threads = [], []
-    t0, killed_at, i = time.perf_counter(), None, 0
+    t0, killed_at = time.perf_counter(), None
+
+    def send() -> None:  # the next prompt, on a thread of its own
+        prompt = prompts[len(recs) % len(prompts)]
+        rec = {"sent": time.perf_counter(), "sent_at": time.time()}
+        recs.append(rec)
+        th = threading.Thread(target=first_token,
+                              args=(url, prompt, args.output_len, rec, args.timeout))
+        th.start()
+        threads.append(th)
+
     while time.perf_counter() - t0 < args.seconds:
         if killed_at is None and time.perf_counter() - t0 >= args.seconds / 3:
             os.kill(replica_pids(role)[0], signal.SIGKILL)
             killed_at = time.perf_counter()
             print(f"SIGKILL {role} replica", flush=True)
             for _ in range(args.burst):
-                rec = {"sent": time.perf_counter(), "sent_at": time.time()}
-                recs.append(rec)
-                th = threading.Thread(target=first_token, args=(
-                    url, prompts[i % len(prompts)], args.output_len, rec, args.timeout))
-                th.start()
-                threads.append(th)
-                i += 1
-        rec = {"sent": time.perf_counter(), "sent_at": time.time()}
-        recs.append(rec)
-        th = threading.Thread(target=first_token, args=(url, prompts[i % len(prompts)],
-                                                        args.output_len, rec, args.timeout))
-        th.start()
-        threads.append(th)
-        i += 1
+                send()
+        send()
         time.sleep(1 / args.rate)
     for th in threads:
         th.join(timeout=args.timeout)

@@ -243,8 +243,9 @@ def run_served(args, host_gb: float) -> dict:
                                 first = time.perf_counter() - t0
                                 rec["first"] = time.time()
                             answer += choice.get("token_ids") or []
-                        rec["timing"] = (event.get("usage") or {}).get("timing", rec["timing"])
-                        transfer = (event.get("usage") or {}).get("kv_transfer") or {}
+                        usage = event.get("usage") or {}
+                        rec["timing"] = usage.get("timing", rec["timing"])
+                        transfer = usage.get("kv_transfer") or {}
                         blocks += transfer.get("blocks_sent", 0) if isinstance(transfer, dict) \
                             else 0
             except (requests.RequestException, ValueError) as exc:

@@ -1,8 +1,8 @@
 #!/bin/sh
 # HAProxy as a Baton cluster runs it: a one-machine cluster (deploy/ray_env.py names this
-# script in RAY_SERVE_HAPROXY_BINARY_PATH) and every node of cluster.yaml's. Ray Serve starts HAProxy as `haproxy -db -f CONFIG [...]`,
-# at first and at every reload, from a template this script edits before running the real
-# HAProxy (BATON_HAPROXY_BINARY) with the same arguments:
+# script in RAY_SERVE_HAPROXY_BINARY_PATH) and every node of cluster.yaml's. Ray Serve starts
+# HAProxy as `haproxy -db -f CONFIG [...]`, at first and at every reload, from a template this
+# script edits before running the real HAProxy (BATON_HAPROXY_BINARY) with the same arguments:
 #
 # 1. Loopback. The template binds the stats and metrics listeners to every interface
 #    (`bind *:PORT`, `bind :PORT`) and has no setting for their host. When the app's HTTP

@@ -56,6 +56,7 @@ backend http-app
 
 class Slow(BaseHTTPRequestHandler):
     hold_s = HOLD_S
+
     def _answer(self):
         length = int(self.headers.get("content-length") or 0)
         self.rfile.read(length)
@@ -71,6 +72,23 @@ class Slow(BaseHTTPRequestHandler):
 
     def log_message(self, *args):
         pass
+
+
+class Quick(Slow):
+    hold_s = 0.0
+
+
+def until_answered(url: str) -> None:
+    """Wait (30 s at most) until HAProxy is up and answers ``url`` with 200."""
+    deadline = time.time() + 30
+    while True:
+        try:
+            if requests.get(url, timeout=5).status_code == 200:
+                return
+        except requests.ConnectionError:
+            pass
+        assert time.time() < deadline, "HAProxy did not come up"
+        time.sleep(0.2)
 
 
 @pytest.fixture
@@ -115,15 +133,7 @@ def test_haproxy_refuses_beyond_the_published_bound_at_once(tmp_path, binary):
     publisher = HAProxyBound(lambda: bound["value"], 3.0, REPLICA,
                              (tmp_path / "admin.sock", config))
     try:
-        deadline = time.time() + 30
-        while True:  # HAProxy up and its health check has marked the server UP
-            try:
-                if requests.get(f"{url}/v1/models", timeout=5).status_code == 200:
-                    break
-            except requests.ConnectionError:
-                pass
-            assert time.time() < deadline, "HAProxy did not come up"
-            time.sleep(0.2)
+        until_answered(f"{url}/v1/models")  # its health check has marked the server UP
         asyncio.run(publisher.tick())
         entry = read_map((tmp_path / MAP_NAME).read_text())["http-app"]
         value, retry, until = entry.split(":")
@@ -184,8 +194,7 @@ def test_a_request_whose_ingress_dies_before_answering_is_answered_by_the_other(
         "empty-response\n    option redispatch 1\n", 1)
     text = text.replace(f"{live_port} check", f"{live_port}")  # no health checks: every
     config.write_text(text)  # other request meets the dead one
-    Slow.hold_s = 0.0
-    live = ThreadingHTTPServer(("127.0.0.1", live_port), Slow)
+    live = ThreadingHTTPServer(("127.0.0.1", live_port), Quick)
     threading.Thread(target=live.serve_forever, daemon=True).start()
     dead = socket.create_server(("127.0.0.1", dead_port))
 
@@ -203,14 +212,8 @@ def test_a_request_whose_ingress_dies_before_answering_is_answered_by_the_other(
                              env={**os.environ, "BATON_HAPROXY_BINARY": binary},
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        url, deadline = f"http://127.0.0.1:{port}", time.time() + 30
-        while True:
-            try:
-                requests.get(f"{url}/-/healthz", timeout=5)
-                break
-            except requests.ConnectionError:
-                assert time.time() < deadline, "HAProxy did not come up"
-                time.sleep(0.2)
+        url = f"http://127.0.0.1:{port}"
+        until_answered(f"{url}/-/healthz")
         codes = [requests.post(f"{url}/v1/completions", json={"prompt": list(range(200))},
                                timeout=30).status_code for _ in range(20)]
         assert codes == [200] * 20
@@ -220,7 +223,6 @@ def test_a_request_whose_ingress_dies_before_answering_is_answered_by_the_other(
         proxy.wait(timeout=10)
         live.shutdown()
         dead.close()
-        Slow.hold_s = HOLD_S
 
 
 def test_read_map_takes_files_and_show_map_answers():

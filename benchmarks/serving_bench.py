@@ -342,7 +342,11 @@ def breakdown(records: list[dict]) -> dict[str, float]:
         add("client -> ingress", r["sent"], rt["received"])
         add("ingress: validate, submit", rt["received"], rt["submitted"])
         add("Serve call -> decode", rt["submitted"], dt["received"])
-        if dt["prefill_called"]:
+        if dt.get("first_token_by_prefill"):  # no room here: queued, its first token made there
+            add("decode: no room, queue here", dt["received"], dt["queued"])
+            add("first-token call to prefill", dt["prefill_called"], dt["prefill_returned"])
+            add("decode: publish that token", dt["prefill_returned"], dt["first_token"])
+        elif dt["prefill_called"]:
             add("decode: reserve, lease", dt["received"], dt["prefill_called"])
             add("prefill call (prefill + push)", dt["prefill_called"], dt["prefill_returned"])
             if pt := dt.get("prefill"):  # the call's parts, as the prefill replica saw them

@@ -3,7 +3,9 @@
 Per request, over Serve calls (placement, routing, cancellation, errors):
     ingress → decode:  :class:`GenerateRequest`  (the call returns nothing; a lost replica or a
                        fault of the server comes back as the call's exception)
-    decode → prefill:  :class:`PrefillRequest`   →  :class:`PrefillResult` once the KV is pushed
+    decode → prefill:  :class:`PrefillRequest`   →  :class:`PrefillResult` once the KV is pushed;
+                       :class:`FirstTokenRequest` → :class:`PrefillResult` (no KV moved): a
+                       decode replica with no room yet has its first token made there
 Per engine step, over the token channel (:mod:`contracts.token_channel`):
     decode → ingress:  :class:`TokenDelta` of every request of that ingress, in one frame;
                        after a request's last delta, its :class:`GenerateResult` (usage,
@@ -84,6 +86,9 @@ class DecodeTiming:
     prefill_returned: float = 0.0  # disaggregated: its result came back (KV pushed)
     first_token: float = 0.0  # the first token left in a frame
     finished: float = 0.0
+    # no room here yet: the first token came from a prefill replica (prefill_called/returned:
+    # that call), the prompt queued here meanwhile
+    first_token_by_prefill: bool = False
 
 
 @dataclass
@@ -149,9 +154,19 @@ class PrefillRequest:
     peer: EndpointInfo  # the decode replica's endpoint
 
 
+@dataclass(frozen=True)
+class FirstTokenRequest:
+    """A prompt's first token only: computed and sampled, no KV kept or pushed."""
+
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+    request_id: str
+
+
 @dataclass
 class PrefillResult:
-    """What a prefill replica returns once it has pushed a request's KV."""
+    """What a prefill replica returns once it has pushed a request's KV (or, for a
+    :class:`FirstTokenRequest`, once it has sampled the first token: ``stats`` None)."""
 
     request_id: str
     first_token: int

@@ -85,7 +85,8 @@ class StreamedRequests:
             log_timeline(rid, outcome, timing, prefilled, None, placement)
             raise
         timing.first_token, timing.finished = route.first_at, time.time()
-        if placement.where == LOCAL and timing.first_token and timing.queued:
+        if placement.where == LOCAL and timing.first_token and timing.queued and \
+                not timing.first_token_by_prefill:
             self._prefilled_here(len(prompt) - last.num_cached_tokens,
                                  timing.first_token - timing.queued)
         log_timeline(rid, last.finish_reason, timing, prefilled, last.num_output_tokens,
@@ -120,6 +121,8 @@ def log_timeline(rid: str, outcome: str | None, timing: DecodeTiming,
     if not TIMELINE.isEnabledFor(logging.INFO):
         return
     where = f"prefilled here ({placement.reason})" if timing.queued else "not prefilled"
+    if timing.first_token_by_prefill:
+        where += ", its first token by a prefill replica"
     if prefilled is not None:
         st = prefilled.stats
         where = (f"prefilled remotely in {prefilled.prefill_seconds * 1e3:.1f} ms, "

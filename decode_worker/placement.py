@@ -19,6 +19,11 @@ Modes (``disaggregation.mode``):
   prefilling here stretches every running stream's step, where a hand-over costs only this
   request's first token.
 
+A prompt to be handed over that finds no room here (its blocks or a sequence slot short) is
+queued here instead (reason ``no_room``); with ``first_token_while_queued`` (the default) a
+prefill replica makes its first token meanwhile, published at once, so a full decode pool delays
+the second token, not the first.
+
 In every mode, once a prefill call has found its replica dead, prompts are prefilled here until
 a prefill replica answers again (``prefill_down``): Serve goes on routing calls to a dead
 replica for seconds, until its controller notices.
@@ -61,6 +66,11 @@ class DisaggregationConfig(BaseModel):
     # longer (its decode step and each prompt token's cost, measured: engine.step_cost). None:
     # no target (Dynamo's rule alone).
     itl_target_ms: float | None = Field(None, gt=0)
+    # A prompt to be handed over that finds no room here (blocks or sequence slots short) is
+    # queued here; with this on, a prefill replica also makes its first token meanwhile, which
+    # is published at once (vLLM's order: the first token does not wait for the decode side's
+    # room). The prompt is computed here once room frees, as a preempted request's is.
+    first_token_while_queued: bool = True
 
 
 ALWAYS = DisaggregationConfig(mode="always")  # every prompt handed over (tests, tools)

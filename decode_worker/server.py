@@ -12,7 +12,9 @@ token → after each engine step the publisher packs that step's tokens, one fra
 replica, on the engine thread → once the request has ended, its :class:`GenerateResult` follows
 its last tokens on the same connection (the Serve call returns nothing). In colocated mode, when
 blocks cannot be reserved right now, or when the prefill replica refuses the call (its queue is
-full) or is gone, the request is prefilled here.
+full) or is gone, the request is prefilled here. When blocks cannot be reserved right now, a
+prefill replica still makes the first token (``FirstTokenRequest``, no KV moved), published at
+once while the prompt waits here for room (``first_token_while_queued``).
 
 Each hand-over is one state machine, :class:`~decode_worker.handover.HandOver`, advanced on the
 engine thread (:mod:`decode_worker.handover`); this side keeps, per request, that machine's
@@ -27,8 +29,8 @@ from __future__ import annotations
 import asyncio
 import time
 
-from contracts.messages import (DecodeTiming, GenerateRequest, PrefillRequest, PrefillResult,
-                                serve_logger)
+from contracts.messages import (DecodeTiming, FirstTokenRequest, GenerateRequest,
+                                PrefillRequest, PrefillResult, serve_logger)
 from contracts.streamed import LOCAL, REMOTE, Placement, StreamedRequests
 from contracts.token_channel import TokenPublisher
 from contracts.metrics import EngineMetrics, PlacementMetrics, TransferMetrics, replica_id
@@ -43,6 +45,7 @@ from kvtransfer.directory import PeerDirectory, Publisher
 
 log = serve_logger(__name__)
 COLOCATED = Placement(LOCAL, "colocated")
+NO_ROOM = Placement(LOCAL, "no_room")  # to be handed over, but blocks or slots are short here
 PROBE_INTERVAL_S = 0.5  # while no prefill replica answers: how often to ask again
 PROBE_TIMEOUT_S = 1.0
 # A prefill call silent this long makes the replica ask whether the prefill pool is gone for
@@ -106,6 +109,7 @@ class DecodeServer(StreamedRequests):
                                           PROBE_INTERVAL_S)
         self.endpoint = self.handovers = None
         self._calls: dict[str, tuple] = {}  # request id -> (its hand-over, its prefill call)
+        self._early: dict[str, asyncio.Future] = {}  # request id -> its first-token call (no room)
         if prefill is not None:
             self.endpoint = endpoint_for(self.aengine.engine.kv_cache_spec(), backend, polled=True,
                                          **endpoint_kwargs)
@@ -159,10 +163,12 @@ class DecodeServer(StreamedRequests):
         request is prefilled here: decided so (it is queued here already), no blocks could be
         reserved right now, or the prefill replica could not deliver."""
         rid = req.request_id
-        placement, h = await self._place(prompt, req.params, rid, timing)
+        placement, h, uncached = await self._place(prompt, req.params, rid, timing)
         if h is None:
+            if placement is NO_ROOM and self.placer.config.first_token_while_queued:
+                self._early[rid] = asyncio.ensure_future(
+                    self._first_token_by_prefill(req, prompt, uncached, timing))
             return None, placement
-        uncached = len(prompt) - h.dest.num_present_tokens
         timing.prefill_called = time.time()
         call = asyncio.ensure_future(self.prefill.prefill.remote(  # a Serve response
             PrefillRequest(tuple(prompt), req.params, h.dest, self.endpoint.info())))
@@ -176,10 +182,11 @@ class DecodeServer(StreamedRequests):
                         Placement(LOCAL, "prefill_unavailable"))
 
     async def _place(self, prompt: list[int], params: SamplingParams, rid: str,
-                     timing: DecodeTiming) -> tuple[Placement, object | None]:
+                     timing: DecodeTiming) -> tuple[Placement, object | None, int]:
         """One engine command: where the prompt is prefilled (its uncached part against the
         local queue, :class:`~decode_worker.placement.Placer`), then either queued here or its
-        blocks reserved and leased for a hand-over (``(placement, hand-over)``)."""
+        blocks reserved and leased for a hand-over (``(placement, hand-over, uncached
+        tokens)``)."""
         deadline = time.time() + self.timeout_s
         loop = asyncio.get_running_loop()
 
@@ -191,13 +198,55 @@ class DecodeServer(StreamedRequests):
             if placement.where == REMOTE:
                 h = self.handovers.reserve(engine, prompt, params, rid, deadline, loop)
                 if h is not None:
-                    return placement, h
-                placement = Placement(LOCAL, "no_room")  # blocks or slots short right now
+                    return placement, h, len(prompt) - h.dest.num_present_tokens
+                placement = NO_ROOM  # blocks or slots short right now
             engine.add_request(prompt, params, rid)
             timing.queued = time.time()
-            return placement, None
+            return placement, None, uncached
 
         return await self._request_command(rid, place)
+
+    async def _first_token_by_prefill(self, req: GenerateRequest, prompt: list[int],
+                                      uncached: int, timing: DecodeTiming) -> None:
+        """No room here: the prompt waits in the local queue while a prefill replica makes its
+        first token, published at once unless the request has started here by then (its own
+        first token then comes from this engine). A call that fails changes nothing: the
+        prompt is computed here as it would have been."""
+        rid = req.request_id
+        called = time.time()
+        self.placer.sent(uncached)
+        delivered = False
+        try:
+            result = await asyncio.wait_for(asyncio.ensure_future(self.prefill.first_token.remote(
+                FirstTokenRequest(tuple(prompt), req.params, rid))), self.timeout_s)
+            delivered = True
+        except Exception as exc:  # noqa: BLE001 - the local prefill goes on
+            if replica_gone(exc):
+                self._prefill_down()
+            log.info("request %s: no first token from a prefill replica (%s); it comes from "
+                     "here", rid, type(exc).__name__)
+            return
+        finally:
+            self.placer.answered(uncached, delivered)
+        returned = time.time()
+
+        def take(engine):  # on the engine thread: published before any later step's tokens
+            out = engine.take_first_token(rid, result.first_token, result.first_logprob,
+                                          result.first_top_logprobs)
+            if out is not None:  # the request's timing tells of this call only if it counted
+                timing.first_token_by_prefill = True
+                timing.prefill_called, timing.prefill_returned = called, returned
+                timing.prefill = result.timing
+                self.publisher.publish([out])
+
+        await self.aengine.call(take)
+
+    async def generate(self, req: GenerateRequest):
+        try:
+            return await super().generate(req)
+        finally:  # its first token came from here first: the prefill replica's is not needed
+            if (early := self._early.pop(req.request_id, None)) is not None:
+                early.cancel()
 
     async def _request_command(self, rid: str, fn):
         """``fn(engine)`` on the engine thread for request ``rid``; if this caller goes away
@@ -314,6 +363,8 @@ class DecodeServer(StreamedRequests):
         if self.handovers is None:
             self.aengine.abort(request_id)
             return
+        if (early := self._early.pop(request_id, None)) is not None:
+            early.cancel()
         h, call = self._calls.pop(request_id, (None, None))
         if self.aengine.error is not None:
             return

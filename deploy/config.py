@@ -8,7 +8,7 @@
     transfer: KV-transfer backend and deadline
     admission: when overload is refused (``retry_after_s``)
     disaggregation: where each request is prefilled (``mode``: auto, always, never;
-              ``max_local_prefill_length``, ``itl_target_ms``)
+              ``max_local_prefill_length``, ``itl_target_ms``, ``first_token_while_queued``)
 A prefill:decode ratio change is ``prefill.num_replicas`` / ``decode.num_replicas``, or, with a
 role's ``autoscaling_config`` (Ray Serve's fields; Baton's policies by default,
 ``deploy.autoscaling``), a range the load moves each pool in.

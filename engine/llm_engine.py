@@ -45,7 +45,7 @@ from engine.outputs import RequestOutput, TopLogprobs
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
-from engine.sequence import FinishReason, Sequence
+from engine.sequence import FinishReason, Sequence, SequenceStatus
 from engine.spec_decode import (PROBE_SEQS, NgramProposer, SpecController, SpecStats,
                                 verified_logprobs, verify)
 from engine.step_cost import StepCost
@@ -249,13 +249,37 @@ class LLMEngine:
         seq = self.scheduler.transferring.get(request_id)
         if seq is None:
             raise KeyError(f"request {request_id!r} has no reserved blocks")
-        if not 0 <= first_token < self.vocab_size:
-            raise BadRequest(f"first_token: {first_token} is outside the vocabulary")
+        self._check_token(first_token)
         self.scheduler.admit_transferred(seq)
-        self.updater.append(seq, first_token)
+        return self._take(seq, first_token, first_logprob, first_top)
+
+    def take_first_token(self, request_id: str, first_token: int,
+                         first_logprob: float | None = None,
+                         first_top: TopLogprobs | None = None) -> RequestOutput | None:
+        """A request still queued here, none of it computed, takes the first token another
+        engine sampled for its prompt (a decode replica with no room yet: the prefill replica's
+        answer is published at once). The request then waits as a preempted one does, its
+        prompt and that token to be computed here. None (nothing changed) when the request is
+        gone or has started here: its own first token is on the way or out."""
+        seq = self.scheduler.find(request_id)
+        if seq is None or seq.status is not SequenceStatus.WAITING or seq.num_output_tokens \
+                or seq.num_pending:
+            return None
+        self._check_token(first_token)
+        return self._take(seq, first_token, first_logprob, first_top)
+
+    def _check_token(self, token: int) -> None:
+        if not 0 <= token < self.vocab_size:
+            raise BadRequest(f"first_token: {token} is outside the vocabulary")
+
+    def _take(self, seq: Sequence, token: int, logprob: float | None,
+              top: TopLogprobs | None) -> RequestOutput:
+        """``seq`` takes a token sampled elsewhere (one that ends it finishes it here): its
+        output, with the logprobs it asked for."""
+        self.updater.append(seq, token)
         asked = seq.params.logprobs is not None
-        return self.updater.output(seq, [first_token], [first_logprob] if asked else None,
-                                   [first_top or []] if asked and seq.params.logprobs else None)
+        return self.updater.output(seq, [token], [logprob] if asked else None,
+                                   [top or []] if asked and seq.params.logprobs else None)
 
     def _fence_released_blocks(self) -> None:
         """Blocks given back since the running step was launched may still be written by it (a

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ray import serve
 
-from contracts.messages import GenerateRequest, PrefillRequest
+from contracts.messages import FirstTokenRequest, GenerateRequest, PrefillRequest
 from contracts.role import RoleDeployment
 from engine import EngineConfig
 from kvtransfer.directory import PeerDirectory
@@ -24,6 +24,9 @@ class PrefillDeployment(RoleDeployment):
 
     async def prefill(self, req: PrefillRequest):
         return await self.server.prefill(req)
+
+    async def first_token(self, req: FirstTokenRequest):
+        return await self.server.first_token(req)
 
     async def generate(self, req: GenerateRequest) -> None:
         """A whole request, decoded here while no decode replica answers the ingress; like the

@@ -21,8 +21,8 @@ from __future__ import annotations
 import asyncio
 import time
 
-from contracts.messages import (TIMELINE, PrefillRequest, PrefillResult, PrefillTiming,
-                               timeline)
+from contracts.messages import (TIMELINE, FirstTokenRequest, PrefillRequest, PrefillResult,
+                                PrefillTiming, timeline)
 from contracts.metrics import EngineMetrics, PlacementMetrics, TransferMetrics, replica_id
 from contracts.role import load_report
 from contracts.streamed import LOCAL, Placement, StreamedRequests
@@ -123,12 +123,22 @@ class PrefillServer:
             raise (PushNotStarted if transfer.handle is None else TransferError)(
                 f"push of {rid} failed: {transfer.error}")
         self._count(st)
-        return PrefillResult(
-            request_id=rid, first_token=first.new_token_ids[0],
-            first_logprob=first.new_logprobs[0] if first.new_logprobs else None,
-            num_prompt_tokens=len(req.prompt_token_ids), num_cached_tokens=first.num_cached_tokens,
-            stats=st, prefill_seconds=prefill_s, timing=timing,
-            first_top_logprobs=first.new_top_logprobs[0] if first.new_top_logprobs else None)
+        return _result(rid, req.prompt_token_ids, first, prefill_s, timing, st)
+
+    async def first_token(self, req: FirstTokenRequest) -> PrefillResult:
+        """The prompt's first token alone (a decode replica with no room for the prompt yet
+        publishes it at once and computes the prompt itself once room frees): prefilled in the
+        engine's batch like any prompt, nothing held or pushed; its full blocks stay prefix-cache
+        hits here (and in the host tier) for the next turn."""
+        rid = req.request_id
+        received, t0 = time.time(), time.perf_counter()
+        params = req.params.model_copy(update={"max_tokens": 1})
+        first = await self.aengine.run(list(req.prompt_token_ids), params, rid)
+        timing = PrefillTiming(received=received, prefilled=time.time(), replica=self.replica)
+        TIMELINE.info("request %s first token: %d prompt tokens (%d cached); %s", rid,
+                      len(req.prompt_token_ids), first.num_cached_tokens,
+                      timeline(received=received, prefilled=timing.prefilled))
+        return _result(rid, req.prompt_token_ids, first, time.perf_counter() - t0, timing)
 
     async def _first_token(self, req: PrefillRequest, rid: str, received: float, push: "_Push"):
         """The request through the engine's batch, stopped after its first token with its blocks
@@ -152,6 +162,17 @@ class PrefillServer:
             self.transfers.failed(failure)
         else:
             self.transfers.record(stats)
+
+
+def _result(rid: str, prompt, first, prefill_s: float, timing: PrefillTiming,
+            stats=None) -> PrefillResult:
+    """The answer from the engine's output of the prompt's first token."""
+    return PrefillResult(
+        request_id=rid, first_token=first.new_token_ids[0],
+        first_logprob=first.new_logprobs[0] if first.new_logprobs else None,
+        num_prompt_tokens=len(prompt), num_cached_tokens=first.num_cached_tokens,
+        stats=stats, prefill_seconds=prefill_s, timing=timing,
+        first_top_logprobs=first.new_top_logprobs[0] if first.new_top_logprobs else None)
 
 
 class _Push:

@@ -21,7 +21,8 @@ from engine import EngineConfig, SamplingParams
 class PrefillHandle:
     """Stands in for the prefill deployment's handle in one process: ``.prefill.remote(req)``
     runs ``server.prefill`` after ``delay`` seconds (or raises ``fail``; ``hang`` never
-    answers)."""
+    answers); ``.first_token.remote(req)`` runs ``server.first_token`` alike (counted in
+    ``first_token_calls``)."""
 
     def __init__(self, server=None, fail: Exception | None = None, hang: bool = False,
                  delay: float = 0.0):
@@ -29,11 +30,15 @@ class PrefillHandle:
         self.server, self.fail, self.hang, self.delay = server, fail, hang, delay
         self.calls = 0
         self.answered = 0
+        self.first_token_calls = 0
+        self.first_token = _FirstTokenMethod(self, "first_token")
         self.kv_load = _Probe(self)  # a trivial call: it answers unless failing or hanging
 
     def remote(self, req: PrefillRequest):
         self.calls += 1
+        return self._call("prefill", req)
 
+    def _call(self, method: str, req):
         async def call():
             if self.hang:
                 await asyncio.Event().wait()
@@ -41,10 +46,19 @@ class PrefillHandle:
             if self.fail is not None:
                 raise self.fail
             try:
-                return await self.server.prefill(req)
+                return await getattr(self.server, method)(req)
             finally:
                 self.answered += 1
         return asyncio.ensure_future(call())
+
+
+class _FirstTokenMethod:
+    def __init__(self, handle: PrefillHandle, method: str):
+        self.handle, self.method = handle, method
+
+    def remote(self, req):
+        self.handle.first_token_calls += 1
+        return self.handle._call(self.method, req)
 
 
 class _Probe:

@@ -125,14 +125,14 @@ class DiesAfterPushing(PrefillHandle):
 
 
 def _run_placed(scenario, disaggregation, handle_kw=None, handle_cls=PrefillHandle,
-                timeout_s: float = 5.0):
+                timeout_s: float = 5.0, decode_config: EngineConfig = CONFIG):
     """``scenario(prefill, handle, decode, sink)`` on a prefill and a decode server whose
     decode replica places requests by ``disaggregation`` (``decode_worker.placement``), the
     prefill deployment's handle a ``handle_cls``; both idle afterwards, then closed."""
     fabric = LocalFabric()
     prefill = PrefillServer(CONFIG, "local", fabric=fabric)
     handle = handle_cls(prefill, **(handle_kw or {}))
-    decode = DecodeServer(CONFIG, "local", handle, timeout_s, fabric=fabric,
+    decode = DecodeServer(decode_config, "local", handle, timeout_s, fabric=fabric,
                           disaggregation=disaggregation)
 
     async def main():
@@ -509,3 +509,58 @@ def test_a_dead_prefill_replica_is_not_called_again_until_one_answers(offline):
         assert tokens == offline[0] and handle.calls == 2
 
     _run_placed(main, ALWAYS, {"fail": ActorDiedError()})
+
+
+@pytest.mark.parametrize("early", [True, False], ids=["first-token-while-queued", "off"])
+def test_no_room_here_the_first_token_comes_from_a_prefill_replica(offline, early):
+    """A decode replica whose one sequence slot is taken queues a prompt it would hand over
+    ('no_room'); with ``first_token_while_queued`` a prefill replica makes its first token,
+    published while the running request still decodes, and the rest comes from here once the
+    slot frees: the offline tokens, no KV moved, both replicas idle afterwards. Off, the first
+    token waits for the slot."""
+    long = SamplingParams(temperature=0, max_tokens=150, ignore_eos=True)
+
+    async def main(prefill, handle, decode, sink):
+        running = asyncio.ensure_future(generate(decode, sink, PROMPTS[0], "a", long))
+        while not decode.aengine.engine.scheduler.running:
+            await asyncio.sleep(0.005)
+        tokens, queued = await generate(decode, sink, PROMPTS[1], "b", GREEDY)
+        _, first = await running
+        assert tokens == offline[1] and queued.num_output_tokens == len(tokens)
+        assert (queued.prefilled_where, queued.prefilled_why) == ("local", "no_room")
+        assert queued.transfer is None and handle.calls == 1  # only "a" was handed over
+        assert handle.first_token_calls == int(early)
+        assert queued.timing.first_token_by_prefill == early
+        if early:  # out before "a" ended; the call's times are in the timing
+            assert queued.timing.first_token < first.timing.finished
+            assert 0 < queued.timing.prefill_called < queued.timing.prefill_returned
+        else:
+            assert queued.timing.first_token > first.timing.finished
+
+    _run_placed(main, DisaggregationConfig(mode="always", first_token_while_queued=early),
+                decode_config=CONFIG.model_copy(update={"max_num_seqs": 1}))
+
+
+def test_a_request_cancelled_while_its_first_token_is_made_elsewhere_leaves_nothing(offline):
+    """No room here, the first-token call under way (a slow prefill replica): the cancelled
+    request is gone from both replicas, and a late answer publishes nothing."""
+    long = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+
+    async def main(prefill, handle, decode, sink):
+        running = asyncio.ensure_future(generate(decode, sink, PROMPTS[0], "a", long))
+        while not decode.aengine.engine.scheduler.running:
+            await asyncio.sleep(0.005)
+        handle.delay = 0.3
+        queued = asyncio.ensure_future(decode.generate(
+            GenerateRequest(tuple(PROMPTS[1]), GREEDY, "b", await sink.start())))
+        while handle.first_token_calls == 0:
+            await asyncio.sleep(0.005)
+        queued.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await queued
+        assert not decode._early
+        await running
+        await asyncio.sleep(0.4)  # past the slow answer, had it not been cancelled
+        assert decode.aengine.engine.scheduler.find("b") is None
+
+    _run_placed(main, ALWAYS, decode_config=CONFIG.model_copy(update={"max_num_seqs": 1}))

@@ -97,6 +97,39 @@ def test_sequences_awaiting_kv_count_against_max_num_seqs():
     _assert_no_leak(llm)
 
 
+def test_a_queued_request_takes_a_first_token_made_elsewhere(reference):
+    """Decode role with no room: a request still waiting takes the first token another engine
+    sampled (published at once) and continues as a preempted one would, to the same tokens; a
+    request that has started here, or is gone, refuses it; a first token that ends the request
+    finishes it in the queue, leaving nothing behind."""
+    llm = LLM("tiny", max_num_seqs=1, starvation_timeout_s=None)
+    engine = llm.engine
+    tokens: dict[str, list[int]] = {}
+
+    def step():
+        for o in engine.step():
+            tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+
+    engine.add_request(PROMPTS[0], GREEDY, "r0")
+    step()  # r0 runs in the one slot; r1 and r2 wait
+    engine.add_request(PROMPTS[1], GREEDY, "r1")
+    engine.add_request(PROMPTS[2], SamplingParams(temperature=0, max_tokens=5), "r2")
+    assert engine.take_first_token("r0", reference[0][0]) is None  # started here
+    assert engine.take_first_token("nobody", 1) is None
+    out = engine.take_first_token("r1", reference[1][0])
+    assert out.new_token_ids == [reference[1][0]] and not out.finished
+    assert engine.take_first_token("r1", reference[1][0]) is None  # once
+    eos = next(iter(engine.updater.eos_token_ids))
+    done = engine.take_first_token("r2", eos)
+    assert done.finished and done.finish_reason == "stop"
+    tokens["r1"] = [reference[1][0]]
+    while engine.has_unfinished_requests():
+        step()
+    assert tokens["r0"] == reference[0] and tokens["r1"] == reference[1]
+    assert "r2" not in tokens
+    _assert_no_leak(llm)
+
+
 def test_sequence_larger_than_the_whole_cache_ends_with_length():
     llm = LLM("tiny", num_blocks=3)  # two usable blocks: 32 tokens in all
     out = llm.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=40,

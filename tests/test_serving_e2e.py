@@ -720,6 +720,23 @@ def test_the_prefill_replica_warmed_its_link_to_the_decode_replica(server):
     assert links[decode_id]["state"] == "warm" and links[decode_id]["backend"] == "nixl"
 
 
+def test_the_prefill_replica_makes_a_first_token_alone(server, offline):
+    """The call a decode replica with no room makes (``FirstTokenRequest``): the prompt's first
+    token through Serve, nothing pushed or held."""
+    from contracts.messages import FirstTokenRequest
+
+    mode, _, _ = server
+    if mode == "colocated":
+        pytest.skip("colocated: no prefill replica")
+    params = SamplingParams(**GREEDY)
+    prefill = driver_handle("PrefillServer")
+    result = prefill.first_token.remote(FirstTokenRequest(
+        tuple(PROMPTS_IDS), params, "first-token-alone")).result(timeout_s=30)
+    assert result.first_token == offline.generate([PROMPTS_IDS], params)[0].token_ids[0]
+    assert result.stats is None and result.num_prompt_tokens == len(PROMPTS_IDS)
+    assert prefill.kv_load.remote().result(timeout_s=30)["held_blocks"] == 0
+
+
 def test_models_health_metrics(server):
     _, url, _ = server
     assert requests.get(f"{url}/health", timeout=10).json() == {"status": "ok"}

@@ -28,7 +28,9 @@ the tier on every engine. Each conversation is a client thread. Also reported: t
 hand-overs moved (``1p1d``: a returning turn whose history the decode replica holds, on its GPU
 or in its tier, moves only the rest), each role's tier counters, and ``returning_hops_ms``: the
 median of each hop to the returning turns' first tokens (the timings the app returns, as
-``serving_bench`` reports them).
+``serving_bench`` reports them) and how many returning turns found no room on the decode replica
+and had their first token made by the prefill replica (``--first-token-while-queued off``: they
+wait for the room).
 """
 
 from __future__ import annotations
@@ -200,7 +202,8 @@ def run_served(args, host_gb: float) -> dict:
               "decode": role, "router": {"num_replicas": 2, "num_cpus": 0.25,
                                          "request_timeout_s": 600}}
     if disagg:
-        config |= {"prefill": role, "disaggregation": {"mode": "always"}}
+        config |= {"prefill": role, "disaggregation": {
+            "mode": "always", "first_token_while_queued": args.first_token_while_queued == "on"}}
     g = torch.Generator().manual_seed(0)
     vocab = min(resolve_model(args.model).config.vocab_size, 150000)
 
@@ -283,6 +286,12 @@ def run_served(args, host_gb: float) -> dict:
             "last_turn_ttft_ms": _pcts(ttft[args.turns - 1]),
             "output_tok_s": round(produced[0] / seconds, 1), "seconds": round(seconds, 2),
             "kv_blocks_moved": moved[0], "tiers": tiers,
+            # returning turns that found no room on the decode replica and had their first
+            # token made by the prefill replica meanwhile
+            "returning_first_token_by_prefill": sum(
+                bool(((r["timing"] or {}).get("decode") or {}).get("first_token_by_prefill"))
+                for r in timed),
+            "returning_turns": len(timed),
             "returning_hops_ms": {k: round(v, 1) for k, v in breakdown(timed).items()}}
 
 
@@ -309,6 +318,10 @@ def main(argv=None) -> None:
     p.add_argument("--gpus-per-role", type=float, default=None,
                    help="--served: each replica's share of a GPU (default: a whole one "
                         "colocated, half of one each in 1p1d; 1 in 1p1d: a GPU per role)")
+    p.add_argument("--first-token-while-queued", choices=["on", "off"], default="on",
+                   help="--served 1p1d: a returning turn that finds no room on the decode "
+                        "replica has its first token made by the prefill replica meanwhile "
+                        "(disaggregation.first_token_while_queued)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     out = {"args": vars(args), "pinned_copy_GBps": pinned_copy_gbps(),

@@ -407,8 +407,8 @@ def _forcing(percent: int):
 
     turns = itertools.count()
 
-    def verify_forced(sampler, logits, seqs, drafts, stats=None, *rest):
-        out, ids = verify(sampler, logits, seqs, drafts, None, *rest)
+    def verify_forced(sampler, logits, seqs, drafts, stats=None, *rest, **kw):
+        out, ids = verify(sampler, logits, seqs, drafts, None, *rest, **kw)
         tokens = []
         for d, o in zip(drafts, out):
             c = next(turns)

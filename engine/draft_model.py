@@ -23,8 +23,12 @@ proposal was kept), the tokens of steps that did not speculate.
 
 The draft runs on rank 0 (unsplit with tensor parallelism), on the engine's stream, with its own
 CUDA graphs: the ``k`` one-token steps replay its decode graphs, each reading the previous
-step's tokens on the device; the host waits once, for all ``k`` proposals, before the target's
-step is prepared.
+step's tokens on the device. On one rank, without grammars or logits processors that read the
+proposals, the host does not wait for them: the target's step is prepared and launched behind
+the draft's, reading the proposals on the device (``Sequence.draft_rows``), and they come back
+with the verification's result, in its one wait (measured on an H100: the host's preparation of
+the target's step no longer leaves the GPU idle, docs/benchmarks.md). Otherwise the host waits
+once, for all ``k`` proposals, before the target's step is prepared.
 """
 
 from __future__ import annotations
@@ -74,12 +78,18 @@ class DraftProposer:
         self.steps = 0  # the draft's forward passes (catch-up and proposing), ever
 
     @torch.inference_mode()
-    def propose(self, seqs: list[Sequence], grammars=None) -> None:
+    def propose(self, seqs: list[Sequence], grammars=None,
+                on_device: bool = False) -> torch.Tensor | None:
         """``seqs``' ``draft_token_ids`` hold as many placeholders as the scheduler made room
         for (at most ``k``); replace them with the draft's tokens. A structured output's
         proposals follow its grammar (``grammars``: :class:`engine.structured.Grammars`): each
         of the draft's steps is masked by the matcher as the proposals before it left it (the
-        host then waits for every step's tokens), and the matcher is rolled back after."""
+        host then waits for every step's tokens), and the matcher is rolled back after.
+
+        ``on_device`` (no grammar among ``seqs``): nothing waits; the proposals stay on the
+        device, in the returned tensor, each sequence's ``draft_rows`` saying where its are
+        (its ``draft_token_ids`` stay placeholders): the target's step reads them there and the
+        verification brings them to the host with its own result (one wait for both)."""
         views = [_View(list(s.token_ids), s.block_ids,
                        min(s.num_draft_computed, s.num_computed_tokens), s.num_prompt_tokens)
                  for s in seqs]
@@ -108,17 +118,24 @@ class DraftProposer:
         for i, n in taken.items():
             if n:
                 seqs[i].matcher.rollback(n)
-        drawn = torch.cat(tokens).tolist()  # the one wait on the device (without grammars)
         at = 0
-        out: list[list[int]] = [[] for _ in seqs]
+        where: list[list[int]] = [[] for _ in seqs]  # each proposal's row in the tokens
         for step_rows in rows:
             for i in step_rows:
-                out[i].append(drawn[at])
+                where[i].append(at)
                 at += 1
-        for seq, proposal in zip(seqs, out):
-            seq.draft_token_ids = proposal
+        for seq, n in zip(seqs, lengths):
             # the draft's KV now covers the last token and every proposal but the last
-            seq.num_draft_computed = seq.num_tokens + len(proposal) - 1
+            seq.num_draft_computed = seq.num_tokens + n - 1
+        drafted = torch.cat(tokens)
+        if on_device and not taken:
+            for seq, rows_of in zip(seqs, where):
+                seq.draft_rows = rows_of
+            return drafted
+        drawn = drafted.tolist()  # the one wait on the device (without grammars)
+        for seq, rows_of in zip(seqs, where):
+            seq.draft_token_ids = [drawn[r] for r in rows_of]
+        return None
 
     @staticmethod
     def _masked(logits: torch.Tensor, active: list[int], seqs: list[Sequence],

@@ -332,13 +332,15 @@ class LLMEngine:
         drafted, accepted = self.spec_stats.num_draft_tokens, self.spec_stats.num_accepted_tokens
         batch = self.scheduler.schedule()
         outputs = [self.updater.output(s, [], None) for s in batch.finished]
+        on_device = None  # the draft's proposals, where they stay on the device
         if self.drafter is not None and proposing \
                 and (speculating := [s for s in batch.seqs if s.draft_token_ids]):
-            self.drafter.propose(speculating, self._grammars_for(speculating))
+            on_device = self.drafter.propose(speculating, self._grammars_for(speculating),
+                                           on_device=self._drafts_stay_on_device(batch.seqs))
         self._queue_kv_copies()
         if not batch and self._running_step is None and self.scheduler.loading:
             self.executor.sync_copies()  # nothing else to run: wait for the host tier's copies
-        launched = self._launch(batch) if batch else None
+        launched = self._launch(batch, on_device) if batch else None
         due = [self._running_step] if self._running_step is not None else []
         self._running_step = None
         if self.config.async_scheduling and not speculate:
@@ -361,6 +363,14 @@ class LLMEngine:
             self._time_spec(looked, was_on, due, launched, elapsed, outputs)
         self._count(batch, outputs, elapsed, launched.prompt_tokens if launched is not None else 0)
         return outputs
+
+    def _drafts_stay_on_device(self, seqs: list[Sequence]) -> bool:
+        """Whether the target's step can take the draft's proposals on the device, the host
+        not waiting for them (:meth:`engine.draft_model.DraftProposer.propose`): one rank (the
+        others would need them sent), no grammar to mask the draft's steps with, and no logits
+        processor that reads a verified row's tokens."""
+        return self.config.tensor_parallel_size == 1 and not any(
+            s.matcher is not None or s.params.changes_logits for s in seqs)
 
     def _grammars_for(self, seqs: list[Sequence]):
         """The grammars where one of ``seqs`` has a matcher, else None (they are built on first
@@ -402,10 +412,14 @@ class LLMEngine:
             stats.prompt_step_seconds += elapsed
         stats.output_tokens += sum(len(o.new_token_ids) for o in outputs)
 
-    def _launch(self, batch: ScheduledBatch) -> LaunchedStep:
-        """Queue the batch, its sampling and the copy of the sampled ids; nothing waits."""
+    def _launch(self, batch: ScheduledBatch, drafted: torch.Tensor | None = None
+                ) -> LaunchedStep:
+        """Queue the batch, its sampling and the copy of the sampled ids; nothing waits (but
+        a verification, which waits for its step). ``drafted``: the draft's proposals on the
+        device (a speculating step runs alone: no step is running to take pending inputs
+        from, so the proposals take that place)."""
         running = self._running_step
-        prev = running.tokens if running is not None else None
+        prev = running.tokens if running is not None else drafted
         prompt_tokens = sum(n for s, n in zip(batch.seqs, batch.num_new_tokens)
                             if s.num_computed_tokens < s.num_prompt_tokens)
         started = self.step_cost.mark()
@@ -420,13 +434,13 @@ class LLMEngine:
             drafts = [s.draft_token_ids for s in due]
             step.spec, step.tokens = verify(
                 self.sampler, logits, due, drafts, self.spec_stats, self.eos_token_ids,
-                self._grammars_for(due))
+                self._grammars_for(due), drafted=drafted)
             if any(s.params.logprobs is not None for s in due):
                 step.spec_logprobs = verified_logprobs(logits, due, drafts, step.spec)
             self.executor.share_tokens(step.tokens)
             for row, seq in enumerate(due):
                 seq.add_pending(row)
-                seq.draft_token_ids = []
+                seq.draft_token_ids, seq.draft_rows = [], None
         elif due:
             out = self.sampler(logits, due, prev, self.eos_token_ids,
                                self._grammars_for(due))

@@ -325,6 +325,9 @@ class ModelRunner:
                 # its input is the token the running step samples
                 ids[-1] = 0
                 gathers.append((len(ids) - 1, seq.pending_row))
+            elif drafts and seq.draft_rows is not None:  # the draft's, still on the device
+                first = len(ids) - len(drafts)
+                gathers += [(first + j, r) for j, r in enumerate(seq.draft_rows)]
             positions += range(start, end)
             table, present = seq.block_ids, seq.num_present_tokens
             slots += [-1 if p < present else table[p // bs] * bs + p % bs

@@ -55,6 +55,9 @@ class Sequence:
     num_registered_blocks: int = 0  # leading blocks already offered to the prefix cache
     kv_load: int | None = None  # the host tier's copy in its blocks wait for (engine.kv_offload)
     draft_token_ids: list[int] = field(default_factory=list)  # proposals this step verifies
+    # draft_model, proposals left on the device: where each proposal's value is in the draft's
+    # token tensor (``draft_token_ids`` holds placeholders until the verification reads them)
+    draft_rows: list[int] | None = None
     # draft_model speculation: leading tokens whose KV the draft holds in its cache (valid up
     # to num_computed_tokens: the draft's KV past the target's was for rejected proposals)
     num_draft_computed: int = 0
@@ -126,6 +129,7 @@ class Sequence:
         """Preemption by recompute: drop all KV progress, keep the tokens."""
         self.block_ids = []
         self.draft_token_ids = []
+        self.draft_rows = None
         self.num_draft_computed = 0
         self.num_computed_tokens = 0
         self.num_present_tokens = 0

@@ -59,6 +59,7 @@ import torch
 from engine.config import SpeculativeConfig
 from engine.sampler import processed
 from engine.sequence import Sequence
+from engine.uploads import upload
 
 
 PROBE_EVERY = 16  # steps between two that look for proposals once speculation goes off,
@@ -240,7 +241,8 @@ class SpecStats:
 
 def verify(sampler, logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]],
            stats: SpecStats | None = None, eos_ids: frozenset[int] = frozenset(),
-           grammars=None) -> tuple[list[list[int]], torch.Tensor]:
+           grammars=None, drafted: torch.Tensor | None = None
+           ) -> tuple[list[list[int]], torch.Tensor]:
     """``logits``: float32 ``[sum(1 + len(d)), V]``, each sequence's rows in order (its last
     token's, then one after each proposal). Returns each sequence's new tokens (the proposals
     kept, then one more) and, on the device, one id per row (what the other ranks of a
@@ -248,7 +250,12 @@ def verify(sampler, logits: torch.Tensor, seqs: list[Sequence], drafts: list[lis
     after the proposals before that row (``grammars``: :class:`engine.structured.Grammars`),
     and logits processors (bias, ``min_tokens``, penalties) apply to each row as to a decode
     step whose sequence ends with those proposals (``eos_ids``: banned until ``min_tokens``,
-    as the sampler bans them)."""
+    as the sampler bans them).
+
+    ``drafted``: the draft's proposals left on the device (each sequence's ``draft_rows`` say
+    where its are; ``drafts`` hold placeholders, filled in place with the proposals once they
+    have come back with the verification's result, in the one wait). Only without grammars and
+    logits processors that read the rows' tokens (they need the proposals on the host first)."""
     counts = [1 + len(d) for d in drafts]
     params = [s.params for s, c in zip(seqs, counts) for _ in range(c)]
     device = logits.device
@@ -259,9 +266,17 @@ def verify(sampler, logits: torch.Tensor, seqs: list[Sequence], drafts: list[lis
     # each row's sequence, made only where a logits processor reads it (a copy of its tokens)
     views = [_RowView(s, d[:i]) for s, d in zip(seqs, drafts) for i in range(len(d) + 1)] \
         if any(p.changes_logits for p in params) else []
+    if drafted is not None and (entries or views):
+        raise ValueError("proposals on the device cannot be verified under a grammar or a "
+                         "logits processor that reads them")
     logits = processed(logits, views, None, eos_ids, masks)
-    proposed = torch.tensor([t for d in drafts for t in (*d, -1)], dtype=torch.int64,
-                            device=device)  # each row's proposal to check (-1: the last row)
+    if drafted is None:  # each row's proposal to check (-1: the last row)
+        proposed = torch.tensor([t for d in drafts for t in (*d, -1)], dtype=torch.int64,
+                                device=device)
+    else:
+        where = upload([r for s, d in zip(seqs, drafts)
+                        for r in (*(s.draft_rows if d else ()), -1)], torch.int64, device)
+        proposed = torch.where(where >= 0, drafted[where.clamp(min=0)], -1)
     if all(p.greedy for p in params):
         row_ids = logits.argmax(dim=-1)
         kept = row_ids == proposed
@@ -284,7 +299,16 @@ def verify(sampler, logits: torch.Tensor, seqs: list[Sequence], drafts: list[lis
             drawn[at_rows] = own
             kept[at_rows] = draft_rows[at_rows] & (own == proposed[at_rows])
         row_ids = drawn
-    kept, drawn = kept.tolist(), drawn.tolist()
+    if drafted is None:
+        kept, drawn = kept.tolist(), drawn.tolist()
+    else:  # the proposals come back with the result
+        rows = len(params)
+        host = torch.cat([kept.long(), drawn, proposed]).tolist()
+        kept, drawn, values = host[:rows], host[rows:2 * rows], host[2 * rows:]
+        row = 0
+        for d, c in zip(drafts, counts):
+            d[:] = values[row:row + c - 1]
+            row += c
     out, row = [], 0
     for d, c in zip(drafts, counts):
         n = next((i for i in range(len(d)) if not kept[row + i]), len(d))

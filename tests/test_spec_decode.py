@@ -339,6 +339,41 @@ def test_logprobs_with_speculation_are_those_without(spec, noise):
             assert [v for _, v in gt] == pytest.approx([v for _, v in wt], abs=1e-4)
 
 
+@pytest.mark.parametrize("params", [
+    GREEDY, SamplingParams(temperature=0.8, max_tokens=40, ignore_eos=True, seed=5),
+    SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2)],
+    ids=["greedy", "seeded", "logprobs"])
+def test_proposals_left_on_the_device_verify_as_those_brought_to_the_host(monkeypatch, params):
+    """The target's step reads the draft's proposals on the device (the host waits once, for
+    them and the verification together): the same tokens, logprobs, acceptance and steps as
+    when the host waits for the proposals before preparing the target's step; a grammar or a
+    logits processor that reads the rows keeps the host wait (the tests above)."""
+    from engine.draft_model import DraftProposer
+    from engine.llm_engine import LLMEngine
+
+    propose, kinds = DraftProposer.propose, []
+
+    def recording(self, *args, **kw):
+        out = propose(self, *args, **kw)
+        kinds.append(out is not None)
+        return out
+
+    monkeypatch.setattr(DraftProposer, "propose", recording)
+    runs = []
+    for on_device in (True, False):
+        monkeypatch.setattr(LLMEngine, "_drafts_stay_on_device", lambda self, seqs: on_device)
+        kinds.clear()
+        llm = _speculating(DRAFT, 0.02)
+        outs = llm.generate(_prompts(), params)
+        stats = llm.engine.spec_stats
+        runs.append(([(o.token_ids, o.logprobs) for o in outs], stats.num_draft_tokens,
+                     stats.num_accepted_tokens, stats.accepted_per_position,
+                     llm.engine.stats.steps))
+        assert kinds and all(k == on_device for k in kinds)
+    assert runs[0] == runs[1]
+    assert 0 < runs[0][2] < runs[0][1]  # some proposals kept, some not
+
+
 def _oracle(engine, continuations: dict[tuple, list[int]]):
     """Propose the target's own greedy continuation (what a draft that always agrees does)."""
     def propose(seq, limit):

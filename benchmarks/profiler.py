@@ -23,6 +23,16 @@ them with the previous step's device work).
 Runs on CPU with the ``tiny`` model's engine; the forward pass is replaced by fixed logits, so
 every figure is host time. Absolute numbers depend on the CPU; compare runs on one machine.
 
+``timeline``: the GPU's timeline over a few engine steps of one sequence decoding (batch 1),
+from the torch profiler's trace: wall time a step, the GPU's busy time and its idle gaps, the
+largest gaps by the operations on either side (where the device waits for the host), and the
+device time by kernel. With ``--speculative-config`` (vLLM's JSON) and ``--kept`` (the share
+of proposals kept, forced as ``engine_bench``'s timing points do), a step is a speculating one.
+
+    python -m benchmarks.profiler timeline --model dummy:Qwen3-8B --quantization fp8 \
+        [--speculative-config '{"method": "draft_model", "model": "dummy:Qwen3-0.6B",
+        "num_speculative_tokens": 4}' --kept 70]
+
 ``ttft``: an engine's time to first token at zero load, outside any server.
 
 The same fresh prompts (no prefix-cache hit) one at a time, timed from "add" to the first
@@ -410,7 +420,77 @@ def ttft_main(argv=None) -> None:
         ae.shutdown()
 
 
-TOOLS = {"decode": decode_main, "prefill": prefill_main, "host": host_main, "ttft": ttft_main}
+# -- timeline ------------------------------------------------------------------------------
+def timeline_main(argv=None) -> None:
+    import tempfile
+    from collections import Counter
+
+    from benchmarks.engine_bench import _engine, _forcing, _prompt, _warm
+    ap = argparse.ArgumentParser(prog="profiler timeline")
+    ap.add_argument("--model", default="dummy:Qwen3-0.6B")
+    ap.add_argument("--quantization", choices=["fp8"], default=None)
+    ap.add_argument("--speculative-config", type=json.loads, default=None)
+    ap.add_argument("--kept", type=int, default=None,
+                    help="with --speculative-config: percent of the proposals kept (forced)")
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--warm-steps", type=int, default=60)
+    args = ap.parse_args(argv)
+    kw = {"quantization": args.quantization} if args.quantization else {}
+    if args.speculative_config:
+        kw["speculative_config"] = args.speculative_config
+    engine = _engine(args.model, max_num_seqs=8, **kw)
+    _warm(engine)
+    if args.speculative_config:
+        import engine.llm_engine as llm_engine
+        from engine.spec_decode import SpecController
+        if args.kept is not None:
+            llm_engine.verify = _forcing(args.kept)
+        engine.spec = SpecController()
+    new = args.warm_steps + args.steps * (args.speculative_config or {}).get(
+        "num_speculative_tokens", 0) + args.steps + 8
+    engine.add_request(_prompt(engine, 128, 7),
+                       SamplingParams(temperature=0, max_tokens=new, ignore_eos=True))
+    for _ in range(args.warm_steps):
+        engine.step()
+    torch.cuda.synchronize()
+    n = args.steps
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            engine.step()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        events = json.load(open(f.name))["traceEvents"]
+    gpu = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+                  and "dur" in e), key=lambda e: e["ts"])
+    busy = sum(e["dur"] for e in gpu)
+    span = gpu[-1]["ts"] + gpu[-1]["dur"] - gpu[0]["ts"]
+    print(f"{args.model} {kw}: wall {wall / n * 1e3:.3f} ms a step (under the profiler); GPU "
+          f"span {span / n / 1e3:.3f}, busy {busy / n / 1e3:.3f} ms a step; "
+          f"{len(gpu) / n:.0f} GPU operations a step")
+    gaps, count = Counter(), Counter()
+    for a, b in zip(gpu, gpu[1:]):
+        g = b["ts"] - (a["ts"] + a["dur"])
+        if g > 5:
+            gaps[a["name"][:60], b["name"][:60]] += g
+            count[a["name"][:60], b["name"][:60]] += 1
+    idle = sum(max(0.0, b["ts"] - a["ts"] - a["dur"]) for a, b in zip(gpu, gpu[1:]))
+    print(f"idle gaps: {idle / n:.1f} us a step; over 5 us, by the operations around them:")
+    for (a, b), g in gaps.most_common(12):
+        print(f"  {g / n:8.1f} us a step  x{count[a, b] / n:.1f}  {a} -> {b}")
+    by, calls = Counter(), Counter()
+    for e in gpu:
+        by[e["name"][:70]] += e["dur"]
+        calls[e["name"][:70]] += 1
+    print("device time by operation (us a step, calls a step):")
+    for name, t in by.most_common(20):
+        print(f"  {t / n:8.1f}  {calls[name] / n:5.1f}  {name}")
+
+
+TOOLS = {"decode": decode_main, "prefill": prefill_main, "host": host_main, "ttft": ttft_main,
+         "timeline": timeline_main}
 
 
 def main(argv=None) -> None:

@@ -446,8 +446,8 @@ def timeline_main(argv=None) -> None:
         if args.kept is not None:
             llm_engine.verify = _forcing(args.kept)
         engine.spec = SpecController()
-    new = args.warm_steps + args.steps * (args.speculative_config or {}).get(
-        "num_speculative_tokens", 0) + args.steps + 8
+    per_step = 1 + (args.speculative_config or {}).get("num_speculative_tokens", 0)
+    new = (args.warm_steps + args.steps) * per_step + 8  # still decoding when the trace ends
     engine.add_request(_prompt(engine, 128, 7),
                        SamplingParams(temperature=0, max_tokens=new, ignore_eos=True))
     for _ in range(args.warm_steps):
@@ -465,6 +465,8 @@ def timeline_main(argv=None) -> None:
         events = json.load(open(f.name))["traceEvents"]
     gpu = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
                   and "dur" in e), key=lambda e: e["ts"])
+    if not gpu:
+        raise SystemExit("no GPU operation in the trace")
     busy = sum(e["dur"] for e in gpu)
     span = gpu[-1]["ts"] + gpu[-1]["dur"] - gpu[0]["ts"]
     print(f"{args.model} {kw}: wall {wall / n * 1e3:.3f} ms a step (under the profiler); GPU "

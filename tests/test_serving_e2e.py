@@ -737,6 +737,26 @@ def test_the_prefill_replica_makes_a_first_token_alone(server, offline):
     assert prefill.kv_load.remote().result(timeout_s=30)["held_blocks"] == 0
 
 
+def test_requests_beyond_the_decode_replicas_slots_get_the_offline_tokens(server, offline):
+    """More requests at once than the decode replica has sequence slots (16): those that find
+    no room are queued there (reason ``no_room``), their first token made by the prefill
+    replica meanwhile; every answer carries the offline engine's tokens."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    mode, url, _ = server
+    if mode == "colocated":
+        pytest.skip("colocated: nothing is handed over")
+    prompts = random_prompts([24] * 28, vocab=512, seed=57)
+    greedy = {**GREEDY, "max_tokens": 64}
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        bodies = list(pool.map(lambda p: _post(f"{url}/v1/completions",
+                                               {"prompt": p, **greedy}).json(), prompts))
+    want = offline.generate(prompts, SamplingParams(**greedy))
+    assert [b["choices"][0]["token_ids"] for b in bodies] == [w.token_ids for w in want]
+    reasons = [b["usage"]["prefilled"]["reason"] for b in bodies]
+    assert "no_room" in reasons and "always" in reasons
+
+
 def test_models_health_metrics(server):
     _, url, _ = server
     assert requests.get(f"{url}/health", timeout=10).json() == {"status": "ok"}

@@ -541,6 +541,26 @@ def test_no_room_here_the_first_token_comes_from_a_prefill_replica(offline, earl
                 decode_config=CONFIG.model_copy(update={"max_num_seqs": 1}))
 
 
+def test_a_first_token_call_that_fails_leaves_the_prompt_to_the_decode_replica(offline):
+    """No room here and the prefill replica refuses the first-token call (its queue is full):
+    the request's first token comes from this replica once the slot frees, the offline
+    tokens all the same."""
+    long = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+
+    async def main(prefill, handle, decode, sink):
+        running = asyncio.ensure_future(generate(decode, sink, PROMPTS[0], "a", long))
+        while not decode.aengine.engine.scheduler.running:
+            await asyncio.sleep(0.005)
+        handle.fail = BackPressureError(1, 1)
+        tokens, queued = await generate(decode, sink, PROMPTS[1], "b", GREEDY)
+        _, first = await running
+        assert tokens == offline[1] and handle.first_token_calls == 1
+        assert not queued.timing.first_token_by_prefill
+        assert queued.timing.first_token > first.timing.finished
+
+    _run_placed(main, ALWAYS, decode_config=CONFIG.model_copy(update={"max_num_seqs": 1}))
+
+
 def test_a_request_cancelled_while_its_first_token_is_made_elsewhere_leaves_nothing(offline):
     """No room here, the first-token call under way (a slow prefill replica): the cancelled
     request is gone from both replicas, and a late answer publishes nothing."""

@@ -4,7 +4,7 @@ preemption; the hit counters move and no block leaks."""
 import pytest
 
 from engine import LLM, SamplingParams
-from tests.models import model_path, random_prompts
+from tests.models import random_prompts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 PROMPTS = random_prompts([5, 16, 33, 40, 70], vocab=512, seed=3)

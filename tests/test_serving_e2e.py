@@ -738,23 +738,43 @@ def test_the_prefill_replica_makes_a_first_token_alone(server, offline):
 
 
 def test_requests_beyond_the_decode_replicas_slots_get_the_offline_tokens(server, offline):
-    """More requests at once than the decode replica has sequence slots (16): those that find
-    no room are queued there (reason ``no_room``), their first token made by the prefill
-    replica meanwhile; every answer carries the offline engine's tokens."""
+    """Streams take the decode replica's 16 sequence slots, then more requests come: they find
+    no room there and are queued (reason ``no_room``), their first token made by the prefill
+    replica meanwhile; every answer carries the offline engine's tokens. (A burst of more than
+    16 at once could be refused: Serve counts a request as queued until it is assigned.)"""
+    import threading
     from concurrent.futures import ThreadPoolExecutor
 
     mode, url, _ = server
     if mode == "colocated":
         pytest.skip("colocated: nothing is handed over")
-    prompts = random_prompts([24] * 28, vocab=512, seed=57)
-    greedy = {**GREEDY, "max_tokens": 64}
+    prompts = random_prompts([24] * 22, vocab=512, seed=57)
+    long, short = {**GREEDY, "max_tokens": 128}, {**GREEDY, "max_tokens": 32}
+    slots_taken = threading.Barrier(17, timeout=60)
+
+    def answer(prompt, greedy, first_wave):
+        events = _events(_post(f"{url}/v1/completions", {
+            "prompt": prompt, "stream": True, **greedy,
+            "stream_options": {"include_usage": True, "include_timing": True}}, stream=True))
+        got = [next(events)]
+        if first_wave:
+            slots_taken.wait()  # this request holds a slot now
+        got += [e for e in events if e]
+        tokens = [t for e in got if e and e["choices"] for t in e["choices"][0]["token_ids"]]
+        usage = got[-1]["usage"]
+        return tokens, (usage["prefilled"]["reason"],
+                        usage["timing"]["decode"]["first_token_by_prefill"])
+
     with ThreadPoolExecutor(len(prompts)) as pool:
-        bodies = list(pool.map(lambda p: _post(f"{url}/v1/completions",
-                                               {"prompt": p, **greedy}).json(), prompts))
-    want = offline.generate(prompts, SamplingParams(**greedy))
-    assert [b["choices"][0]["token_ids"] for b in bodies] == [w.token_ids for w in want]
-    reasons = [b["usage"]["prefilled"]["reason"] for b in bodies]
-    assert "no_room" in reasons and "always" in reasons
+        first = [pool.submit(answer, p, long, True) for p in prompts[:16]]
+        slots_taken.wait()
+        second = [pool.submit(answer, p, short, False) for p in prompts[16:]]
+        first, second = [f.result() for f in first], [f.result() for f in second]
+    want = [o.token_ids for o in offline.generate(prompts[:16], SamplingParams(**long))
+            + offline.generate(prompts[16:], SamplingParams(**short))]
+    assert [t for t, _ in first + second] == want
+    assert {r for _, r in first} == {("always", False)}
+    assert ("no_room", True) in {r for _, r in second}
 
 
 def test_models_health_metrics(server):

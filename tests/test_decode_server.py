@@ -541,6 +541,25 @@ def test_no_room_here_the_first_token_comes_from_a_prefill_replica(offline, earl
                 decode_config=CONFIG.model_copy(update={"max_num_seqs": 1}))
 
 
+def test_a_seeded_request_whose_first_token_came_from_elsewhere_draws_as_on_one_engine():
+    """Seeded sampling draws each token with the noise of (seed, position), so a request whose
+    first token the prefill replica drew, and whose rest this replica draws after computing the
+    prompt, gets the tokens of one engine."""
+    seeded = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=16, ignore_eos=True, seed=7)
+    want = LLM("tiny").generate([PROMPTS[1]], seeded)[0].token_ids
+    long = SamplingParams(temperature=0, max_tokens=150, ignore_eos=True)
+
+    async def main(prefill, handle, decode, sink):
+        running = asyncio.ensure_future(generate(decode, sink, PROMPTS[0], "a", long))
+        while not decode.aengine.engine.scheduler.running:
+            await asyncio.sleep(0.005)
+        tokens, queued = await generate(decode, sink, PROMPTS[1], "b", seeded)
+        await running
+        assert queued.timing.first_token_by_prefill and tokens == want
+
+    _run_placed(main, ALWAYS, decode_config=CONFIG.model_copy(update={"max_num_seqs": 1}))
+
+
 def test_a_first_token_call_that_fails_leaves_the_prompt_to_the_decode_replica(offline):
     """No room here and the prefill replica refuses the first-token call (its queue is full):
     the request's first token comes from this replica once the slot frees, the offline

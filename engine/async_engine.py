@@ -11,14 +11,6 @@ engine runs (fixed at start).
 Tickers (for example a KV endpoint's ``poll``) run on the engine thread once per loop turn and
 return whether they have work in flight: an idle engine then polls every ``BUSY_POLL_S``, and
 otherwise sleeps until a command wakes it.
-
-On a GPU, commands also run while the engine waits for a step's device work, where steps are
-long (``COMMANDS_IN_STEP_MIN_S``; one rank): a command that answers its caller (a decode
-replica's reservation or admission, a first token taken from elsewhere) then answers within
-``COMMANDS_IN_STEP_POLL_S`` instead of after the rest of the step. The engine's state allows it:
-the step being waited for and the one launched after it only write the KV of their sequences,
-and a command that lets another engine write into blocks first waits for both
-(``LLMEngine._fence_released_blocks``).
 """
 
 from __future__ import annotations
@@ -43,11 +35,6 @@ from engine.snapshot import StatsFeed
 log = logging.getLogger(__name__)
 BUSY_POLL_S = 0.0005  # idle engine, a ticker's work in flight (a KV transfer)
 IDLE_WAIT_S = 0.05  # idle engine, nothing in flight: commands wake it at once anyway
-# Commands run while a step's device work finishes where a step takes at least this long (its
-# measured decode step); the wait then looks at the step's event this often. A shorter step is
-# waited for plainly: the look's granularity would delay the next launch more than it saves.
-COMMANDS_IN_STEP_MIN_S = 0.003
-COMMANDS_IN_STEP_POLL_S = 0.0002
 
 OutputsHook = Callable[[list[RequestOutput]], None]
 FinishedHook = Callable[[LLMEngine, RequestOutput], None]
@@ -69,9 +56,6 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self.error: BaseException | None = None
-        self._in_step_wait = False  # the engine thread is running commands during a step's wait
-        if self.engine.device.type == "cuda" and config.tensor_parallel_size == 1:
-            self.engine.wait_hook = self._wait_for_step
         self._thread = threading.Thread(target=self._run, daemon=True, name="baton-engine")
         self._thread.start()
         freeze_startup_heap()
@@ -185,34 +169,12 @@ class AsyncEngine:
             except queue.Empty:
                 return ran
             ran = True
-            self._run_command(fn, fut)
-
-    def _run_command(self, fn, fut: Future) -> None:
-        if not fut.set_running_or_notify_cancel():
-            return
-        try:
-            fut.set_result(fn(self.engine))
-        except Exception as exc:  # noqa: BLE001 - the caller gets it
-            fut.set_exception(exc)
-
-    def _wait_for_step(self, event) -> None:
-        """The engine thread waits for a step's event (``LLMEngine.wait_hook``): where steps are
-        long, the commands posted meanwhile run as they come (see the module's docstring); a
-        wait inside such a command, or for a short step, blocks."""
-        cost = self.engine.step_cost.decode_s
-        if self._in_step_wait or cost is None or cost < COMMANDS_IN_STEP_MIN_S:
-            event.synchronize()
-            return
-        self._in_step_wait = True
-        try:
-            while not event.query():
-                try:
-                    fn, fut = self._commands.get(timeout=COMMANDS_IN_STEP_POLL_S)
-                except queue.Empty:
-                    continue
-                self._run_command(fn, fut)
-        finally:
-            self._in_step_wait = False
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn(self.engine))
+            except Exception as exc:  # noqa: BLE001 - the caller gets it
+                fut.set_exception(exc)
 
     def check(self) -> None:
         """Raise if the engine cannot serve: its thread died, or a rank of a split model did

@@ -28,7 +28,6 @@ import logging
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -112,10 +111,6 @@ class LLMEngine:
         self.updater = StepUpdater(self.scheduler, self.kv_manager,
                                    self.processor.eos_token_ids, ex.max_model_len)
         self._running_step: LaunchedStep | None = None  # launched, not yet resolved
-        self._resolving: LaunchedStep | None = None  # the step whose tokens are being waited for
-        # How a launched step is waited for on CUDA, given its event (AsyncEngine runs the
-        # commands posted meanwhile); None: the wait blocks.
-        self.wait_hook: Callable[[torch.cuda.Event], None] | None = None
         self.stats = EngineStats()
         # (seconds, sequences) of recent steps, drained by a metrics reader (bounded: unread
         # samples are dropped, never piled up).
@@ -287,15 +282,13 @@ class LLMEngine:
                                    [top or []] if asked and seq.params.logprobs else None)
 
     def _fence_released_blocks(self) -> None:
-        """Blocks given back since a step in flight was launched may still be written by it (a
+        """Blocks given back since the running step was launched may still be written by it (a
         sequence that stopped while it was in flight). Before another engine is let write into
-        blocks from the pool, wait for that step, so its late writes cannot land on theirs.
-        In flight: the running step, and the one being waited for when a command runs during
-        that wait (:attr:`wait_hook`)."""
-        for step in (self._resolving, self._running_step):
-            if step is not None and self.scheduler.num_releases != step.releases:
-                step.wait(blocking=True)
-                step.releases = self.scheduler.num_releases
+        blocks from the pool, wait for that step, so its late writes cannot land on theirs."""
+        step = self._running_step
+        if step is not None and self.scheduler.num_releases != step.releases:
+            step.wait()
+            step.releases = self.scheduler.num_releases
 
     # -- lifecycle --------------------------------------------------------------------------
     def check_ranks(self) -> None:
@@ -362,11 +355,9 @@ class LLMEngine:
             self.spec.update(self.spec_stats.num_draft_tokens - drafted,
                              self.spec_stats.num_accepted_tokens - accepted)
         for step in due:
-            self._resolving = step  # (commands may run while it is waited for)
             outputs += self.updater.resolve(step)
             if step.started is not None and step.done_at is not None:
                 self.step_cost.record(step.started, step.done_at, step.prompt_tokens)
-        self._resolving = None
         elapsed = time.perf_counter() - t0
         if self.spec is not None and launched is not None and not launched.prompt_tokens:
             self._time_spec(looked, was_on, due, launched, elapsed, outputs)
@@ -462,7 +453,7 @@ class LLMEngine:
                 seq.add_pending(row)
         step.done_at = self.step_cost.mark()
         if self.device.type == "cuda":
-            step.done, step.wait_hook = step.done_at, self.wait_hook
+            step.done = step.done_at
         step.releases = self.scheduler.num_releases
         return step
 

@@ -45,18 +45,8 @@ class LaunchedStep:
     # and, for those that asked, their logprobs (engine.spec_decode.verified_logprobs)
     spec_logprobs: list | None = None
 
-    # how the engine waits for ``done`` (LLMEngine.wait_hook: the commands posted meanwhile
-    # run); None: it blocks
-    wait_hook: object | None = None
-
-    def wait(self, blocking: bool = False) -> None:
-        """Until the step's device work is done; ``blocking``: not through ``wait_hook`` (a
-        command that must wait for the step, running during a wait for one)."""
-        if self.done is None:
-            return
-        if self.wait_hook is not None and not blocking:
-            self.wait_hook(self.done)
-        else:
+    def wait(self) -> None:
+        if self.done is not None:
             self.done.synchronize()
 
 

@@ -6,7 +6,6 @@ engine thread; an outputs hook gets each step's outputs at once."""
 
 import asyncio
 import threading
-import time
 
 import pytest
 
@@ -181,71 +180,3 @@ def test_the_snapshot_follows_what_tickers_change(aengine):
 
     asyncio.run(main())
     assert state["ticks"] == 5
-
-
-class _SlowStep:
-    """Stands in for a step's CUDA event: its device work ends ``seconds`` after the launch."""
-
-    def __init__(self, seconds: float):
-        self.at = time.monotonic() + seconds
-
-    def query(self) -> bool:
-        return time.monotonic() >= self.at
-
-    def synchronize(self) -> None:
-        time.sleep(max(0.0, self.at - time.monotonic()))
-
-
-@pytest.mark.parametrize("in_step", [True, False], ids=["commands-in-the-step", "blocking"])
-def test_commands_run_while_a_long_step_is_waited_for(monkeypatch, offline, in_step):
-    """Steps of 40 ms on the device (a stand-in event): commands posted meanwhile (here every
-    5 ms) answer within a few ms while the engine waits for the step, as on a GPU where steps
-    are long; blocking, they wait for the rest of the step. Requests added and aborted during
-    those waits end as the offline engine's, and nothing is left behind."""
-    from engine import async_engine
-    from engine.llm_engine import LLMEngine
-
-    launch = LLMEngine._launch
-
-    def slow_launch(self, batch, *args):
-        step = launch(self, batch, *args)
-        step.done, step.wait_hook = _SlowStep(0.04), self.wait_hook
-        return step
-
-    monkeypatch.setattr(LLMEngine, "_launch", slow_launch)
-    monkeypatch.setattr(async_engine, "COMMANDS_IN_STEP_MIN_S", 0.0)
-    aengine = AsyncEngine(EngineConfig(**CONFIG))
-    if in_step:
-        aengine.engine.wait_hook = aengine._wait_for_step
-
-    async def main():
-        busy = asyncio.ensure_future(aengine.run(PROMPTS[1], SamplingParams(
-            temperature=0.0, max_tokens=40, ignore_eos=True), "busy"))  # steps all along
-        runs = [asyncio.ensure_future(aengine.run(p, GREEDY, f"r{i}"))
-                for i, p in enumerate(PROMPTS[:3])]
-        await _until(lambda: aengine.engine.stats.steps >= 2)
-        waits = []
-        for _ in range(12):
-            posted = time.monotonic()
-            waits.append(await aengine.call(lambda e: time.monotonic()) - posted)
-            await asyncio.sleep(0.005)
-        late = asyncio.ensure_future(aengine.run(PROMPTS[3], GREEDY, "late"))
-        gone = asyncio.ensure_future(aengine.run(PROMPTS[0], GREEDY, "gone"))
-        await asyncio.sleep(0.02)
-        gone.cancel()  # aborted during a step's wait
-        outs = await asyncio.gather(*runs, late)
-        with pytest.raises(asyncio.CancelledError):
-            await gone
-        assert [_last(o) for o in outs] == [(t[-1], 12, "length") for t in offline]
-        assert (await busy).num_output_tokens == 40
-        await _until(lambda: _idle(aengine))
-        return sorted(waits)[len(waits) // 2]
-
-    try:
-        median = asyncio.run(main())
-    finally:
-        aengine.shutdown()
-    if in_step:
-        assert median < 0.01
-    else:
-        assert median > 0.01

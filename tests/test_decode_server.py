@@ -603,25 +603,3 @@ def test_a_request_cancelled_while_its_first_token_is_made_elsewhere_leaves_noth
         assert decode.aengine.engine.scheduler.find("b") is None
 
     _run_placed(main, ALWAYS, decode_config=CONFIG.model_copy(update={"max_num_seqs": 1}))
-
-
-@pytest.mark.gpu
-def test_commands_during_a_steps_wait_keep_the_tokens_on_the_gpu(monkeypatch, offline):
-    """On a GPU the engine runs commands while it waits for a step where steps are long
-    (``engine.async_engine``); here for every step: reservations, admissions and first tokens
-    taken while steps run, every prompt handed over, several at once, a slot short for some
-    (one sequence slot fewer than the prompts): the offline tokens."""
-    from engine import async_engine
-
-    monkeypatch.setattr(async_engine, "COMMANDS_IN_STEP_MIN_S", 0.0)
-    prompts = PROMPTS * 3
-
-    async def main(prefill, handle, decode, sink):
-        assert decode.aengine.engine.wait_hook is not None
-        got = await asyncio.gather(*(generate(decode, sink, p, f"r{i}", GREEDY)
-                                     for i, p in enumerate(prompts)))
-        assert [t for t, _ in got] == offline * 3
-        assert {r.prefilled_why for _, r in got} <= {"always", "no_room"}
-
-    _run_placed(main, ALWAYS, decode_config=CONFIG.model_copy(
-        update={"max_num_seqs": len(prompts) - 1}))

@@ -560,22 +560,27 @@ def test_a_seeded_request_whose_first_token_came_from_elsewhere_draws_as_on_one_
     _run_placed(main, ALWAYS, decode_config=CONFIG.model_copy(update={"max_num_seqs": 1}))
 
 
-def test_a_first_token_call_that_fails_leaves_the_prompt_to_the_decode_replica(offline):
-    """No room here and the prefill replica refuses the first-token call (its queue is full):
-    the request's first token comes from this replica once the slot frees, the offline
-    tokens all the same."""
+@pytest.mark.parametrize("failure", [BackPressureError(1, 1), ActorDiedError()],
+                         ids=["refused", "replica-died"])
+def test_a_first_token_call_that_fails_leaves_the_prompt_to_the_decode_replica(offline, failure):
+    """No room here and the first-token call fails (the prefill replica refuses it, its queue
+    full, or has died): the request's first token comes from this replica once the slot frees,
+    the offline tokens all the same; a dead replica also sends later prompts here until one
+    answers again."""
     long = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
 
     async def main(prefill, handle, decode, sink):
         running = asyncio.ensure_future(generate(decode, sink, PROMPTS[0], "a", long))
         while not decode.aengine.engine.scheduler.running:
             await asyncio.sleep(0.005)
-        handle.fail = BackPressureError(1, 1)
+        handle.fail = failure
         tokens, queued = await generate(decode, sink, PROMPTS[1], "b", GREEDY)
         _, first = await running
         assert tokens == offline[1] and handle.first_token_calls == 1
         assert not queued.timing.first_token_by_prefill
         assert queued.timing.first_token > first.timing.finished
+        assert decode.placer.prefill_down == isinstance(failure, ActorDiedError)
+        handle.fail = None
 
     _run_placed(main, ALWAYS, decode_config=CONFIG.model_copy(update={"max_num_seqs": 1}))
 

@@ -31,7 +31,7 @@ class PrefillHandle:
         self.calls = 0
         self.answered = 0
         self.first_token_calls = 0
-        self.first_token = _FirstTokenMethod(self, "first_token")
+        self.first_token = _FirstTokenMethod(self)
         self.kv_load = _Probe(self)  # a trivial call: it answers unless failing or hanging
 
     def remote(self, req: PrefillRequest):
@@ -53,12 +53,12 @@ class PrefillHandle:
 
 
 class _FirstTokenMethod:
-    def __init__(self, handle: PrefillHandle, method: str):
-        self.handle, self.method = handle, method
+    def __init__(self, handle: PrefillHandle):
+        self.handle = handle
 
     def remote(self, req):
         self.handle.first_token_calls += 1
-        return self.handle._call(self.method, req)
+        return self.handle._call("first_token", req)
 
 
 class _Probe:

@@ -511,6 +511,19 @@ def test_a_dead_prefill_replica_is_not_called_again_until_one_answers(offline):
     _run_placed(main, ALWAYS, {"fail": ActorDiedError()})
 
 
+ONE_SLOT = CONFIG.model_copy(update={"max_num_seqs": 1})  # a decode replica that fills fast
+
+
+async def _slot_taken(decode, sink, max_tokens: int) -> asyncio.Task:
+    """Request "a" (PROMPTS[0], greedy, ``max_tokens``) running on ``decode``, once it holds the
+    decode replica's one sequence slot (``ONE_SLOT``): the next prompt finds no room."""
+    running = asyncio.ensure_future(generate(decode, sink, PROMPTS[0], "a", SamplingParams(
+        temperature=0, max_tokens=max_tokens, ignore_eos=True)))
+    while not decode.aengine.engine.scheduler.running:
+        await asyncio.sleep(0.005)
+    return running
+
+
 @pytest.mark.parametrize("early", [True, False], ids=["first-token-while-queued", "off"])
 def test_no_room_here_the_first_token_comes_from_a_prefill_replica(offline, early):
     """A decode replica whose one sequence slot is taken queues a prompt it would hand over
@@ -518,12 +531,9 @@ def test_no_room_here_the_first_token_comes_from_a_prefill_replica(offline, earl
     published while the running request still decodes, and the rest comes from here once the
     slot frees: the offline tokens, no KV moved, both replicas idle afterwards. Off, the first
     token waits for the slot."""
-    long = SamplingParams(temperature=0, max_tokens=150, ignore_eos=True)
 
     async def main(prefill, handle, decode, sink):
-        running = asyncio.ensure_future(generate(decode, sink, PROMPTS[0], "a", long))
-        while not decode.aengine.engine.scheduler.running:
-            await asyncio.sleep(0.005)
+        running = await _slot_taken(decode, sink, 150)
         tokens, queued = await generate(decode, sink, PROMPTS[1], "b", GREEDY)
         _, first = await running
         assert tokens == offline[1] and queued.num_output_tokens == len(tokens)
@@ -538,7 +548,7 @@ def test_no_room_here_the_first_token_comes_from_a_prefill_replica(offline, earl
             assert queued.timing.first_token > first.timing.finished
 
     _run_placed(main, DisaggregationConfig(mode="always", first_token_while_queued=early),
-                decode_config=CONFIG.model_copy(update={"max_num_seqs": 1}))
+                decode_config=ONE_SLOT)
 
 
 def test_a_seeded_request_whose_first_token_came_from_elsewhere_draws_as_on_one_engine():
@@ -547,17 +557,14 @@ def test_a_seeded_request_whose_first_token_came_from_elsewhere_draws_as_on_one_
     prompt, gets the tokens of one engine."""
     seeded = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=16, ignore_eos=True, seed=7)
     want = LLM("tiny").generate([PROMPTS[1]], seeded)[0].token_ids
-    long = SamplingParams(temperature=0, max_tokens=150, ignore_eos=True)
 
     async def main(prefill, handle, decode, sink):
-        running = asyncio.ensure_future(generate(decode, sink, PROMPTS[0], "a", long))
-        while not decode.aengine.engine.scheduler.running:
-            await asyncio.sleep(0.005)
+        running = await _slot_taken(decode, sink, 150)
         tokens, queued = await generate(decode, sink, PROMPTS[1], "b", seeded)
         await running
         assert queued.timing.first_token_by_prefill and tokens == want
 
-    _run_placed(main, ALWAYS, decode_config=CONFIG.model_copy(update={"max_num_seqs": 1}))
+    _run_placed(main, ALWAYS, decode_config=ONE_SLOT)
 
 
 @pytest.mark.parametrize("failure", [BackPressureError(1, 1), ActorDiedError()],
@@ -567,12 +574,9 @@ def test_a_first_token_call_that_fails_leaves_the_prompt_to_the_decode_replica(o
     full, or has died): the request's first token comes from this replica once the slot frees,
     the offline tokens all the same; a dead replica also sends later prompts here until one
     answers again."""
-    long = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
 
     async def main(prefill, handle, decode, sink):
-        running = asyncio.ensure_future(generate(decode, sink, PROMPTS[0], "a", long))
-        while not decode.aengine.engine.scheduler.running:
-            await asyncio.sleep(0.005)
+        running = await _slot_taken(decode, sink, 60)
         handle.fail = failure
         tokens, queued = await generate(decode, sink, PROMPTS[1], "b", GREEDY)
         _, first = await running
@@ -582,18 +586,15 @@ def test_a_first_token_call_that_fails_leaves_the_prompt_to_the_decode_replica(o
         assert decode.placer.prefill_down == isinstance(failure, ActorDiedError)
         handle.fail = None
 
-    _run_placed(main, ALWAYS, decode_config=CONFIG.model_copy(update={"max_num_seqs": 1}))
+    _run_placed(main, ALWAYS, decode_config=ONE_SLOT)
 
 
 def test_a_request_cancelled_while_its_first_token_is_made_elsewhere_leaves_nothing(offline):
     """No room here, the first-token call under way (a slow prefill replica): the cancelled
     request is gone from both replicas, and a late answer publishes nothing."""
-    long = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
 
     async def main(prefill, handle, decode, sink):
-        running = asyncio.ensure_future(generate(decode, sink, PROMPTS[0], "a", long))
-        while not decode.aengine.engine.scheduler.running:
-            await asyncio.sleep(0.005)
+        running = await _slot_taken(decode, sink, 60)
         handle.delay = 0.3
         queued = asyncio.ensure_future(decode.generate(
             GenerateRequest(tuple(PROMPTS[1]), GREEDY, "b", await sink.start())))
@@ -607,4 +608,4 @@ def test_a_request_cancelled_while_its_first_token_is_made_elsewhere_leaves_noth
         await asyncio.sleep(0.4)  # past the slow answer, had it not been cancelled
         assert decode.aengine.engine.scheduler.find("b") is None
 
-    _run_placed(main, ALWAYS, decode_config=CONFIG.model_copy(update={"max_num_seqs": 1}))
+    _run_placed(main, ALWAYS, decode_config=ONE_SLOT)

@@ -35,6 +35,15 @@ projection against the two kernels each replaces, at several row counts.
 
     python -m benchmarks.projections_bench quantized --rows 256 1024 2048
 
+``chain``: a batch-1 decode step's projections for every layer, chained in one CUDA graph as the
+engine runs them (its one-row kernels, the norm and SiLU folded where it folds them; no
+attention), against the bytes they read at the copy rate: with programmatic dependent launch on
+and off, and, with ``--grid``, each projection's tile configs in turn (the others at the
+engine's), which is how ``kernels.gemv.config_for`` and ``kernels.fp8.fp8_gemv_config`` were
+chosen.
+
+    python -m benchmarks.projections_bench chain --models dummy:Qwen3-0.6B dummy:Qwen3-8B:fp8 --grid
+
 """
 
 from __future__ import annotations
@@ -428,7 +437,111 @@ def quantized_main(argv=None) -> None:
             print(" ".join(str(round(v, 1)) for v in row), flush=True)
 
 
-TOOLS = {"bf16": bf16_main, "fp8": fp8_main, "quantized": quantized_main}
+CHAIN_GRID = [GemvConfig(bn, bk, nw, 2) for bn, bk, nw in itertools.product(
+    (2, 4, 8, 16), (512, 1024, 2048, 4096), (4, 8))]
+
+
+def _chain(model: str):
+    """``(step, weight bytes, engine configs)``: ``step(configs)`` runs one batch-1 step's
+    projections over every layer (``model`` ending in ``:fp8``: FP8 weights, per channel)."""
+    from kernels import rmsnorm, silu_and_mul
+    from kernels.gemv import NORM_FUSE_MAX_K, SILU_FUSE_MAX_K, norm_gemv
+
+    name, fp8 = (model[:-4], True) if model.endswith(":fp8") else (model, False)
+    c = resolve_model(name).config
+    shapes, q = projections(name), c.num_attention_heads * c.head_dim
+    layers, nbytes = [], 0
+    for _ in range(c.num_hidden_layers):
+        layer = {}
+        for proj, (n, k) in shapes.items():
+            w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+            layer[proj] = quantize_per_channel(w) if fp8 else (w, None)
+            nbytes += layer[proj][0].numel() * layer[proj][0].element_size()
+        layers.append(layer)
+    norm_w = torch.ones(c.hidden_size, device="cuda", dtype=torch.bfloat16)
+    x0 = torch.randn(1, c.hidden_size, device="cuda", dtype=torch.bfloat16)
+
+    def linear(x, layer, proj, cfg, silu=False):
+        w, scale = layer[proj]
+        if fp8:
+            return fp8_gemv(x, w, scale, None, cfg, silu=silu)
+        return gemv(x, w, cfg, silu=silu)
+
+    def normed(x, res, layer, proj, cfg):
+        if not fp8 and c.hidden_size <= NORM_FUSE_MAX_K:
+            return norm_gemv(x, res, norm_w, 1e-6, layer[proj][0], cfg)
+        h, res = rmsnorm(x, norm_w, 1e-6, res)
+        return linear(h, layer, proj, cfg), res
+
+    fuse_silu = c.intermediate_size <= SILU_FUSE_MAX_K
+
+    def step(cfg):
+        x, res = x0, x0
+        for layer in layers:
+            qkv, res = normed(x, res, layer, "qkv", cfg["qkv"])
+            o = linear(qkv[:, :q], layer, "o", cfg["o"])
+            gu, res = normed(o, res, layer, "gate_up", cfg["gate_up"])
+            x = (linear(gu, layer, "down", cfg["down"], silu=True) if fuse_silu
+                 else linear(silu_and_mul(gu), layer, "down", cfg["down"]))
+        return x
+
+    pick = fp8_gemv_config if fp8 else config_for
+    return step, nbytes, {proj: pick(*nk) for proj, nk in shapes.items()}
+
+
+def chain_main(argv=None) -> None:
+    """``chain``: see the module docstring."""
+    from kernels._triton import set_pdl
+
+    ap = argparse.ArgumentParser(description=chain_main.__doc__)
+    ap.add_argument("--models", nargs="+", default=["dummy:Qwen3-0.6B", "dummy:Qwen3-8B:fp8"])
+    ap.add_argument("--grid", action="store_true", help="each projection's tile configs in turn")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    copy_gbs = ceilings()["copy_GBps"]
+    out = []
+    for model in args.models:
+        step, nbytes, engine_cfg = _chain(model)
+        floor_us = nbytes / (copy_gbs * 1e9 / 2) * 1e6  # the copy rate counts bytes twice
+        for on in (False, True):
+            set_pdl(on)
+            us = graph_us(lambda _: step(engine_cfg), [0], reps=50)
+            out.append({"model": model, "pdl": on, "configs": "engine", "us": round(us, 1),
+                        "floor_us": round(floor_us, 1)})
+            print(f"{model} PDL {'on ' if on else 'off'} engine configs: {us:7.1f} us a step "
+                  f"({floor_us / us:.0%} of the copy rate)", flush=True)
+        if not args.grid:
+            continue
+        best = dict(engine_cfg)
+        for proj in best:
+            k = projections(model.removesuffix(":fp8"))[proj][1]
+            timed = []
+            for cfg in CHAIN_GRID:
+                if cfg.block_k > max(1024, triton.next_power_of_2(k)):
+                    continue
+                try:
+                    us = graph_us(lambda _: step({**best, proj: cfg}), [0], reps=20)
+                except Exception as e:  # noqa: BLE001 - a config that does not compile
+                    print(f"  {proj} {tuple(cfg)}: {type(e).__name__}", flush=True)
+                    continue
+                timed.append((us, cfg))
+            timed.sort()
+            print(f"  {proj} (K {k}): best " + ", ".join(
+                f"{tuple(cfg)} {us:.1f}" for us, cfg in timed[:4]), flush=True)
+            best[proj] = timed[0][1]
+            out.append({"model": model, "pdl": True, "projection": proj,
+                        "grid": [[list(cfg), round(us, 1)] for us, cfg in timed]})
+        us = graph_us(lambda _: step(best), [0], reps=50)
+        print(f"{model} PDL on, best configs {({p: tuple(c) for p, c in best.items()})}: "
+              f"{us:7.1f} us a step ({floor_us / us:.0%} of the copy rate)", flush=True)
+        out.append({"model": model, "pdl": True, "configs": {p: list(c) for p, c in best.items()},
+                    "us": round(us, 1), "floor_us": round(floor_us, 1)})
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+TOOLS = {"bf16": bf16_main, "fp8": fp8_main, "quantized": quantized_main, "chain": chain_main}
 
 
 def main(argv=None) -> None:

@@ -1,7 +1,19 @@
 """Triton, when installed and a GPU is there; CPU hosts run the torch references (and do not
-import Triton at all: it comes with xgrammar's dependencies even on CPU installs)."""
+import Triton at all: it comes with xgrammar's dependencies even on CPU installs).
+
+Programmatic dependent launch (PDL, Hopper and newer): the decode chain's kernels are launched
+so that each may start while the kernel before it is still finishing. A kernel so launched
+first reads what no earlier kernel writes (its weights), then waits for the kernel before it
+(:func:`wait_for_inputs`: ``griddepcontrol.wait``, which returns once that kernel has finished
+and its writes are visible) and lets the next one launch. Each weight-streaming kernel's first
+tile is thus in flight while the previous kernel drains, instead of after it. ``BATON_PDL=0``
+turns it off (the kernels then launch as before; FlashInfer's own kernels keep their
+``enable_pdl`` default)."""
 
 from __future__ import annotations
+
+import functools
+import os
 
 import torch
 
@@ -13,9 +25,56 @@ if torch.cuda.is_available():
     except ImportError:  # pragma: no cover - depends on the install
         triton = tl = None
 
+_PDL_WANTED = os.environ.get("BATON_PDL", "1") != "0"
+
+if triton is not None:
+    try:
+        from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+    except ImportError:  # pragma: no cover - Triton before 3.4
+        _PDL_WANTED = False
+
+        @triton.jit
+        def gdc_wait():
+            pass
+
+        @triton.jit
+        def gdc_launch_dependents():
+            pass
+
+    @triton.jit
+    def wait_for_inputs(PDL: tl.constexpr):
+        """Under PDL: wait until the kernel before has finished (its writes visible), then let
+        the next kernel launch. Nothing the kernels before write may be read or written ahead
+        of this call; weights may."""
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
+else:
+    wait_for_inputs = None
+
 
 def use_triton(t: torch.Tensor) -> bool:
     return triton is not None and t.is_cuda
+
+
+@functools.cache
+def _pdl_on(device_index: int) -> bool:
+    return _PDL_WANTED and torch.cuda.get_device_capability(device_index) >= (9, 0)
+
+
+def pdl(t: torch.Tensor) -> dict:
+    """Launch options of a kernel that calls :func:`wait_for_inputs`, for ``t``'s device:
+    ``PDL`` (its constexpr) and Triton's ``launch_pdl``."""
+    on = _pdl_on(t.device.index if t.device.index is not None else torch.cuda.current_device())
+    return {"PDL": on, "launch_pdl": on}
+
+
+def set_pdl(on: bool) -> None:
+    """Turn PDL on or off for the launches that follow (benchmarks' A/B; a graph captured
+    before keeps what it was captured with)."""
+    global _PDL_WANTED
+    _PDL_WANTED = on
+    _pdl_on.cache_clear()
 
 
 def num_warps_for(block: int) -> int:

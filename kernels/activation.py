@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels._triton import tl, triton, use_triton
+from kernels._triton import pdl, tl, triton, use_triton, wait_for_inputs
 from kernels.fp8_base import FP8, quantize_rows_reference
 
 
@@ -32,7 +32,9 @@ if triton is not None:
         return (act * up.to(tl.float32)).to(gate.dtype)
 
     @triton.jit
-    def _silu_and_mul_kernel(x_ptr, out_ptr, n, x_stride, BLOCK: tl.constexpr):
+    def _silu_and_mul_kernel(x_ptr, out_ptr, n, x_stride, BLOCK: tl.constexpr,
+                             PDL: tl.constexpr):
+        wait_for_inputs(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < n
@@ -42,10 +44,11 @@ if triton is not None:
 
     @triton.jit
     def _silu_and_mul_quant_kernel(x_ptr, q_ptr, s_ptr, n, x_stride, BLOCK: tl.constexpr,
-                                   ONE_PASS: tl.constexpr):
+                                   ONE_PASS: tl.constexpr, PDL: tl.constexpr):
         """One program a row. ONE_PASS (the row fits ``BLOCK``): the row's activations in
         registers, their largest magnitude, then e4m3 over the row's scale. Otherwise the
         largest magnitude in a first pass over blocks, the activations again in a second."""
+        wait_for_inputs(PDL)
         row = tl.program_id(0).to(tl.int64)
         if ONE_PASS:
             cols = tl.arange(0, BLOCK)
@@ -94,7 +97,7 @@ def silu_and_mul_quant(x: torch.Tensor):
         one_pass = width <= ONE_PASS_MAX
         _silu_and_mul_quant_kernel[(rows,)](
             x, q, scale, n, x.stride(0), BLOCK=width if one_pass else 2048, ONE_PASS=one_pass,
-            num_warps=16 if one_pass and width >= 8192 else 8)
+            num_warps=16 if one_pass and width >= 8192 else 8, **pdl(x))
     return q, scale
 
 
@@ -106,5 +109,5 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if rows:
         block = 1024
         _silu_and_mul_kernel[(rows, triton.cdiv(n, block))](x, out, n, x.stride(0), BLOCK=block,
-                                                            num_warps=4)
+                                                            num_warps=4, **pdl(x))
     return out

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels._triton import tl, triton, use_triton
+from kernels._triton import pdl, tl, triton, use_triton, wait_for_inputs
 from kernels.activation import silu_and_mul
 from kernels.fp8_base import FP8, FP8_MAX, quantize_rows_reference, to_fp8  # noqa: F401
 from kernels.fp8_base import MIN_SCALE as _MIN_SCALE
@@ -101,7 +101,8 @@ def fp8_gemv_reference(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
 
 # -- Triton kernels ---------------------------------------------------------------------------
 if triton is not None:
-    from kernels.gemv import row_input
+    from kernels.gemv import first_weight_tile, row_input
+
     @triton.jit
     def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, stride_s,
                               GROUP: tl.constexpr, GROUPS_PER_ROW: tl.constexpr):
@@ -117,35 +118,47 @@ if triton is not None:
         tl.store(s_ptr + row * stride_s + g, scale)
 
     @triton.jit
+    def _fp8_term(x_ptr, s_ptr, w, k0, cols, K, tile_row, stride_sn, BLOCK_SCALE: tl.constexpr,
+                  GROUP_K: tl.constexpr, EVEN_K: tl.constexpr, SILU: tl.constexpr):
+        """One K tile's products ``w * x`` (float32), the tile scales folded into x (block
+        format)."""
+        x = row_input(x_ptr, k0, cols, K, SILU, EVEN_K)
+        if BLOCK_SCALE:
+            if EVEN_K:
+                x *= tl.load(s_ptr + tile_row * stride_sn + (k0 + cols) // GROUP_K)
+            else:
+                x *= tl.load(s_ptr + tile_row * stride_sn + (k0 + cols) // GROUP_K,
+                             mask=k0 + cols < K, other=0.0)
+        return w.to(tl.float32) * x[None, :]
+
+    @triton.jit
     def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, stride_wn, stride_sn,
                          BLOCK_SCALE: tl.constexpr, GROUP_N: tl.constexpr,
                          GROUP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         EVEN_K: tl.constexpr, SILU: tl.constexpr):
+                         EVEN_K: tl.constexpr, SILU: tl.constexpr, PDL: tl.constexpr):
         """``y = x @ (w * scale).T`` for one row: each program streams BLOCK_N whole rows of the
         FP8 weight. Block format: BLOCK_N divides GROUP_N, so a program's rows share one row
-        of tiles, and the scale of each K position folds into x."""
+        of tiles, and the scale of each K position folds into x. The first weight tile is read
+        before the wait for the kernel before (``kernels._triton.wait_for_inputs``)."""
         pid = tl.program_id(0)
         rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         rmask = rows < N
         cols = tl.arange(0, BLOCK_K)
         w_ptrs = w_ptr + rows[:, None].to(tl.int64) * stride_wn + cols[None, :]
         tile_row = (pid * BLOCK_N) // GROUP_N
-        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            x = row_input(x_ptr, k0, cols, K, SILU, EVEN_K)
+        w = first_weight_tile(w_ptrs, rmask, cols, K, EVEN_K)
+        wait_for_inputs(PDL)
+        acc = _fp8_term(x_ptr, s_ptr, w, 0, cols, K, tile_row, stride_sn, BLOCK_SCALE, GROUP_K,
+                        EVEN_K, SILU)
+        for k0 in range(BLOCK_K, K, BLOCK_K):
             if EVEN_K:
                 w = tl.load(w_ptrs + k0, mask=rmask[:, None], other=0.0,
                             eviction_policy="evict_first")
-                if BLOCK_SCALE:
-                    x *= tl.load(s_ptr + tile_row * stride_sn + (k0 + cols) // GROUP_K)
             else:
-                kmask = k0 + cols < K
-                w = tl.load(w_ptrs + k0, mask=rmask[:, None] & kmask[None, :], other=0.0,
-                            eviction_policy="evict_first")
-                if BLOCK_SCALE:
-                    x *= tl.load(s_ptr + tile_row * stride_sn + (k0 + cols) // GROUP_K,
-                                 mask=kmask, other=0.0)
-            acc += w.to(tl.float32) * x[None, :]
+                w = tl.load(w_ptrs + k0, mask=rmask[:, None] & (k0 + cols < K)[None, :],
+                            other=0.0, eviction_policy="evict_first")
+            acc += _fp8_term(x_ptr, s_ptr, w, k0, cols, K, tile_row, stride_sn, BLOCK_SCALE,
+                             GROUP_K, EVEN_K, SILU)
         y = tl.sum(acc, axis=1)
         if not BLOCK_SCALE:
             y *= tl.load(s_ptr + rows * stride_sn, mask=rmask, other=0.0)
@@ -155,7 +168,7 @@ if triton is not None:
     def _fp8_skinny_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, stride_wn,
                            stride_ym, stride_sn, BLOCK_SCALE: tl.constexpr,
                            GROUP_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                           BLOCK_K: tl.constexpr):
+                           BLOCK_K: tl.constexpr, PDL: tl.constexpr):
         """``y = x @ (w * scale).T`` for a few rows (M <= BLOCK_M): each program streams
         BLOCK_N rows of the FP8 weight once, widens it to bf16 (exact) and multiplies on the
         tensor cores; x stays in bf16. Block format: BLOCK_K is the tile width along K."""
@@ -168,6 +181,7 @@ if triton is not None:
         x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
         w_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
         s_row = s_ptr + (pid * BLOCK_N // GROUP_N) * stride_sn
+        wait_for_inputs(PDL)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             kmask = offs_k < K - k0
@@ -263,7 +277,7 @@ def fp8_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
         x, w, scale, y, n, k, w.stride(0), scale.stride(0), BLOCK_SCALE=block is not None,
         GROUP_N=group_n, GROUP_K=group_k, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         EVEN_K=k % config.block_k == 0, SILU=silu, num_warps=config.num_warps,
-        num_stages=config.num_stages)
+        num_stages=config.num_stages, **pdl(x))
     return y
 
 
@@ -291,7 +305,7 @@ def fp8_skinny_mm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
         x, w, scale, y, m, n, k, x.stride(0), w.stride(0), y.stride(0), scale.stride(0),
         BLOCK_SCALE=block is not None, GROUP_N=block[0] if block else block_n,
         BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=num_warps, num_stages=num_stages)
+        num_warps=num_warps, num_stages=num_stages, **pdl(x))
     return y
 
 

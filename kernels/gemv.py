@@ -18,7 +18,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from kernels._triton import tl, triton, use_triton
+from kernels._triton import pdl, tl, triton, use_triton, wait_for_inputs
 from kernels.activation import silu_and_mul
 from kernels.norm import rmsnorm_reference
 
@@ -53,16 +53,28 @@ if triton is not None:
         return x.to(tl.float32)
 
     @triton.jit
+    def first_weight_tile(w_ptrs, rmask, cols, K, EVEN_K: tl.constexpr):
+        """A one-row kernel's weight rows at K offset 0 (read once: evicted first)."""
+        if EVEN_K:
+            return tl.load(w_ptrs, mask=rmask[:, None], other=0.0, eviction_policy="evict_first")
+        return tl.load(w_ptrs, mask=rmask[:, None] & (cols < K)[None, :], other=0.0,
+                       eviction_policy="evict_first")
+
+    @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                      M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     EVEN_K: tl.constexpr, SILU: tl.constexpr):
+                     EVEN_K: tl.constexpr, SILU: tl.constexpr, PDL: tl.constexpr):
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         rmask = rows < N
         cols = tl.arange(0, BLOCK_K)
         w_ptrs = w_ptr + rows[:, None].to(tl.int64) * stride_wn + cols[None, :]
         if M_PAD == 1:  # one row: keep the products, reduce once at the end
-            acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
+            # The first weight tile is read before the wait (under PDL, while the kernel before
+            # still runs); then the same sum as a loop from zero.
+            w = first_weight_tile(w_ptrs, rmask, cols, K, EVEN_K)
+            wait_for_inputs(PDL)
+            acc = w.to(tl.float32) * row_input(x_ptr, 0, cols, K, SILU, EVEN_K)[None, :]
+            for k0 in range(BLOCK_K, K, BLOCK_K):
                 if EVEN_K:  # weights are read once: do not let them push x out of the cache
                     w = tl.load(w_ptrs + k0, mask=rmask[:, None], other=0.0,
                                 eviction_policy="evict_first")
@@ -75,6 +87,7 @@ if triton is not None:
             y = tl.sum(acc, axis=1)
             tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rmask)
         else:  # a few rows: each weight tile is read once and used for every row
+            wait_for_inputs(PDL)
             m = tl.arange(0, M_PAD)
             mmask = m < M
             x_ptrs = x_ptr + m[:, None] * stride_xm + cols[None, :]
@@ -90,11 +103,30 @@ if triton is not None:
 
 if triton is not None:
     @triton.jit
+    def _normed_chunk(x_ptr, res_ptr, nw_ptr, k0, cols, K, rstd, HAS_RES: tl.constexpr):
+        """The normed row (after the residual add) at ``k0 + cols``, in float32, rounded as
+        ``kernels.norm.rmsnorm_reference`` rounds it."""
+        kmask = k0 + cols < K
+        h = tl.load(x_ptr + k0 + cols, mask=kmask, other=0.0)
+        dtype = h.dtype
+        if HAS_RES:
+            h = (h.to(tl.float32) + tl.load(res_ptr + k0 + cols, mask=kmask,
+                                            other=0.0).to(tl.float32)).to(dtype)
+        nw = tl.load(nw_ptr + k0 + cols, mask=kmask, other=0.0).to(tl.float32)
+        return ((h.to(tl.float32) * rstd).to(dtype).to(tl.float32) * nw).to(dtype).to(tl.float32)
+
+    @triton.jit
     def _norm_gemv_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, y_ptr, res_out_ptr, N, K, eps,
                           stride_wn, HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr):
+                          BLOCK_K: tl.constexpr, PDL: tl.constexpr):
         pid = tl.program_id(0)
         cols = tl.arange(0, BLOCK_K)
+        rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        rmask = rows < N
+        w_ptrs = w_ptr + rows[:, None].to(tl.int64) * stride_wn + cols[None, :]
+        # The first weight tile before the wait (under PDL, while the kernel before still runs).
+        w = tl.load(w_ptrs, mask=rmask[:, None] & (cols < K)[None, :], other=0.0)
+        wait_for_inputs(PDL)
         # Pass 1, the row's RMS (program 0 also writes the new residual).
         sq = tl.zeros((BLOCK_K,), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -109,21 +141,13 @@ if triton is not None:
             sq += hf * hf
         rstd = tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
         # Pass 2, the product with the normed row, rebuilt chunk by chunk.
-        rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        rmask = rows < N
-        w_ptrs = w_ptr + rows[:, None].to(tl.int64) * stride_wn + cols[None, :]
-        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        acc = w.to(tl.float32) * _normed_chunk(x_ptr, res_ptr, nw_ptr, 0, cols, K, rstd,
+                                               HAS_RES)[None, :]
+        for k0 in range(BLOCK_K, K, BLOCK_K):
             kmask = k0 + cols < K
             w = tl.load(w_ptrs + k0, mask=rmask[:, None] & kmask[None, :], other=0.0)
-            h = tl.load(x_ptr + k0 + cols, mask=kmask, other=0.0)
-            dtype = h.dtype
-            if HAS_RES:
-                h = (h.to(tl.float32) + tl.load(res_ptr + k0 + cols, mask=kmask,
-                                                other=0.0).to(tl.float32)).to(dtype)
-            nw = tl.load(nw_ptr + k0 + cols, mask=kmask, other=0.0).to(tl.float32)
-            xn = ((h.to(tl.float32) * rstd).to(dtype).to(tl.float32) * nw).to(dtype)
-            acc += w.to(tl.float32) * xn.to(tl.float32)[None, :]
+            xn = _normed_chunk(x_ptr, res_ptr, nw_ptr, k0, cols, K, rstd, HAS_RES)
+            acc += w.to(tl.float32) * xn[None, :]
         y = tl.sum(acc, axis=1)
         tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rmask)
 
@@ -150,7 +174,8 @@ def norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch
     _norm_gemv_kernel[(triton.cdiv(n, config.block_n),)](
         x, residual if residual is not None else x, norm_weight, w, y, res_out, n, k, eps,
         w.stride(0), HAS_RES=residual is not None, BLOCK_N=config.block_n,
-        BLOCK_K=config.block_k, num_warps=config.num_warps, num_stages=config.num_stages)
+        BLOCK_K=config.block_k, num_warps=config.num_warps, num_stages=config.num_stages,
+        **pdl(x))
     return y, res_out
 
 
@@ -174,7 +199,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, config: GemvConfig = GemvConfig(),
         x, w, y, m, n, k, x.stride(0), w.stride(0), y.stride(0),
         M_PAD=triton.next_power_of_2(m), BLOCK_N=config.block_n,
         BLOCK_K=config.block_k, EVEN_K=k % config.block_k == 0, SILU=silu,
-        num_warps=config.num_warps, num_stages=config.num_stages)
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl(x))
     return y
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import num_warps_for, tl, triton, use_triton
+from kernels._triton import num_warps_for, pdl, tl, triton, use_triton, wait_for_inputs
 from kernels.fp8_base import FP8, quantize_rows_reference
 
 
@@ -29,12 +29,14 @@ if triton is not None:
     @triton.jit
     def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, s_ptr, n_cols, x_stride,
                         res_stride, eps, HAS_RES: tl.constexpr, QUANT: tl.constexpr,
-                        BLOCK: tl.constexpr):
+                        BLOCK: tl.constexpr, PDL: tl.constexpr):
         """QUANT: ``out`` is e4m3, the normed row (rounded as unquantized) over its per-row
         scale, stored in ``s`` (as ``kernels.fp8.quantize_rows`` would make of it)."""
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        wait_for_inputs(PDL)
         x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)
         dtype = x.dtype
         if HAS_RES:
@@ -43,7 +45,6 @@ if triton is not None:
             tl.store(res_out_ptr + row * n_cols + cols, x, mask=mask)
         xf = x.to(tl.float32)
         rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         y = (xf * rstd).to(dtype).to(tl.float32) * w
         if QUANT:
             y = y.to(dtype).to(tl.float32)
@@ -107,7 +108,7 @@ def _launch(x, weight, eps, residual, quant: bool, residual_out=None):
             x, residual if residual is not None else x, weight, out, res_out, scale, n,
             x.stride(0), residual.stride(0) if residual is not None else 0, eps,
             HAS_RES=residual is not None, QUANT=quant, BLOCK=block,
-            num_warps=num_warps_for(block))
+            num_warps=num_warps_for(block), **pdl(x))
     if quant:
         return out, scale, (res_out if residual is not None else x)
     return out if residual is None else (out, res_out)

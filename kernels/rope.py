@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import tl, triton, use_triton
+from kernels._triton import pdl, tl, triton, use_triton, wait_for_inputs
 from kernels.kv_store import store_kv_reference
 from kernels.norm import rmsnorm_reference
 
@@ -51,7 +51,9 @@ if triton is not None:
             qkv_ptr, pos_ptr, qw_ptr, kw_ptr, cs_ptr, cache_ptr, slot_ptr, q_out_ptr,
             qkv_stride, eps, block_size, c_stride_b, c_stride_kv, c_stride_h, c_stride_s,
             inv_k_scale, inv_v_scale, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
-            HEAD_DIM: tl.constexpr, HALF: tl.constexpr, FP8_CACHE: tl.constexpr):
+            HEAD_DIM: tl.constexpr, HALF: tl.constexpr, FP8_CACHE: tl.constexpr,
+            PDL: tl.constexpr):
+        wait_for_inputs(PDL)
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         i = tl.arange(0, HALF)
@@ -133,5 +135,5 @@ def qk_norm_rope_store(qkv: torch.Tensor, positions: torch.Tensor, q_weight: tor
             qkv.stride(0), eps, kv_cache.shape[3], kv_cache.stride(0), kv_cache.stride(1),
             kv_cache.stride(2), kv_cache.stride(3), 1.0 / k_scale, 1.0 / v_scale,
             NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=d, HALF=d // 2,
-            FP8_CACHE=kv_cache.dtype == torch.float8_e4m3fn, num_warps=1)
+            FP8_CACHE=kv_cache.dtype == torch.float8_e4m3fn, num_warps=1, **pdl(qkv))
     return q

@@ -416,8 +416,11 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
 
 def fp8_gemv_config(n: int, k: int) -> GemvConfig:
     """Tile config of the one-row FP8 kernel for an ``[n, k]`` weight (by shape, so every
-    engine sums in the same order): the winners of ``projections_bench fp8``'s grid on an
-    H100 for the Qwen3-8B and 32B projections (docs/benchmarks.md): rows of 1024 FP8 bytes in
-    flight, 2048 once K reaches 8192."""
-    return GemvConfig(block_n=4, block_k=2048 if k >= 8192 else 1024, num_warps=4,
-                      num_stages=3)
+    engine sums in the same order): the winners of ``projections_bench chain --grid`` on an H100
+    for the Qwen3-8B projections chained as a step runs them, under programmatic dependent
+    launch: projections wider than deep (qkv, gate/up) 16 rows of 512 FP8 bytes a program, the
+    others (o, down) 4 rows of 2048. 16 and 4 divide the 128-row scale tiles of Qwen's FP8
+    checkpoints."""
+    if n > k:
+        return GemvConfig(block_n=16, block_k=512, num_warps=8, num_stages=2)
+    return GemvConfig(block_n=4, block_k=2048, num_warps=8, num_stages=2)

@@ -215,13 +215,22 @@ SILU_FUSE_MAX_K = 3072
 
 def config_for(n: int, k: int) -> GemvConfig:
     """The tile config for a ``[n, k]`` weight: rules that reproduce the winners of
-    ``projections_bench bf16`` on the H100 for the Qwen3-0.6B projections (its 48-config grid)
-    and the 8B ones (K of 4096 and more: ``--streaming``, K tiles of 2048). Fixed by shape, not
-    timed at start-up, so every engine sums a projection in the same order (a prefill and a
+    ``projections_bench bf16`` on the H100 for the Qwen3-8B projections (K of 4096 and more:
+    ``--streaming``, K tiles of 2048) and of ``projections_bench chain --grid`` for the
+    Qwen3-0.6B ones (the step's projections chained in one graph, under programmatic dependent
+    launch: below K of 4096 a program reads its rows whole, in one tile, except the widest
+    projections of K 1024, gate/up and the LM head, where 512 stays the best). Fixed by shape,
+    not timed at start-up, so every engine sums a projection in the same order (a prefill and a
     decode replica then give the tokens of one colocated engine)."""
     if k >= 4096:
         return GemvConfig(block_n=4, block_k=2048, num_warps=4, num_stages=2)
-    small_k = k <= 1024
-    return GemvConfig(block_n=8 if n >= 6144 else 4, block_k=512 if small_k else 1024,
-                      num_warps=4 if small_k else 8,
-                      num_stages=4 if small_k and n >= 6144 else 2)
+    if k <= 1024:
+        if n >= 6144:
+            return GemvConfig(block_n=8, block_k=512, num_warps=4, num_stages=4)
+        return GemvConfig(block_n=16, block_k=1024, num_warps=4, num_stages=2)
+    return GemvConfig(block_n=8 if n >= 6144 else 4, block_k=_pow2_at_least(k), num_warps=8,
+                      num_stages=2)
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << (n - 1).bit_length()

@@ -37,7 +37,7 @@ projection against the two kernels each replaces, at several row counts.
 
 ``chain``: a batch-1 decode step's projections for every layer, chained in one CUDA graph as the
 engine runs them (its one-row kernels, the norm and SiLU folded where it folds them; no
-attention), against the bytes they read at the copy rate: with programmatic dependent launch on
+attention) and the LM head (FP8 for an FP8 model, as ``fp8_lm_head`` runs it), against the bytes they read at the copy rate: with programmatic dependent launch on
 and off, and, with ``--grid``, each projection's tile configs in turn (the others at the
 engine's), which is how ``kernels.gemv.config_for`` and ``kernels.fp8.fp8_gemv_config`` were
 chosen.
@@ -442,15 +442,21 @@ CHAIN_GRID = [GemvConfig(bn, bk, nw, 2) for bn, bk, nw in itertools.product(
 
 
 def _chain(model: str):
-    """``(step, weight bytes, engine configs)``: ``step(configs)`` runs one batch-1 step's
-    projections over every layer (``model`` ending in ``:fp8``: FP8 weights, per channel)."""
+    """``(step, weight bytes, engine configs, shapes)``: ``step(configs)`` runs one batch-1
+    step's projections over every layer and the LM head (``model`` ending in ``:fp8``: FP8
+    weights per channel, the head too, as ``fp8_lm_head`` runs it)."""
     from kernels import rmsnorm, silu_and_mul
     from kernels.gemv import NORM_FUSE_MAX_K, SILU_FUSE_MAX_K, norm_gemv
 
     name, fp8 = (model[:-4], True) if model.endswith(":fp8") else (model, False)
     c = resolve_model(name).config
     shapes, q = projections(name), c.num_attention_heads * c.head_dim
-    layers, nbytes = [], 0
+    head_w = torch.randn(c.vocab_size, c.hidden_size, device="cuda",
+                         dtype=torch.bfloat16) / c.hidden_size**0.5
+    head = quantize_per_channel(head_w) if fp8 else (head_w, None)
+    del head_w
+    nbytes = head[0].numel() * head[0].element_size()
+    layers = []
     for _ in range(c.num_hidden_layers):
         layer = {}
         for proj, (n, k) in shapes.items():
@@ -483,10 +489,12 @@ def _chain(model: str):
             gu, res = normed(o, res, layer, "gate_up", cfg["gate_up"])
             x = (linear(gu, layer, "down", cfg["down"], silu=True) if fuse_silu
                  else linear(silu_and_mul(gu), layer, "down", cfg["down"]))
-        return x
+        h, _ = rmsnorm(x, norm_w, 1e-6, res)
+        return linear(h, {"lm_head": head}, "lm_head", cfg["lm_head"])
 
     pick = fp8_gemv_config if fp8 else config_for
-    return step, nbytes, {proj: pick(*nk) for proj, nk in shapes.items()}
+    shapes["lm_head"] = (c.vocab_size, c.hidden_size)
+    return step, nbytes, {proj: pick(*nk) for proj, nk in shapes.items()}, shapes
 
 
 def chain_main(argv=None) -> None:
@@ -496,12 +504,14 @@ def chain_main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=chain_main.__doc__)
     ap.add_argument("--models", nargs="+", default=["dummy:Qwen3-0.6B", "dummy:Qwen3-8B:fp8"])
     ap.add_argument("--grid", action="store_true", help="each projection's tile configs in turn")
+    ap.add_argument("--projections", nargs="+", default=None,
+                    help="the projections --grid tries (default: all, lm_head included)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     copy_gbs = ceilings()["copy_GBps"]
     out = []
     for model in args.models:
-        step, nbytes, engine_cfg = _chain(model)
+        step, nbytes, engine_cfg, shapes = _chain(model)
         floor_us = nbytes / (copy_gbs * 1e3)  # only reads: the copy rate's bytes a second
         for on in (False, True):
             set_pdl(on)
@@ -513,8 +523,8 @@ def chain_main(argv=None) -> None:
         if not args.grid:
             continue
         best = dict(engine_cfg)
-        for proj in best:
-            k = projections(model.removesuffix(":fp8"))[proj][1]
+        for proj in args.projections or list(best):
+            k = shapes[proj][1]
             timed = []
             for cfg in CHAIN_GRID:
                 if cfg.block_k > max(1024, triton.next_power_of_2(k)):

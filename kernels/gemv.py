@@ -213,24 +213,33 @@ NORM_FUSE_MAX_K = 1024
 SILU_FUSE_MAX_K = 3072
 
 
+# The winners of ``projections_bench chain --grid`` on the H100 (a batch-1 step's projections and
+# LM head chained in one CUDA graph under programmatic dependent launch, each projection's grid
+# tried with the others at their best), per Qwen3 projection shape ``(n, k)``: the sizes whose
+# rule configs were more than ~1% off (0.6B, 1.7B, 4B; 8B's rule was within 0.5%).
+CHAIN_WINNERS = {
+    (4096, 1024): (16, 1024, 4, 2), (1024, 2048): (4, 2048, 8, 2),  # 0.6B qkv, o
+    (1024, 3072): (4, 4096, 8, 2),  # 0.6B down (its gate/up and head: the rule)
+    (4096, 2048): (2, 2048, 4, 2), (2048, 2048): (4, 2048, 4, 2),  # 1.7B qkv, o
+    (12288, 2048): (2, 1024, 4, 2), (151936, 2048): (2, 1024, 4, 2),  # 1.7B gate/up, head
+    (6144, 2560): (16, 512, 8, 2), (2560, 4096): (4, 2048, 8, 2),  # 4B qkv, o
+    (19456, 2560): (4, 512, 4, 2), (2560, 9728): (2, 2048, 8, 2),  # 4B gate/up, down
+    (151936, 2560): (4, 512, 4, 2),  # 4B head
+}
+
+
 def config_for(n: int, k: int) -> GemvConfig:
-    """The tile config for a ``[n, k]`` weight: rules that reproduce the winners of
-    ``projections_bench bf16`` on the H100 for the Qwen3-8B projections (K of 4096 and more:
-    ``--streaming``, K tiles of 2048) and of ``projections_bench chain --grid`` for the
-    Qwen3-0.6B ones (the step's projections chained in one graph, under programmatic dependent
-    launch: below K of 4096 a program reads its rows whole, in one tile, except the widest
-    projections of K 1024, gate/up and the LM head, where 512 stays the best). Fixed by shape,
-    not timed at start-up, so every engine sums a projection in the same order (a prefill and a
-    decode replica then give the tokens of one colocated engine)."""
+    """The tile config for a ``[n, k]`` weight: :data:`CHAIN_WINNERS` for the shapes measured
+    there, else rules that reproduce the winners of ``projections_bench bf16`` on the H100 for
+    the Qwen3-0.6B projections (its 48-config grid) and the 8B ones (K of 4096 and more:
+    ``--streaming``, K tiles of 2048). Fixed by shape, not timed at start-up, so every engine
+    sums a projection in the same order (a prefill and a decode replica then give the tokens of
+    one colocated engine)."""
+    if (n, k) in CHAIN_WINNERS:
+        return GemvConfig(*CHAIN_WINNERS[n, k])
     if k >= 4096:
         return GemvConfig(block_n=4, block_k=2048, num_warps=4, num_stages=2)
-    if k <= 1024:
-        if n >= 6144:
-            return GemvConfig(block_n=8, block_k=512, num_warps=4, num_stages=4)
-        return GemvConfig(block_n=16, block_k=1024, num_warps=4, num_stages=2)
-    return GemvConfig(block_n=8 if n >= 6144 else 4, block_k=_pow2_at_least(k), num_warps=8,
-                      num_stages=2)
-
-
-def _pow2_at_least(n: int) -> int:
-    return 1 << (n - 1).bit_length()
+    small_k = k <= 1024
+    return GemvConfig(block_n=8 if n >= 6144 else 4, block_k=512 if small_k else 1024,
+                      num_warps=4 if small_k else 8,
+                      num_stages=4 if small_k and n >= 6144 else 2)

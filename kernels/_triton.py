@@ -72,12 +72,13 @@ def pdl(x: torch.Tensor) -> dict:
     return {"PDL": on, "launch_pdl": on}
 
 
-def set_pdl(on: bool) -> None:
+def set_pdl(on: bool) -> bool:
     """Turn PDL on or off for the launches that follow (benchmarks' A/B; a graph captured
-    before keeps what it was captured with)."""
+    before keeps what it was captured with); returns what it was."""
     global _PDL_WANTED
-    _PDL_WANTED = on
+    was, _PDL_WANTED = _PDL_WANTED, on
     _pdl_on.cache_clear()
+    return was
 
 
 def num_warps_for(block: int) -> int:

@@ -167,6 +167,62 @@ def test_one_row_kernels_with_the_silu_folded_in_equal_silu_then_the_kernel(shap
 
 
 @pytest.mark.gpu
+def test_a_one_row_chain_under_pdl_gives_the_bytes_it_gives_without_eager_and_graphed():
+    """A batch-1 step's kernels in a row (RMSNorm, projection, norm folded into a projection,
+    SiLU folded into a projection, an FP8 projection), launched with programmatic dependent
+    launch where the GPU has it: each waits for the one before, so the bytes are those of the
+    launches without it, run eagerly and replayed in a CUDA graph on new inputs."""
+    from kernels import rmsnorm
+    from kernels._triton import pdl, set_pdl
+    from kernels.fp8 import fp8_gemv, fp8_gemv_config, fp8_supported, quantize_per_channel
+    from kernels.gemv import gemv, norm_gemv
+    g = torch.Generator(device="cuda").manual_seed(7)
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, device="cuda", generator=g) * scale).to(torch.bfloat16)
+    hidden, inter = 1024, 3072
+    nw = rand(hidden, scale=0.1) + 1
+    w_qkv, w_o, w_gu, w_down = (rand(4096, hidden, scale=0.03), rand(hidden, 2048, scale=0.03),
+                                rand(2 * inter, hidden, scale=0.03), rand(hidden, inter, scale=0.03))
+    fp8 = fp8_supported(torch.device("cuda"))
+    q8, s8 = quantize_per_channel(rand(2048, hidden, scale=0.03))
+
+    def chain(x, res):
+        h, res = rmsnorm(x, nw, 1e-6, res)
+        qkv = gemv(h, w_qkv, config_for(*w_qkv.shape))
+        o = gemv(qkv[:, :2048], w_o, config_for(*w_o.shape))
+        gu, res = norm_gemv(o, res, nw, 1e-6, w_gu, config_for(*w_gu.shape))
+        y = gemv(gu, w_down, config_for(*w_down.shape), silu=True)
+        return fp8_gemv(y, q8, s8, None, fp8_gemv_config(*q8.shape)) if fp8 else y
+
+    x, res = rand(1, hidden), rand(1, hidden)
+    was = set_pdl(False)
+    try:
+        want = chain(x, res)
+        set_pdl(True)
+        assert pdl(x)["launch_pdl"] == (torch.cuda.get_device_capability() >= (9, 0))
+        assert not pdl(rand(2, hidden))["launch_pdl"]  # one row only
+        assert torch.equal(chain(x, res), want)
+        sx, sres = x.clone(), res.clone()
+        chain(sx, sres)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = chain(sx, sres)
+        for _ in range(3):
+            x, res = rand(1, hidden), rand(1, hidden)
+            set_pdl(False)
+            want = chain(x, res)
+            sx.copy_(x)
+            sres.copy_(res)
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, want)
+    finally:
+        set_pdl(was)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("with_residual", [True, False])
 @pytest.mark.parametrize("shape", [(4096, 1024), (1000, 1000)])  # N, K
 def test_norm_gemv_triton_matches_reference(with_residual, shape):

@@ -97,6 +97,15 @@ def _join_streams(threads, got, errors, expected) -> None:
         assert got[i] == want, f"stream {i}: {len(got[i])} tokens"
 
 
+def _migrated(url, timeout_s: float = 10.0) -> bool:
+    """Whether the ingress has counted a moved stream: it counts a stream's moves when its
+    handler ends, which can come a moment after the client has read the stream's last bytes."""
+    deadline = time.time() + timeout_s
+    while migrations(url) < 1 and time.time() < deadline:
+        time.sleep(0.1)
+    return migrations(url) >= 1
+
+
 def _decode_pids() -> list[int]:
     return _pids("DecodeServer")
 
@@ -137,7 +146,7 @@ def test_killing_a_decode_replica_loses_no_stream(ray_cluster, expected, decode_
         assert len(pids) == decode_replicas
         os.kill(_busiest(pids), signal.SIGKILL)  # one that carries streams
         _join_streams(threads, got, errors, expected)
-        assert migrations(url) >= 1
+        assert _migrated(url)
         _assert_decode_idle()
     finally:
         shutdown_serve()
@@ -158,7 +167,7 @@ def test_the_only_decode_replica_killed_the_prefill_replica_decodes(ray_cluster,
         assert time.time() - t0 < 5, body
         assert body["usage"]["prefilled"] == {"where": "local", "reason": "decode_down"}, body
         _join_streams(threads, got, errors, expected)
-        assert migrations(url) >= 1
+        assert _migrated(url)
         deadline, why = time.time() + 90, "decode_down"
         while why == "decode_down" and time.time() < deadline:  # the new decode replica
             body = requests.post(f"{url}/v1/completions", timeout=60, json={
@@ -194,7 +203,7 @@ def test_a_split_decode_replica_serves_and_a_dead_rank_loses_no_stream(ray_clust
         assert len(ranks) == 1, [c.cmdline() for c in ranks]
         ranks[0].kill()
         _join_streams(threads, got, errors, expected)
-        assert migrations(url) >= 1
+        assert _migrated(url)
         _assert_decode_idle()
         if disaggregated:
             assert _prefill_used_blocks() == 0 and _kv_load("PrefillServer")["held_blocks"] == 0

@@ -44,11 +44,10 @@ if triton is not None:
 
     @triton.jit
     def _silu_and_mul_quant_kernel(x_ptr, q_ptr, s_ptr, n, x_stride, BLOCK: tl.constexpr,
-                                   ONE_PASS: tl.constexpr, PDL: tl.constexpr):
+                                   ONE_PASS: tl.constexpr):
         """One program a row. ONE_PASS (the row fits ``BLOCK``): the row's activations in
         registers, their largest magnitude, then e4m3 over the row's scale. Otherwise the
         largest magnitude in a first pass over blocks, the activations again in a second."""
-        wait_for_inputs(PDL)
         row = tl.program_id(0).to(tl.int64)
         if ONE_PASS:
             cols = tl.arange(0, BLOCK)
@@ -97,7 +96,7 @@ def silu_and_mul_quant(x: torch.Tensor):
         one_pass = width <= ONE_PASS_MAX
         _silu_and_mul_quant_kernel[(rows,)](
             x, q, scale, n, x.stride(0), BLOCK=width if one_pass else 2048, ONE_PASS=one_pass,
-            num_warps=16 if one_pass and width >= 8192 else 8, **pdl(x))
+            num_warps=16 if one_pass and width >= 8192 else 8)
     return q, scale
 
 

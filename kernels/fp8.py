@@ -101,7 +101,7 @@ def fp8_gemv_reference(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
 
 # -- Triton kernels ---------------------------------------------------------------------------
 if triton is not None:
-    from kernels.gemv import first_weight_tile, row_input
+    from kernels.gemv import row_input, weight_tile
 
     @triton.jit
     def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, stride_s,
@@ -146,17 +146,12 @@ if triton is not None:
         cols = tl.arange(0, BLOCK_K)
         w_ptrs = w_ptr + rows[:, None].to(tl.int64) * stride_wn + cols[None, :]
         tile_row = (pid * BLOCK_N) // GROUP_N
-        w = first_weight_tile(w_ptrs, rmask, cols, K, EVEN_K)
+        w = weight_tile(w_ptrs, 0, rmask, cols, K, EVEN_K)
         wait_for_inputs(PDL)
         acc = _fp8_term(x_ptr, s_ptr, w, 0, cols, K, tile_row, stride_sn, BLOCK_SCALE, GROUP_K,
                         EVEN_K, SILU)
         for k0 in range(BLOCK_K, K, BLOCK_K):
-            if EVEN_K:
-                w = tl.load(w_ptrs + k0, mask=rmask[:, None], other=0.0,
-                            eviction_policy="evict_first")
-            else:
-                w = tl.load(w_ptrs + k0, mask=rmask[:, None] & (k0 + cols < K)[None, :],
-                            other=0.0, eviction_policy="evict_first")
+            w = weight_tile(w_ptrs, k0, rmask, cols, K, EVEN_K)
             acc += _fp8_term(x_ptr, s_ptr, w, k0, cols, K, tile_row, stride_sn, BLOCK_SCALE,
                              GROUP_K, EVEN_K, SILU)
         y = tl.sum(acc, axis=1)
@@ -168,7 +163,7 @@ if triton is not None:
     def _fp8_skinny_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, stride_wn,
                            stride_ym, stride_sn, BLOCK_SCALE: tl.constexpr,
                            GROUP_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                           BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                           BLOCK_K: tl.constexpr):
         """``y = x @ (w * scale).T`` for a few rows (M <= BLOCK_M): each program streams
         BLOCK_N rows of the FP8 weight once, widens it to bf16 (exact) and multiplies on the
         tensor cores; x stays in bf16. Block format: BLOCK_K is the tile width along K."""
@@ -181,7 +176,6 @@ if triton is not None:
         x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
         w_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
         s_row = s_ptr + (pid * BLOCK_N // GROUP_N) * stride_sn
-        wait_for_inputs(PDL)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             kmask = offs_k < K - k0
@@ -305,7 +299,7 @@ def fp8_skinny_mm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
         x, w, scale, y, m, n, k, x.stride(0), w.stride(0), y.stride(0), scale.stride(0),
         BLOCK_SCALE=block is not None, GROUP_N=block[0] if block else block_n,
         BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=num_warps, num_stages=num_stages, **pdl(x))
+        num_warps=num_warps, num_stages=num_stages)
     return y
 
 

@@ -53,11 +53,13 @@ if triton is not None:
         return x.to(tl.float32)
 
     @triton.jit
-    def first_weight_tile(w_ptrs, rmask, cols, K, EVEN_K: tl.constexpr):
-        """A one-row kernel's weight rows at K offset 0 (read once: evicted first)."""
+    def weight_tile(w_ptrs, k0, rmask, cols, K, EVEN_K: tl.constexpr):
+        """A one-row kernel's weight rows at K offset ``k0``. They are read once: evicted
+        first, so they do not push the row vector out of the cache."""
         if EVEN_K:
-            return tl.load(w_ptrs, mask=rmask[:, None], other=0.0, eviction_policy="evict_first")
-        return tl.load(w_ptrs, mask=rmask[:, None] & (cols < K)[None, :], other=0.0,
+            return tl.load(w_ptrs + k0, mask=rmask[:, None], other=0.0,
+                           eviction_policy="evict_first")
+        return tl.load(w_ptrs + k0, mask=rmask[:, None] & (k0 + cols < K)[None, :], other=0.0,
                        eviction_policy="evict_first")
 
     @triton.jit
@@ -71,23 +73,16 @@ if triton is not None:
         if M_PAD == 1:  # one row: keep the products, reduce once at the end
             # The first weight tile is read before the wait (under PDL, while the kernel before
             # still runs); then the same sum as a loop from zero.
-            w = first_weight_tile(w_ptrs, rmask, cols, K, EVEN_K)
+            w = weight_tile(w_ptrs, 0, rmask, cols, K, EVEN_K)
             wait_for_inputs(PDL)
             acc = w.to(tl.float32) * row_input(x_ptr, 0, cols, K, SILU, EVEN_K)[None, :]
             for k0 in range(BLOCK_K, K, BLOCK_K):
-                if EVEN_K:  # weights are read once: do not let them push x out of the cache
-                    w = tl.load(w_ptrs + k0, mask=rmask[:, None], other=0.0,
-                                eviction_policy="evict_first")
-                else:
-                    kmask = k0 + cols < K
-                    w = tl.load(w_ptrs + k0, mask=rmask[:, None] & kmask[None, :], other=0.0,
-                                eviction_policy="evict_first")
+                w = weight_tile(w_ptrs, k0, rmask, cols, K, EVEN_K)
                 x = row_input(x_ptr, k0, cols, K, SILU, EVEN_K)
                 acc += w.to(tl.float32) * x[None, :]
             y = tl.sum(acc, axis=1)
             tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rmask)
-        else:  # a few rows: each weight tile is read once and used for every row
-            wait_for_inputs(PDL)
+        else:  # a few rows (launched without PDL): each weight tile read once, used by all
             m = tl.arange(0, M_PAD)
             mmask = m < M
             x_ptrs = x_ptr + m[:, None] * stride_xm + cols[None, :]

@@ -24,10 +24,13 @@ Tasks (models are ``dummy:`` specs: random weights, real shapes):
   ratio to no speculation (random weights: what is accepted is whatever the model repeats).
 - ``draft``: per model, speculative decoding by a draft model (``--draft-model``, k 4, 2 and 6)
   against none at batch 1, 8, 32 and 64: the draft verified, the draft with every or 70% of its
-  proposals kept (timing at acceptance 1 and 0.7), the target as its own draft (k 4).
+  proposals kept (timing at acceptance 1 and 0.7), the target as its own draft (k 4);
+  ``--draft-quantization fp8``: the draft's weights in FP8 (``speculative_config``'s).
 - ``onerow``: the decode graph alone (device time of one replay) at batch 1 with each one-row
   projection path (Triton skinny matmul with and without the RMSNorm folded in, cuBLAS), next to
   batch 64: how the engine's per-shape choice was made.
+- ``replays``: the decode graph alone (device ms of one replay) at every captured batch size up
+  to 32: a small batch's step, where the few-row kernels run (``kernels.fp8.fp8_skinny_mm``).
 
 - ``allreduce`` (with ``--tensor-parallel-size`` > 1): steady decode steps at batch 1, 64 and
   256 under the torch profiler: the NCCL kernels' share of rank 0's GPU time (the all-reduces
@@ -149,6 +152,16 @@ def onerow(model: str, batches=(1, 64)) -> dict:
         row[f"batch{b}_ms"] = round(replay_ms(b), 4)
     row["norm_fused"] = runner.norm_fused
     return row
+
+
+def replays(model: str, max_batch: int = 32) -> dict:
+    """Device ms of one decode-graph replay at each captured batch size up to ``max_batch``."""
+    engine = _engine(model, max_num_seqs=max_batch)
+    graphs = engine.runner.graphs
+    graphs.capture(progress=False)
+    return {"task": "replays", "model": model, "weights": engine.weights_name,
+            "replay_ms": {size: round(cuda_ms(graphs.graphs[size].replay, reps=50), 4)
+                          for size in sorted(graphs.graphs) if size <= max_batch}}
 
 
 def _prompt(engine: LLMEngine, n: int, seed: int) -> list[int]:
@@ -505,21 +518,25 @@ def spec(model: str, ks=(0, 2, 4, 6), batches=(1, 8, 32, 64), prompt_len: int = 
 
 
 def draft(model: str, draft_model: str, ks=(4, 2, 6), batches=(1, 8, 32, 64),
-          prompt_len: int = 128, new: int = 256) -> list[dict]:
+          prompt_len: int = 128, new: int = 256, quantization: str | None = None,
+          own: bool = True) -> list[dict]:
     """Speculative decoding by a draft model against none, on random prompts: ``draft_model``
     proposing ``k`` tokens, verified (random weights: a draft other than the target itself
     agrees with it by chance only, so speculation should turn itself off), and
     ``forced``/``kept70``, every proposal or 70% kept (the cost of the draft's ``k`` steps and
     the verification at acceptance 1 or 0.7, for timing); and the target as its own draft at
-    the first ``k``, verified (acceptance near 1, less the near-ties of random bf16 weights)."""
+    the first ``k``, verified (acceptance near 1, less the near-ties of random bf16 weights;
+    ``own`` False: not run). ``quantization``: the draft's (``speculative_config``'s)."""
     import engine.llm_engine as llm_engine
     from engine.spec_decode import verify
 
     rows = []
-    runs = [("none", 0), (draft_model, ks[0]), (model, ks[0])] + [(draft_model, k) for k in ks[1:]]
+    runs = ([("none", 0), (draft_model, ks[0])] + [(model, ks[0])] * own
+            + [(draft_model, k) for k in ks[1:]])
     for name, k_ in runs:
-        config = {"speculative_config": {"method": "draft_model", "model": name,
-                                         "num_speculative_tokens": k_}} if k_ else {}
+        config = {"speculative_config": {
+            "method": "draft_model", "model": name, "num_speculative_tokens": k_,
+            "quantization": quantization if name == draft_model else None}} if k_ else {}
         engine = _engine(model, max_num_seqs=max(batches), **config)
         _warm(engine)
         for text in ("random", *FORCED):
@@ -531,7 +548,8 @@ def draft(model: str, draft_model: str, ks=(4, 2, 6), batches=(1, 8, 32, 64),
                 steps0 = drafter.steps if drafter else 0
                 row = _spec_point(engine, text, batch, prompt_len, new)
                 rows.append({"task": "draft", "model": model, **_options(engine), "k": k_,
-                             "draft": name if k_ else None, **row,
+                             "draft": name if k_ else None, "draft_quantization": (
+                                 quantization if k_ and name == draft_model else None), **row,
                              "draft_steps": drafter.steps - steps0 if drafter else 0})
         llm_engine.verify = verify
         del engine
@@ -570,6 +588,8 @@ def main() -> None:
     ap.add_argument("--prefill-model", default="dummy:Qwen3-8B")
     ap.add_argument("--draft-model", default="dummy:Qwen3-0.6B",
                     help="the draft of the draft task (speculative decoding)")
+    ap.add_argument("--draft-quantization", choices=["fp8"], default=None,
+                    help="the draft's weights (speculative_config's quantization)")
     ap.add_argument("--decode-prompt-len", type=int, default=128,
                     help="prompt tokens of the batch-1 decode task (8192: decode at 8k context)")
     ap.add_argument("--quantization", choices=["fp8"], default=None)
@@ -606,6 +626,8 @@ def main() -> None:
             emit(sizes(model, ceil))
         if "onerow" in args.tasks:
             emit(onerow(model))
+        if "replays" in args.tasks:
+            emit(replays(model))
         if "decode" in args.tasks:
             emit(decode(model, ceil, prompt_len=args.decode_prompt_len))
         if "throughput" in args.tasks:
@@ -619,7 +641,7 @@ def main() -> None:
         if "spec" in args.tasks:
             emit(spec(model))
         if "draft" in args.tasks:
-            emit(draft(model, args.draft_model))
+            emit(draft(model, args.draft_model, quantization=args.draft_quantization))
         if "hf" in args.tasks:
             emit(hf_generate(model))
     if "long" in args.tasks:

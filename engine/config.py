@@ -105,17 +105,21 @@ class SpeculativeConfig(BaseModel):
     prompt_lookup_min: int | None = Field(None, ge=1)
     prompt_lookup_max: int | None = Field(None, ge=1)
     # draft_model: a smaller model of the target's vocabulary (what EngineConfig.model takes:
-    # a folder, "dummy:Qwen3-0.6B" or "tiny"), in the target's dtype, unquantized, on rank 0.
+    # a folder, "dummy:Qwen3-0.6B" or "tiny"), in the target's dtype, on rank 0.
     model: str | None = None
+    # The draft's weights (vLLM's name): "fp8" quantizes a bf16 draft at load, as
+    # EngineConfig.quantization does the target (an FP8 checkpoint is detected with no flag).
+    # None: as its checkpoint. The draft's LM head follows the target's fp8_lm_head.
+    quantization: Literal["fp8"] | None = None
 
     @model_validator(mode="after")
     def _check(self) -> "SpeculativeConfig":
         if self.method == "draft_model" and not self.model:
             raise ValueError("speculative_config: method 'draft_model' needs 'model' (the "
                              "draft: a folder, 'dummy:Qwen3-0.6B' or 'tiny')")
-        if self.method == "ngram" and self.model:
-            raise ValueError("speculative_config: 'model' is for method 'draft_model'; "
-                             "'ngram' proposes from the sequence itself")
+        if self.method == "ngram" and (self.model or self.quantization):
+            raise ValueError("speculative_config: 'model' and 'quantization' are for method "
+                             "'draft_model'; 'ngram' proposes from the sequence itself")
         if self.prompt_lookup_min is None:
             self.prompt_lookup_min = self.prompt_lookup_max or 5
         if self.prompt_lookup_max is None:

@@ -50,15 +50,18 @@ def build_rank(config: EngineConfig, device: torch.device, group: TPGroup,
 def build_draft(config: EngineConfig, device: torch.device, dtype: torch.dtype,
                 target: ModelSource, progress: bool = False):
     """The draft model of ``config.speculative_config`` (method ``draft_model``), whole on
-    ``device`` in the target's compute dtype, and what its KV costs a block; its runner comes
-    once the target's blocks are sized (:func:`draft_runner`)."""
-    source = resolve_model(config.speculative_config.model)
+    ``device`` in the target's compute dtype (its weights quantized as the config's
+    ``quantization`` says), and what its KV costs a block; its runner comes once the target's
+    blocks are sized (:func:`draft_runner`)."""
+    spec = config.speculative_config
+    source = resolve_model(spec.model)
     mcfg, tcfg = source.config, target.config
     if mcfg.vocab_size != tcfg.vocab_size:
         raise ValueError(f"speculative_config: the draft {source.name} has a vocabulary of "
                          f"{mcfg.vocab_size}, the target {tcfg.vocab_size}; they must match")
     with building(TPGroup()):
-        model = load_model(source, device, dtype, seed=config.seed, progress=progress)
+        model = load_model(source, device, dtype, seed=config.seed, progress=progress,
+                           quantization=spec.quantization)
     return model, block_bytes(mcfg, mcfg.num_key_value_heads, config.block_size,
                               kv_cache_dtype(config.kv_cache_dtype, dtype))
 
@@ -71,10 +74,10 @@ def draft_runner(config: EngineConfig, model, device: torch.device, dtype: torch
         raise ValueError(f"speculative_config: the draft's context "
                          f"({model.config.max_position_embeddings}) is shorter than the "
                          f"target's max_model_len ({max_model_len})")
+    spec = config.speculative_config
     draft = config.model_copy(update={
-        "model": config.speculative_config.model, "num_blocks": num_blocks,
-        "quantization": None, "speculative_config": None, "kv_offloading_size": 0.0,
-        "tensor_parallel_size": 1})
+        "model": spec.model, "num_blocks": num_blocks, "quantization": spec.quantization,
+        "speculative_config": None, "kv_offloading_size": 0.0, "tensor_parallel_size": 1})
     with building(TPGroup()):
         runner = ModelRunner(model, draft, device, dtype, max_model_len)
     runner.rows_for_all = True  # its first step's two tokens (engine.draft_model) as rows

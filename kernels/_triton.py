@@ -8,7 +8,7 @@ first reads what no earlier kernel writes (its weights), then waits for the kern
 and its writes are visible) and lets the next one launch. Each weight-streaming kernel's first
 tile is thus in flight while the previous kernel drains, instead of after it. ``BATON_PDL=0``
 turns it off (the kernels then launch as before; FlashInfer's own kernels keep their
-``enable_pdl`` default). Only one-row launches use it (:func:`pdl`)."""
+``enable_pdl`` default). Only launches of a few rows use it (:func:`pdl`)."""
 
 from __future__ import annotations
 
@@ -26,6 +26,10 @@ if torch.cuda.is_available():
         triton = tl = None
 
 _PDL_WANTED = os.environ.get("BATON_PDL", "1") != "0"
+# Rows up to which kernels launch under PDL (H100, decode graphs of 1-16 rows: 8B FP8 4% faster
+# a step from 2 to 16 rows, 8B bf16 0.4-1.5%, 0.6B bf16 1.5-2.4% at 2-4 rows but 2.8% slower at
+# 16; prefill and batches of 256 1-6% slower).
+PDL_MAX_ROWS = 8
 
 if triton is not None:
     try:
@@ -64,10 +68,11 @@ def _pdl_on(device_index: int) -> bool:
 
 def pdl(x: torch.Tensor) -> dict:
     """Launch options of a kernel that calls :func:`wait_for_inputs`, whose rows are ``x``'s:
-    ``PDL`` (its constexpr) and Triton's ``launch_pdl``. On for one row only (a batch-1 decode
-    step's chain of small kernels, where it measured 4-18% faster a step on the H100); at more
-    rows (prefill, batches of 256) it measured 1-6% slower, so those launch as before."""
-    on = x.shape[0] == 1 and _pdl_on(
+    ``PDL`` (its constexpr) and Triton's ``launch_pdl``. On up to :data:`PDL_MAX_ROWS` rows (a
+    small batch's decode step, a chain of short kernels: one row measured 4-18% faster a step
+    on the H100); at more rows (prefill, large batches) it measured slower, so those launch as
+    before."""
+    on = x.shape[0] <= PDL_MAX_ROWS and _pdl_on(
         x.device.index if x.device.index is not None else torch.cuda.current_device())
     return {"PDL": on, "launch_pdl": on}
 

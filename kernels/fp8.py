@@ -160,36 +160,86 @@ if triton is not None:
         tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rmask)
 
     @triton.jit
-    def _fp8_skinny_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, stride_wn,
-                           stride_ym, stride_sn, BLOCK_SCALE: tl.constexpr,
-                           GROUP_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                           BLOCK_K: tl.constexpr):
+    def _fp8_skinny_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, count_ptr, M, N, K, K_SPLIT,
+                           SPLIT, stride_xm, stride_wn, stride_ym, stride_sn,
+                           BLOCK_SCALE: tl.constexpr, GROUP_N: tl.constexpr,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           EVEN_K: tl.constexpr, PDL: tl.constexpr):
         """``y = x @ (w * scale).T`` for a few rows (M <= BLOCK_M): each program streams
-        BLOCK_N rows of the FP8 weight once, widens it to bf16 (exact) and multiplies on the
-        tensor cores; x stays in bf16. Block format: BLOCK_K is the tile width along K."""
+        BLOCK_N rows of the FP8 weight over one of SPLIT K ranges once, widens it to bf16
+        (exact) and multiplies on the tensor cores; x stays in bf16. Block format: BLOCK_K is
+        the tile width along K. With SPLIT > 1 each program writes its float32 partial sums
+        and counts itself in ``count`` (its N tile's counter); the last of a tile's programs
+        to arrive adds the partials in split order (the same sums whoever arrives last),
+        writes y and sets the counter back to 0 for the next launch."""
         pid = tl.program_id(0)
+        pid_k = tl.program_id(1)
         offs_m = tl.arange(0, BLOCK_M)
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_k = tl.arange(0, BLOCK_K)
         mmask = offs_m < M
         nmask = offs_n < N
-        x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
-        w_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
-        s_row = s_ptr + (pid * BLOCK_N // GROUP_N) * stride_sn
+        k_lo = pid_k * K_SPLIT
+        x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k_lo + offs_k)[None, :]
+        w_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + (k_lo + offs_k)[:, None]
+        s_row = s_ptr + (pid * BLOCK_N // GROUP_N) * stride_sn + k_lo // BLOCK_K
+        # The first weight tile before the wait (under PDL, while the kernel before still
+        # runs); then the same sum as a loop from zero.
+        w0 = _skinny_tile(w_ptrs, 0, offs_k[:, None] < K - k_lo, nmask[None, :], EVEN_K, True)
+        wait_for_inputs(PDL)
+        x = _skinny_tile(x_ptrs, 0, offs_k[None, :] < K - k_lo, mmask[:, None], EVEN_K, False)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            kmask = offs_k < K - k0
-            x = tl.load(x_ptrs + k0, mask=mmask[:, None] & kmask[None, :], other=0.0)
-            w = tl.load(w_ptrs + k0, mask=kmask[:, None] & nmask[None, :], other=0.0,
-                        eviction_policy="evict_first").to(x.dtype)
+        if BLOCK_SCALE:
+            acc += tl.dot(x, w0.to(x.dtype)) * tl.load(s_row)
+        else:
+            acc = tl.dot(x, w0.to(x.dtype), acc)
+        for k0 in range(BLOCK_K, K_SPLIT, BLOCK_K):
+            kin = offs_k < K - k_lo - k0
+            x = _skinny_tile(x_ptrs, k0, kin[None, :], mmask[:, None], EVEN_K, False)
+            w = _skinny_tile(w_ptrs, k0, kin[:, None], nmask[None, :], EVEN_K, True).to(x.dtype)
             if BLOCK_SCALE:
                 acc += tl.dot(x, w) * tl.load(s_row + k0 // BLOCK_K)
             else:
                 acc = tl.dot(x, w, acc)
-        if not BLOCK_SCALE:
+        out_mask = mmask[:, None] & nmask[None, :]
+        if SPLIT > 1:
+            p_ptrs = part_ptr + offs_m[:, None] * N + offs_n[None, :]
+            tl.store(p_ptrs + pid_k * M * N, acc, mask=out_mask)
+            tl.debug_barrier()  # every thread's partials written before the count
+            if tl.atomic_add(count_ptr + pid, 1, sem="acq_rel") == SPLIT - 1:
+                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                for part in range(0, SPLIT):
+                    acc += tl.load(p_ptrs + part * M * N, mask=out_mask, other=0.0,
+                                   cache_modifier=".cg")
+                tl.atomic_xchg(count_ptr + pid, 0)
+                _scaled_store(acc, s_ptr, y_ptr, offs_m, offs_n, nmask, out_mask, stride_ym,
+                              stride_sn, not BLOCK_SCALE)
+        else:
+            _scaled_store(acc, s_ptr, y_ptr, offs_m, offs_n, nmask, out_mask, stride_ym,
+                          stride_sn, not BLOCK_SCALE)
+
+    @triton.jit
+    def _skinny_tile(ptrs, k0, kin, other_mask, EVEN_K: tl.constexpr, WEIGHT: tl.constexpr):
+        """A few-row kernel's tile at K offset ``k0`` (x's or the weight's, by the masks
+        given): masked along K only where K is not whole tiles. The weight's tiles are read
+        once: evicted first, so they do not push the rows out of the cache."""
+        if EVEN_K:
+            mask = other_mask
+        else:
+            mask = other_mask & kin
+        if WEIGHT:
+            return tl.load(ptrs + k0, mask=mask, other=0.0, eviction_policy="evict_first")
+        return tl.load(ptrs + k0, mask=mask, other=0.0)
+
+    @triton.jit
+    def _scaled_store(acc, s_ptr, y_ptr, offs_m, offs_n, nmask, out_mask, stride_ym, stride_sn,
+                      CHANNEL_SCALE: tl.constexpr):
+        """The few-row kernel's sums, times the channel scales if CHANNEL_SCALE (block format:
+        applied already), into y."""
+        if CHANNEL_SCALE:
             acc *= tl.load(s_ptr + offs_n * stride_sn, mask=nmask, other=0.0)[None, :]
         tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :],
-                 acc.to(y_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
+                 acc.to(y_ptr.dtype.element_ty), mask=out_mask)
 
     @triton.jit
     def _block_mm_kernel(a_ptr, w_ptr, c_ptr, as_ptr, ws_ptr, M, N, K, stride_am, stride_wn,
@@ -278,13 +328,45 @@ def fp8_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
 # Rows up to which the bf16-activation kernel beats the W8A8 GEMMs (H100, Qwen3-8B and 32B
 # shapes: 3.9 against 4.7-4.9 ms of projections per 8B step at 4 and 16 rows, behind at 64).
 SKINNY_MAX_ROWS = 16
+# The few-row kernel's tiles and its K split (``python -m benchmarks.projections_bench fp8
+# --rows 2 5 8 16`` on an H100, a grid over 2-16 rows of the Qwen3-8B and 32B FP8 projections):
+# 32 weight rows by 256 columns a program, K split in 2 or 4 where the weight has too few 32-row
+# tiles to keep every SM streaming (8B's qkv, o and down: 3.55 -> 3.2 ms of projections a step
+# at 5 rows; 32B 15.7 -> 13.6).
+SKINNY_BLOCK_N, SKINNY_BLOCK_K = 32, 256
+SKINNY_MIN_PROGRAMS = 384
+
+
+def skinny_split(n: int, k: int, block_n: int = SKINNY_BLOCK_N,
+                 block_k: int = SKINNY_BLOCK_K) -> int:
+    """How many K ranges the few-row kernel splits an ``[n, k]`` weight into: doubling (up to
+    4) while its programs are fewer than :data:`SKINNY_MIN_PROGRAMS` and each range stays a
+    whole number of K tiles. By shape only, so every engine sums a projection in one order."""
+    split, tiles = 1, -(-n // block_n)
+    while tiles * split < SKINNY_MIN_PROGRAMS and split < 4 and k % (2 * split * block_k) == 0:
+        split *= 2
+    return split
+
+
+# Per device: the split kernel's per-tile arrival counters, zero between launches.
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _counters(device: torch.device, tiles: int) -> torch.Tensor:
+    counters = _COUNTERS.get(device)
+    if counters is None or counters.numel() < tiles:
+        counters = _COUNTERS[device] = torch.zeros(max(tiles, 1 << 14), dtype=torch.int32,
+                                                   device=device)
+    return counters
 
 
 def fp8_skinny_mm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
-                  block: tuple[int, int] | None = None, block_n: int = 32,
-                  block_k: int = 256, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
+                  block: tuple[int, int] | None = None, block_n: int = SKINNY_BLOCK_N,
+                  block_k: int = SKINNY_BLOCK_K, num_warps: int = 4, num_stages: int = 3,
+                  split: int | None = None) -> torch.Tensor:
     """A few rows (up to :data:`SKINNY_MAX_ROWS`) times an FP8 weight, the activation kept in
-    bf16/fp16 (the reference is :func:`fp8_gemv_reference`)."""
+    bf16/fp16 (the reference is :func:`fp8_gemv_reference`); K split as :func:`skinny_split`
+    says unless ``split`` is given."""
     m, k = x.shape
     if not (use_triton(x) and 0 < m <= SKINNY_MAX_ROWS and x.stride(1) == 1
             and w.stride(1) == 1):
@@ -294,12 +376,19 @@ def fp8_skinny_mm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
         block_k = block[1]
         if block[0] % block_n:
             block_n = block[0]
+    if split is None:
+        split = skinny_split(n, k, block_n, block_k)
+    if split > 1 and k % (split * block_k):
+        raise ValueError(f"fp8_skinny_mm: K {k} is not {split} ranges of {block_k}")
+    tiles = triton.cdiv(n, block_n)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    _fp8_skinny_kernel[(triton.cdiv(n, block_n),)](
-        x, w, scale, y, m, n, k, x.stride(0), w.stride(0), y.stride(0), scale.stride(0),
-        BLOCK_SCALE=block is not None, GROUP_N=block[0] if block else block_n,
-        BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=num_warps, num_stages=num_stages)
+    part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else y
+    _fp8_skinny_kernel[(tiles, split)](
+        x, w, scale, y, part, _counters(x.device, tiles), m, n, k, k // split, split,
+        x.stride(0), w.stride(0), y.stride(0), scale.stride(0), BLOCK_SCALE=block is not None,
+        GROUP_N=block[0] if block else block_n, BLOCK_M=max(16, triton.next_power_of_2(m)),
+        BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % (split * block_k) == 0,
+        num_warps=num_warps, num_stages=num_stages, **pdl(x))
     return y
 
 

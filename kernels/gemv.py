@@ -82,7 +82,8 @@ if triton is not None:
                 acc += w.to(tl.float32) * x[None, :]
             y = tl.sum(acc, axis=1)
             tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rmask)
-        else:  # a few rows (launched without PDL): each weight tile read once, used by all
+        else:  # a few rows: each weight tile read once, used by all
+            wait_for_inputs(PDL)
             m = tl.arange(0, M_PAD)
             mmask = m < M
             x_ptrs = x_ptr + m[:, None] * stride_xm + cols[None, :]

@@ -72,6 +72,42 @@ def test_fp8_linear_matches_its_reference_at_every_row_count(rows, fmt, k):
     assert _rel(out, ref) < 1e-2
 
 
+@pytest.mark.parametrize("fmt", ["channel", "block"])
+@pytest.mark.parametrize("rows", [2, 5, 16])
+def test_the_few_row_kernel_split_over_k_matches_its_reference_and_replays(rows, fmt):
+    """K split in 1, 2 and 4 ranges (the last program of a tile to arrive adds the partials):
+    each against the float32 reference; eager and replayed in a CUDA graph on new inputs give
+    the same bytes (the sums in split order whoever arrives last; the counters back at zero
+    after every launch)."""
+    from kernels.fp8 import _COUNTERS, fp8_skinny_mm, skinny_split
+
+    assert [skinny_split(*nk) for nk in [(6144, 4096), (4096, 4096), (24576, 4096),
+                                         (4096, 12288), (5120, 25600), (1280, 2176)]] == [
+        2, 4, 1, 4, 4, 1]
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    n = 1280 + 32
+    block = (128, 128) if fmt == "block" else None
+    for k, splits in [(4096, (1, 2, 4)), (4096 + 64, (1,))]:  # the latter: a masked K tail
+        q, s = (quantize_per_block if block else quantize_per_channel)(
+            torch.randn(n, k, device="cuda", generator=g) * 0.02, *([block] if block else []))
+        xs = [torch.randn(rows, k, device="cuda", generator=g, dtype=torch.bfloat16)
+              for _ in range(3)]
+        for split in splits:
+            eager = [fp8_skinny_mm(x, q, s, block, split=split) for x in xs]
+            for x, out in zip(xs, eager):
+                assert _rel(out, fp8_gemv_reference(x, q, s, block)) < 1e-2
+            static = xs[0].clone()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = fp8_skinny_mm(static, q, s, block, split=split)
+            for x, ref in zip(xs, eager):
+                static.copy_(x)
+                graph.replay()
+                assert torch.equal(out, ref)
+            torch.cuda.synchronize()
+            assert not _COUNTERS[torch.device("cuda", torch.cuda.current_device())].any()
+
+
 @pytest.mark.parametrize("group", [None, 128])
 def test_activation_quantization_matches_reference(group):
     x = torch.randn(37, 4096 + 128, device="cuda", dtype=torch.bfloat16) * 3

@@ -173,7 +173,7 @@ def test_a_one_row_chain_under_pdl_gives_the_bytes_it_gives_without_eager_and_gr
     launch where the GPU has it: each waits for the one before, so the bytes are those of the
     launches without it, run eagerly and replayed in a CUDA graph on new inputs."""
     from kernels import rmsnorm
-    from kernels._triton import pdl, set_pdl
+    from kernels._triton import PDL_MAX_ROWS, pdl, set_pdl
     from kernels.fp8 import fp8_gemv, fp8_gemv_config, fp8_supported, quantize_per_channel
     from kernels.gemv import gemv, norm_gemv
     g = torch.Generator(device="cuda").manual_seed(7)
@@ -201,7 +201,7 @@ def test_a_one_row_chain_under_pdl_gives_the_bytes_it_gives_without_eager_and_gr
         want = chain(x, res)
         set_pdl(True)
         assert pdl(x)["launch_pdl"] == (torch.cuda.get_device_capability() >= (9, 0))
-        assert not pdl(rand(2, hidden))["launch_pdl"]  # one row only
+        assert not pdl(rand(PDL_MAX_ROWS + 1, hidden))["launch_pdl"]  # a few rows only
         assert torch.equal(chain(x, res), want)
         sx, sres = x.clone(), res.clone()
         chain(sx, sres)

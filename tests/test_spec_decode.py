@@ -27,7 +27,7 @@ def test_the_config_takes_vllms_names_and_defaults():
     assert SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=4).prompt_lookup_min == 4
     with pytest.raises(ValueError, match="needs 'model'"):
         SpeculativeConfig(method="draft_model", num_speculative_tokens=3)
-    with pytest.raises(ValueError, match="is for method 'draft_model'"):
+    with pytest.raises(ValueError, match="are for method 'draft_model'"):
         SpeculativeConfig(method="ngram", num_speculative_tokens=3, model="tiny")
     with pytest.raises(ValueError, match="above"):
         SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=4, prompt_lookup_max=2)
@@ -236,6 +236,23 @@ def test_the_draft_beside_an_fp8_cache_and_the_host_tier(kw):
     assert llm.engine.pool.num_used_blocks == 0
     if "kv_offloading_size" in kw:
         assert llm.engine.host_tier.hit_blocks > 0
+
+
+def test_a_draft_quantized_to_fp8_keeps_the_targets_tokens():
+    """``speculative_config.quantization: "fp8"`` (vLLM's name) quantizes the draft at load, the
+    target staying as it is: the draft is now another model (its proposals differ now and
+    then: acceptance under 1), and the tokens are still those of no speculation."""
+    prompts = _prompts()
+    ref, _ = _run(prompts, spec=None)
+    with pytest.raises(ValueError, match="are for method 'draft_model'"):
+        SpeculativeConfig(num_speculative_tokens=2, quantization="fp8")
+    llm = _speculating({**DRAFT, "quantization": "fp8"})
+    assert llm.engine.executor.draft.model.quantization is not None
+    assert llm.engine.model.quantization is None
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == ref
+    stats = llm.engine.spec_stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    assert llm.engine.pool.num_used_blocks == 0
 
 
 @METHODS

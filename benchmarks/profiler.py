@@ -1,8 +1,9 @@
 """Where the engine's time goes, one tool:
 ``python -m benchmarks.profiler {decode|prefill|host|ttft} [options]``.
 
-``decode``: one decode step: host phases timed one by one, the graph's own GPU time, its
-kernels (torch profiler over 20 replays), and the top of a cProfile of the engine loop.
+``decode``: one decode step: host phases timed one by one, the graph's own GPU time, the
+pieces of the engine loop as it runs (one step ahead) timed in place, its kernels (torch
+profiler over 20 replays), and the top of a cProfile of the engine loop.
 
     python -m benchmarks.profiler decode --model dummy:Qwen3-0.6B
 
@@ -140,6 +141,9 @@ def decode_main(argv=None) -> None:
             engine.step()
         print(f"engine.step, async_scheduling={overlap}: "
               f"{(time.perf_counter() - t0) * 10:.3f} ms/step")
+    print("the pieces of engine.step (async_scheduling=True), host µs a step:")
+    for label, (us, calls) in timed_pieces(engine, 200).items():
+        print(f"{label:>22}: {us:8.1f}  ({calls:.2f} calls a step)")
 
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CUDA]) as kprof:
@@ -157,6 +161,60 @@ def decode_main(argv=None) -> None:
     out = io.StringIO()
     pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(25)
     print(out.getvalue()[-6000:])
+
+
+def timed_pieces(engine: LLMEngine, steps: int,
+                 outputs: list | None = None) -> dict[str, tuple[float, float]]:
+    """Host µs a step spent in each piece of ``engine.step()`` (and calls a step), the engine
+    running as configured (one step ahead by default): each piece is wrapped in a timer for
+    ``steps`` steps (their outputs appended to ``outputs``), then put back. Where the host waits on the device it shows here (the wait
+    for a step's tokens, or a launch that blocks), which the phases timed apart cannot show."""
+    from engine.model_runner import StepInputs
+    from engine.sampler import Sampler
+    from engine.step_update import LaunchedStep
+
+    runner = engine.runner
+    pieces = [(engine, "step", "engine.step"), (engine.scheduler, "schedule", "schedule"),
+              (engine, "_launch", "launch"), (runner, "prepare", "prepare inputs"),
+              (StepInputs, "feed_pending", "pending-token gather"),
+              (Sampler, "__call__", "sample"), (engine, "_to_host", "copies to the host"),
+              (engine.scheduler, "advance", "advance"), (engine.updater, "resolve", "resolve"),
+              (LaunchedStep, "wait", "wait for the tokens")]
+    if runner.graphs is not None:
+        pieces += [(runner.graphs, "run", "graph step"),
+                   (runner.backend, "plan_decode", "attention plan"),
+                   (torch.cuda.CUDAGraph, "replay", "graph launch")]
+    spent, calls = defaultdict(float), defaultdict(int)
+
+    def timer(fn, label):
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[label] += time.perf_counter() - t0
+                calls[label] += 1
+        return timed
+
+    saved = [(obj, name, obj.__dict__.get(name, _MISSING)) for obj, name, _ in pieces]
+    for obj, name, label in pieces:
+        setattr(obj, name, timer(getattr(obj, name), label))
+    try:
+        for _ in range(steps):
+            made = engine.step()
+            if outputs is not None:
+                outputs += made
+    finally:
+        for obj, name, before in reversed(saved):
+            if before is _MISSING:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, before)
+    return {label: (spent[label] / steps * 1e6, calls[label] / steps)
+            for _, _, label in pieces if calls[label]}
+
+
+_MISSING = object()
 
 
 # -- prefill -------------------------------------------------------------------------------

@@ -26,3 +26,25 @@ def test_forced_verification_keeps_its_share_inside_the_engine(monkeypatch, perc
     stats = llm.engine.spec_stats
     assert stats.num_accepted_tokens / stats.num_draft_tokens == pytest.approx(percent / 100,
                                                                                abs=0.05)
+
+
+def test_the_pieces_of_a_step_are_timed_in_place_and_put_back():
+    """``profiler decode``'s in-place timers: every piece of ``engine.step()`` that ran is
+    counted once a step, the tokens are those of an untimed run, and every wrapped function is
+    the original again afterwards."""
+    from benchmarks.profiler import timed_pieces
+    from engine.sampler import Sampler
+
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    prompt = random_prompts([20], seed=2)
+    want = LLM("tiny", show_progress=False).generate(prompt, params)[0].token_ids
+    engine, sample = LLM("tiny", show_progress=False).engine, Sampler.__call__
+    engine.add_request(prompt[0], params)
+    outputs = []
+    pieces = timed_pieces(engine, 20, outputs)
+    assert Sampler.__call__ is sample and not {"step", "_launch"} & set(vars(engine))
+    assert pieces["engine.step"][1] == pieces["schedule"][1] == pieces["sample"][1] == 1
+    assert pieces["engine.step"][0] >= pieces["launch"][0] > 0
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    assert [t for o in outputs for t in o.new_token_ids] == want

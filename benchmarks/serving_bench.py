@@ -63,7 +63,7 @@ def stub_forward() -> None:
 
     from engine.model_runner import ModelRunner
 
-    def _forward(self, input_ids, positions, meta, logit_rows):
+    def _forward(self, input_ids, positions, meta, logit_rows, prompt=None):
         if not logit_rows:
             return None
         cached = getattr(self, "_stub_logits", None)

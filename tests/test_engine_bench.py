@@ -48,3 +48,21 @@ def test_the_pieces_of_a_step_are_timed_in_place_and_put_back():
     while engine.has_unfinished_requests():
         outputs += engine.step()
     assert [t for o in outputs for t in o.new_token_ids] == want
+
+
+def test_serving_bench_stub_forward_runs_the_engine_without_its_model(monkeypatch):
+    """``serving_bench --stub-forward`` replaces the runner's forward with fixed logits: an
+    engine so patched still schedules, samples and finishes requests (it broke once when the
+    forward's signature grew and the stub's did not)."""
+    from benchmarks.serving_bench import stub_forward
+    from engine.model_runner import ModelRunner
+
+    monkeypatch.setattr(ModelRunner, "_forward", ModelRunner._forward)  # put back afterwards
+    stub_forward()
+    llm = LLM("tiny", show_progress=False)
+    calls = []
+    monkeypatch.setattr(type(llm.engine.model), "forward",
+                        lambda *a, **k: calls.append(1))  # never called
+    outs = llm.generate(random_prompts([12, 30], seed=3),
+                        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    assert [len(o.token_ids) for o in outs] == [6, 6] and not calls

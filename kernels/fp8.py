@@ -353,11 +353,21 @@ _COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
 def _counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """The device's counters, made (or grown) outside graph capture only: a graph captured
+    with them keeps their address, so they must outlive every graph (16,384 tiles: a weight of
+    524,288 rows; Qwen3's widest few-row weight, 32B's gate/up, has 1,600)."""
     counters = _COUNTERS.get(device)
     if counters is None or counters.numel() < tiles:
-        counters = _COUNTERS[device] = torch.zeros(max(tiles, 1 << 14), dtype=torch.int32,
-                                                   device=device)
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("fp8_skinny_mm: its first launch on a device (or one wider "
+                               "than any before) must come before graph capture")
+        counters = torch.zeros(max(tiles, 1 << 14), dtype=torch.int32, device=device)
+        _RETIRED.append(_COUNTERS.get(device))  # kept: graphs captured before may use it
+        _COUNTERS[device] = counters
     return counters
+
+
+_RETIRED: list = []
 
 
 def fp8_skinny_mm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,

@@ -21,10 +21,11 @@ several batch sizes, and FlashInfer attention over an FP8 KV cache.
 
 ``linear``: per projection and batch size M, µs per call (a CUDA graph of calls over copies of
 the weight that spill L2) for bf16 cuBLAS, the bf16 Triton skinny matmul (M = 1), and the FP8
-paths of ``kernels/fp8.py``: the one-row kernel over a grid of tiles, ``torch._scaled_mm`` with
-per-token activations (channel format), the Triton block-scaled GEMM (128×128 format) and, where
-they run, FlashInfer's block-scaled GEMM and torch's block-wise ``_scaled_mm``. Each FP8 result is
-checked against its float32 reference. The last table sums one decode step's projections
+paths of ``kernels/fp8.py``: the one-row kernel over a grid of tiles, the few-row kernel (2-16
+rows) as the engine runs it and over a grid of tiles, stages and K splits, ``torch._scaled_mm``
+with per-token activations (channel format), the Triton block-scaled GEMM (128×128 format) and,
+where they run, FlashInfer's block-scaled GEMM and torch's block-wise ``_scaled_mm``. Each FP8
+result is checked against its float32 reference. The last table sums one decode step's projections
 (× layers) per path, the figure the engine's step time follows.
 
 ``attention``: FlashInfer decode and prefill over an FP8 e4m3 cache against the bf16 cache and the
@@ -59,9 +60,9 @@ import torch.nn.functional as F
 from benchmarks.lib import ceilings, dispatch, graph_us
 from engine.model_source import resolve_model
 from kernels._triton import tl, triton
-from kernels.fp8 import (FP8, fp8_block_mm, fp8_block_scaled_mm, fp8_gemv, fp8_gemv_config,
-                         fp8_gemv_reference, fp8_scaled_mm, fp8_skinny_mm, quantize_per_block,
-                         quantize_per_channel, quantize_rows, w8a8_reference)
+from kernels.fp8 import (FP8, SKINNY_MAX_ROWS, fp8_block_mm, fp8_block_scaled_mm, fp8_gemv,
+                         fp8_gemv_config, fp8_gemv_reference, fp8_scaled_mm, fp8_skinny_mm,
+                         quantize_per_block, quantize_per_channel, quantize_rows, w8a8_reference)
 from kernels.gemv import GemvConfig, config_for, gemv
 
 
@@ -267,7 +268,7 @@ def linear(models, rows_list, gbs: float, flashinfer_block: bool = False) -> lis
                          block, ref_b, r, 1e-2)
                     _grid(r, "fp8 gemv channel", GEMV_GRID,
                           lambda cfg: (lambda c: fp8_gemv(x, *c, None, cfg)), chan, ref_c)
-                elif m <= 64:
+                elif m <= SKINNY_MAX_ROWS:  # more rows: the kernel is not asked (W8A8 runs)
                     ref_c = fp8_gemv_reference(x, *chan[0])
                     ref_b = fp8_gemv_reference(x, *block[0], BLOCK)
                     _try("fp8 skinny channel", lambda c: fp8_skinny_mm(x, *c), chan, ref_c, r, 1e-2)
@@ -303,7 +304,8 @@ def step_table(rows: list[dict]) -> None:
     """One decode step's projections, summed over the four and × layers, per path (ms)."""
     keys = ["bf16 cublas", "bf16 triton", "fp8 gemv channel", "fp8 gemv block",
             "fp8 skinny channel", "fp8 skinny channel best", "fp8 skinny block",
-            "fp8 scaled_mm channel", "fp8 scaled_mm raw", "fp8 quantize rows", "fp8 block_scaled_mm", "fp8 torch block"]
+            "fp8 scaled_mm channel", "fp8 scaled_mm raw", "fp8 quantize rows",
+            "fp8 block_scaled_mm", "fp8 torch block"]
     print("\n| model | M | " + " | ".join(keys) + " |")
     print("| --- | ---: |" + " ---: |" * len(keys))
     groups = {}

@@ -17,7 +17,9 @@ used, and at zero load the served TTFT minus the engine's own time to first toke
 that time goes (HTTP, from the timings the app returns when asked).
 
 ``--stub-forward`` (CPU only) replaces the model's forward pass with fixed logits, offline and in
-the replicas, so what is left is the cost of scheduling and of serving. ``--switch-interval``
+the replicas, so what is left is the cost of scheduling and of serving. ``--cpu`` runs the CPU
+configuration on a GPU host (every engine on the CPU, no GPU asked of Ray): the app's host path
+on that host's CPU, to set beside the same run on a CPU-only host and the GPU configuration. ``--switch-interval``
 sets Python's GIL switch interval in the replicas (``sys.setswitchinterval``; default 5 ms), to
 measure how much the engine thread waits for the GIL.
 
@@ -696,6 +698,8 @@ def main(argv=None) -> None:
     p.add_argument("--clients", type=int, default=None, help="client processes")
     p.add_argument("--zero-load", type=int, default=8, help="single requests for zero-load TTFT")
     p.add_argument("--stub-forward", action="store_true")
+    p.add_argument("--cpu", action="store_true",
+                   help="on a GPU host, the CPU configuration: every engine on the CPU")
     p.add_argument("--plain-ray", action="store_true",
                    help="start Ray without Baton's settings (Serve's Python proxy, no "
                         "throughput profile), as on a Ray the user started")
@@ -714,9 +718,9 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     import torch
 
-    gpu = torch.cuda.is_available()
+    gpu = torch.cuda.is_available() and not args.cpu
     if args.stub_forward and gpu:
-        raise SystemExit("--stub-forward is for CPU runs")
+        raise SystemExit("--stub-forward is for CPU runs (on a GPU host: --cpu)")
     args.streams = [int(s) for s in args.streams.split(",")]
     args.protocols = args.protocols.split(",")
     cpus = os.cpu_count() or 2
@@ -731,6 +735,8 @@ def main(argv=None) -> None:
               "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype}
     if args.num_blocks:
         engine["num_blocks"] = args.num_blocks
+    if args.cpu:
+        engine["device"] = "cpu"
     if gpu:
         engine["gpu_memory_utilization"] = args.gpu_memory_utilization
     if args.stub_forward:

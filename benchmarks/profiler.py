@@ -167,8 +167,9 @@ def timed_pieces(engine: LLMEngine, steps: int,
                  outputs: list | None = None) -> dict[str, tuple[float, float]]:
     """Host µs a step spent in each piece of ``engine.step()`` (and calls a step), the engine
     running as configured (one step ahead by default): each piece is wrapped in a timer for
-    ``steps`` steps (their outputs appended to ``outputs``), then put back. Where the host waits on the device it shows here (the wait
-    for a step's tokens, or a launch that blocks), which the phases timed apart cannot show."""
+    ``steps`` steps (their outputs appended to ``outputs``), then put back. Where the host
+    waits on the device it shows here (the wait for a step's tokens, or a launch that blocks),
+    which the phases timed apart cannot show."""
     from engine.model_runner import StepInputs
     from engine.sampler import Sampler
     from engine.step_update import LaunchedStep

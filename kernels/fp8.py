@@ -361,9 +361,10 @@ def _counters(device: torch.device, tiles: int) -> torch.Tensor:
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError("fp8_skinny_mm: its first launch on a device (or one wider "
                                "than any before) must come before graph capture")
-        counters = torch.zeros(max(tiles, 1 << 14), dtype=torch.int32, device=device)
-        _RETIRED.append(_COUNTERS.get(device))  # kept: graphs captured before may use it
-        _COUNTERS[device] = counters
+        if counters is not None:  # kept: graphs captured before may use it
+            _RETIRED.append(counters)
+        counters = _COUNTERS[device] = torch.zeros(max(tiles, 1 << 14), dtype=torch.int32,
+                                                   device=device)
     return counters
 
 

@@ -200,7 +200,8 @@ def test_a_one_row_chain_under_pdl_gives_the_bytes_it_gives_without_eager_and_gr
     try:
         want = chain(x, res)
         set_pdl(True)
-        assert pdl(x)["launch_pdl"] == (torch.cuda.get_device_capability() >= (9, 0))
+        sm90 = torch.cuda.get_device_capability() >= (9, 0)
+        assert pdl(x)["launch_pdl"] == pdl(rand(PDL_MAX_ROWS, hidden))["launch_pdl"] == sm90
         assert not pdl(rand(PDL_MAX_ROWS + 1, hidden))["launch_pdl"]  # a few rows only
         assert torch.equal(chain(x, res), want)
         sx, sres = x.clone(), res.clone()

@@ -18,7 +18,10 @@ import os
 import torch
 
 triton = tl = None
-if torch.cuda.is_available():
+# ``TRITON_INTERPRET=1`` (Triton's interpreter, numpy on the CPU) imports Triton on a CPU host too,
+# so tests can run a kernel on CPU tensors (float16 and FP8: the interpreter misreads bfloat16).
+# The engine still never launches one there: :func:`use_triton` wants CUDA tensors.
+if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
     try:
         import triton
         import triton.language as tl
@@ -72,7 +75,7 @@ def pdl(x: torch.Tensor) -> dict:
     small batch's decode step, a chain of short kernels: one row measured 4-18% faster a step
     on the H100); at more rows (prefill, large batches) it measured slower, so those launch as
     before."""
-    on = x.shape[0] <= PDL_MAX_ROWS and _pdl_on(
+    on = x.is_cuda and x.shape[0] <= PDL_MAX_ROWS and _pdl_on(
         x.device.index if x.device.index is not None else torch.cuda.current_device())
     return {"PDL": on, "launch_pdl": on}
 

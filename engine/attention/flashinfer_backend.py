@@ -12,6 +12,10 @@ CUDA graphs: :meth:`graph_decode_wrapper` gives a decode wrapper over fixed inde
 one batch size; a graph captured with it replays whatever :meth:`plan_decode` later writes into
 those buffers.
 
+Decode steps of up to ``kernels.decode_attention.MAX_ROWS`` rows (graphed or eager) run Baton's
+one-launch Triton decode attention instead of FlashInfer's decode and merge kernels (measured
+faster at these rows: docs/benchmarks.md); ``BATON_SMALL_DECODE=0`` keeps FlashInfer there.
+
 Planning while the previous step runs: a wrapper's plan writes its work split into a pinned host
 buffer of that wrapper and queues a copy from it. Before planning a wrapper again, the backend
 waits for that copy (an event recorded after each plan), which has normally run already: it was
@@ -22,11 +26,14 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
+import os
+
 import flashinfer
 import torch
 
 from engine.attention.base import AttentionBackend, default_decode_tensor_cores
 from engine.forward_context import AttentionMetadata
+from kernels import decode_attention
 
 WORKSPACE_BYTES = 256 * 2**20
 _EMPTY = torch.empty(0, dtype=torch.int32)
@@ -50,12 +57,15 @@ class FlashInferBackend(AttentionBackend):
             self.workspace, "HND")
         self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, "HND", use_tensor_cores=self.decode_tensor_cores)
+        self.small_decode_rows = (decode_attention.MAX_ROWS
+                                  if os.environ.get("BATON_SMALL_DECODE", "1") != "0" else 0)
+        self._eager_small: decode_attention.DecodeAttention | None = None
 
     def plan(self, meta: AttentionMetadata) -> None:
         if "wrapper" in meta.extras:  # planned by the CUDA-graph runner
             return
         if meta.is_decode_only:
-            self.plan_decode(self.decode_wrapper, meta)
+            self.plan_decode(self._eager_decode(meta), meta)
             return
         with _plan_fence(self.prefill_wrapper):
             self.prefill_wrapper.plan(
@@ -65,8 +75,27 @@ class FlashInferBackend(AttentionBackend):
                 q_data_type=self.dtype, kv_data_type=self.kv_dtype)
         meta.extras["wrapper"] = self.prefill_wrapper
 
+    def _eager_decode(self, meta: AttentionMetadata):
+        """The eager decode step's wrapper: the small-batch kernel up to its rows (over page
+        buffers grown as needed), else FlashInfer's."""
+        if meta.num_seqs > self.small_decode_rows:
+            return self.decode_wrapper
+        small = self._eager_small
+        if small is None or len(small.pages) < len(meta.kv_indices):
+            pages = torch.zeros(max(len(meta.kv_indices), 1024), dtype=torch.int32,
+                                device=self.device)
+            small = self._eager_small = self._small_decode(self.small_decode_rows, pages)
+        return small
+
+    def _small_decode(self, rows: int, pages: torch.Tensor) -> decode_attention.DecodeAttention:
+        return decode_attention.DecodeAttention(rows, pages, self.num_heads, self.num_kv_heads,
+                                                self.head_dim, self.block_size, self.scale)
+
     def plan_decode(self, wrapper, meta: AttentionMetadata) -> None:
         meta.extras["wrapper"] = wrapper
+        if isinstance(wrapper, decode_attention.DecodeAttention):
+            wrapper.plan(meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len)
+            return
         if wrapper.is_cuda_graph_enabled and torch.equal(
                 getattr(wrapper, "_baton_indptr", _EMPTY), meta.kv_indptr):
             # Same pages per sequence as the last plan: the split of the work is the same, only
@@ -85,6 +114,9 @@ class FlashInferBackend(AttentionBackend):
     def graph_decode_wrapper(self, batch_size: int, pages: torch.Tensor):
         """``pages``: the block-index buffer (int32), long enough for any batch of this size;
         it may be shared by the wrappers of every size."""
+        if batch_size <= self.small_decode_rows:
+            return self._small_decode(batch_size, pages)
+
         def buf(n: int) -> torch.Tensor:
             return torch.zeros(n, dtype=torch.int32, device=self.device)
         return flashinfer.BatchDecodeWithPagedKVCacheWrapper(
@@ -96,9 +128,12 @@ class FlashInferBackend(AttentionBackend):
     def forward(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                 k_scale: float = 1.0, v_scale: float = 1.0,
                 out: torch.Tensor | None = None) -> torch.Tensor:
+        wrapper = meta.extras["wrapper"]
+        if isinstance(wrapper, decode_attention.DecodeAttention):
+            return wrapper.run(q, kv_cache, k_scale, v_scale, out=out)
         if kv_cache.dtype == self.dtype:
-            return meta.extras["wrapper"].run(q, kv_cache, out=out)
-        return meta.extras["wrapper"].run(q, kv_cache, k_scale=k_scale, v_scale=v_scale,
+            return wrapper.run(q, kv_cache, out=out)
+        return wrapper.run(q, kv_cache, k_scale=k_scale, v_scale=v_scale,
                                           out=out)
 
 

@@ -34,6 +34,12 @@ of proposals kept, forced as ``engine_bench``'s timing points do), a step is a s
         [--speculative-config '{"method": "draft_model", "model": "dummy:Qwen3-0.6B",
         "num_speculative_tokens": 4}' --kept 70]
 
+``attention``: the decode graph's device time at several contexts and row counts with
+FlashInfer's decode attention and with the few-row kernel (``kernels.decode_attention``), and
+with ``--grid`` over that kernel's tile configs (how its constants were chosen; GPU only).
+
+    python -m benchmarks.profiler attention --model dummy:Qwen3-0.6B --grid
+
 ``ttft``: an engine's time to first token at zero load, outside any server.
 
 The same fresh prompts (no prefix-cache hit) one at a time, timed from "add" to the first
@@ -550,8 +556,56 @@ def timeline_main(argv=None) -> None:
         print(f"  {t / n:8.1f}  {calls[name] / n:5.1f}  {name}")
 
 
+# -- attention -----------------------------------------------------------------------------
+def attention_main(argv=None) -> None:
+    """The decode graph's device time (ms a replay) at each context length and row count, with
+    FlashInfer's decode attention and with the few-row kernel (``kernels.decode_attention``),
+    and with ``--grid`` each of that kernel's tile configs: the run that chose its constants."""
+    import itertools
+
+    import kernels.decode_attention as da
+    from benchmarks.engine_bench import _engine
+    from benchmarks.lib import cuda_ms
+    from engine.cuda_graph import DecodeGraphs
+
+    ap = argparse.ArgumentParser(prog="profiler attention")
+    ap.add_argument("--model", default="dummy:Qwen3-0.6B")
+    ap.add_argument("--quantization", choices=["fp8"], default=None)
+    ap.add_argument("--contexts", type=int, nargs="+", default=[128, 512, 2048])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, da.MAX_ROWS])
+    ap.add_argument("--grid", action="store_true",
+                    help="also tiles of 32/64/128 tokens, chunks of 128/256/512, 4/8 warps")
+    args = ap.parse_args(argv)
+    engine = _engine(args.model, quantization=args.quantization, max_num_seqs=max(args.rows))
+    runner, backend = engine.runner, engine.runner.backend
+
+    def replays(label: str, small_rows: int) -> None:
+        backend.small_decode_rows = small_rows
+        runner.graphs.release()
+        runner.graphs = DecodeGraphs(runner, max(args.rows))  # wrappers of this choice
+        runner.graphs.capture(progress=False)
+        out = {}
+        for ctx, rows in itertools.product(args.contexts, args.rows):
+            for i in range(rows):  # leaves the graph of `rows` planned over these contexts
+                engine.add_request([100 + i + j % 50 for j in range(ctx)],
+                                   SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+            while engine.has_unfinished_requests():
+                engine.step()
+            out[f"{ctx}x{rows}"] = round(cuda_ms(runner.graphs.graphs[rows].replay, reps=100), 4)
+        print(label, json.dumps(out), flush=True)
+
+    replays("flashinfer", 0)
+    configs = [(da.TILE_TOKENS, da.TILE_TOKENS * da.MIN_CHUNK_TILES, da.NUM_WARPS)]
+    if args.grid:
+        configs += [c for c in itertools.product((32, 64, 128), (128, 256, 512), (4, 8))
+                    if c[1] >= c[0] and c not in configs]
+    for tile, chunk, warps in configs:
+        da.TILE_TOKENS, da.MIN_CHUNK_TILES, da.NUM_WARPS = tile, chunk // tile, warps
+        replays(f"few-row kernel, tile {tile}, chunk >= {chunk}, {warps} warps", da.MAX_ROWS)
+
+
 TOOLS = {"decode": decode_main, "prefill": prefill_main, "host": host_main, "ttft": ttft_main,
-         "timeline": timeline_main}
+         "timeline": timeline_main, "attention": attention_main}
 
 
 def main(argv=None) -> None:

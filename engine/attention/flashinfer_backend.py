@@ -24,9 +24,8 @@ queued behind the step before, which the engine has waited for.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import os
+from contextlib import contextmanager
 
 import flashinfer
 import torch
@@ -133,8 +132,7 @@ class FlashInferBackend(AttentionBackend):
             return wrapper.run(q, kv_cache, k_scale, v_scale, out=out)
         if kv_cache.dtype == self.dtype:
             return wrapper.run(q, kv_cache, out=out)
-        return wrapper.run(q, kv_cache, k_scale=k_scale, v_scale=v_scale,
-                                          out=out)
+        return wrapper.run(q, kv_cache, k_scale=k_scale, v_scale=v_scale, out=out)
 
 
 @contextmanager

@@ -188,19 +188,13 @@ if triton is not None:
         w0 = _skinny_tile(w_ptrs, 0, offs_k[:, None] < K - k_lo, nmask[None, :], EVEN_K, True)
         wait_for_inputs(PDL)
         x = _skinny_tile(x_ptrs, 0, offs_k[None, :] < K - k_lo, mmask[:, None], EVEN_K, False)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if BLOCK_SCALE:
-            acc += tl.dot(x, w0.to(x.dtype)) * tl.load(s_row)
-        else:
-            acc = tl.dot(x, w0.to(x.dtype), acc)
+        acc = _skinny_dot(tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), x, w0.to(x.dtype),
+                          s_row, BLOCK_SCALE)
         for k0 in range(BLOCK_K, K_SPLIT, BLOCK_K):
             kin = offs_k < K - k_lo - k0
             x = _skinny_tile(x_ptrs, k0, kin[None, :], mmask[:, None], EVEN_K, False)
             w = _skinny_tile(w_ptrs, k0, kin[:, None], nmask[None, :], EVEN_K, True).to(x.dtype)
-            if BLOCK_SCALE:
-                acc += tl.dot(x, w) * tl.load(s_row + k0 // BLOCK_K)
-            else:
-                acc = tl.dot(x, w, acc)
+            acc = _skinny_dot(acc, x, w, s_row + k0 // BLOCK_K, BLOCK_SCALE)
         out_mask = mmask[:, None] & nmask[None, :]
         if SPLIT > 1:
             p_ptrs = part_ptr + offs_m[:, None] * N + offs_n[None, :]
@@ -217,6 +211,14 @@ if triton is not None:
         else:
             _scaled_store(acc, s_ptr, y_ptr, offs_m, offs_n, nmask, out_mask, stride_ym,
                           stride_sn, not BLOCK_SCALE)
+
+    @triton.jit
+    def _skinny_dot(acc, x, w, s_ptr, BLOCK_SCALE: tl.constexpr):
+        """``acc`` plus one K tile's ``x @ w``: block format, times the tile's scale at
+        ``s_ptr``; channel format, accumulated in the dot (the scales come at the end)."""
+        if BLOCK_SCALE:
+            return acc + tl.dot(x, w) * tl.load(s_ptr)
+        return tl.dot(x, w, acc)
 
     @triton.jit
     def _skinny_tile(ptrs, k0, kin, other_mask, EVEN_K: tl.constexpr, WEIGHT: tl.constexpr):

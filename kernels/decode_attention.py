@@ -156,7 +156,6 @@ class DecodeAttention:
         self.partials = torch.empty(parts * head_dim, dtype=torch.float32, device=device)
         self.lse = torch.empty(parts, dtype=torch.float32, device=device)
         self.counters = torch.zeros(rows * num_kv_heads, dtype=torch.int32, device=device)
-        self.planned = 0
 
     def plan(self, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
              kv_last_page_len: torch.Tensor) -> None:
@@ -168,7 +167,6 @@ class DecodeAttention:
         self.indptr[: n + 1].copy_(kv_indptr, non_blocking=True)
         self.last[:n].copy_(kv_last_page_len, non_blocking=True)
         self.pages[: len(kv_indices)].copy_(kv_indices, non_blocking=True)
-        self.planned = n
 
     def run(self, q: torch.Tensor, kv_cache: torch.Tensor, k_scale: float = 1.0,
             v_scale: float = 1.0, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -31,6 +31,8 @@ Tasks (models are ``dummy:`` specs: random weights, real shapes):
   batch 64: how the engine's per-shape choice was made.
 - ``replays``: the decode graph alone (device ms of one replay) at every captured batch size up
   to 32: a small batch's step, where the few-row kernels run (``kernels.fp8.fp8_skinny_mm``).
+  Replayed as captured, over an empty context: the projections' and small kernels' time, not
+  attention's (``profiler attention`` times graphs over real contexts).
 
 - ``allreduce`` (with ``--tensor-parallel-size`` > 1): steady decode steps at batch 1, 64 and
   256 under the torch profiler: the NCCL kernels' share of rank 0's GPU time (the all-reduces
@@ -155,7 +157,8 @@ def onerow(model: str, batches=(1, 64)) -> dict:
 
 
 def replays(model: str, max_batch: int = 32) -> dict:
-    """Device ms of one decode-graph replay at each captured batch size up to ``max_batch``."""
+    """Device ms of one decode-graph replay at each captured batch size up to ``max_batch``,
+    over the empty context the graphs were captured with (attention reads one null page)."""
     engine = _engine(model, max_num_seqs=max_batch)
     graphs = engine.runner.graphs
     graphs.capture(progress=False)

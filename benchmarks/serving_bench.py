@@ -20,8 +20,9 @@ that time goes (HTTP, from the timings the app returns when asked).
 the replicas, so what is left is the cost of scheduling and of serving. ``--cpu`` runs the CPU
 configuration on a GPU host (every engine on the CPU, no GPU asked of Ray): the app's host path
 on that host's CPU, to set beside the same run on a CPU-only host and the GPU configuration.
-``--switch-interval`` sets Python's GIL switch interval in the replicas (``sys.setswitchinterval``; default 5 ms), to
-measure how much the engine thread waits for the GIL.
+``--switch-interval`` sets Python's GIL switch interval in the replicas
+(``sys.setswitchinterval``; default 5 ms), to measure how much the engine thread waits for the
+GIL.
 
 Layouts: ``colo`` (one replica that prefills and decodes), ``1p1d`` (a prefill and a decode
 replica, ``--gpus-per-role`` GPUs each), ``colo-tpN`` (one colocated replica split over N GPUs,

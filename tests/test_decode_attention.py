@@ -143,3 +143,31 @@ def test_kernel_replays_in_a_graph_on_new_page_tables():
         assert torch.allclose(out.float(), reference(q, cache, meta, heads, kv_heads, (1.0, 1.0))
                               .float(), atol=2e-2), ctxs
         assert int(graphed.counters.abs().sum()) == 0
+
+
+@pytest.mark.gpu
+def test_the_backend_runs_the_kernel_up_to_its_rows_and_flashinfer_above(monkeypatch):
+    """Decode steps of up to ``MAX_ROWS`` rows, graphed (a graph's wrapper) or eager (the
+    step's plan), take the kernel; larger ones FlashInfer's; ``BATON_SMALL_DECODE=0`` keeps
+    FlashInfer for all."""
+    from engine.attention.flashinfer_backend import FlashInferBackend
+    from engine.forward_context import null_meta
+    from kernels.decode_attention import MAX_ROWS, DecodeAttention
+
+    def backend():
+        return FlashInferBackend(16, 8, 128, 128 ** -0.5, 16, torch.device("cuda"),
+                                 torch.bfloat16)
+
+    pages = torch.zeros(4096, dtype=torch.int32, device="cuda")
+    on = backend()
+    assert isinstance(on.graph_decode_wrapper(MAX_ROWS, pages), DecodeAttention)
+    assert not isinstance(on.graph_decode_wrapper(MAX_ROWS + 8, pages), DecodeAttention)
+    for rows in (1, MAX_ROWS, MAX_ROWS + 1):
+        meta = null_meta(rows, 1, 16)
+        on.plan(meta)
+        assert isinstance(meta.extras["wrapper"], DecodeAttention) == (rows <= MAX_ROWS)
+    monkeypatch.setenv("BATON_SMALL_DECODE", "0")
+    off, meta = backend(), null_meta(1, 1, 16)
+    off.plan(meta)
+    assert not isinstance(off.graph_decode_wrapper(1, pages), DecodeAttention)
+    assert not isinstance(meta.extras["wrapper"], DecodeAttention)

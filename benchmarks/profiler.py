@@ -575,6 +575,8 @@ def attention_main(argv=None) -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, da.MAX_ROWS])
     ap.add_argument("--grid", action="store_true",
                     help="also tiles of 32/64/128 tokens, chunks of 128/256/512, 4/8 warps")
+    ap.add_argument("--targets", type=int, nargs="+", default=[da.TARGET_PROGRAMS],
+                    help="programs a launch aims at (the KV splits: TARGET_PROGRAMS), each tried")
     args = ap.parse_args(argv)
     engine = _engine(args.model, quantization=args.quantization, max_num_seqs=max(args.rows))
     runner, backend = engine.runner, engine.runner.backend
@@ -600,9 +602,11 @@ def attention_main(argv=None) -> None:
     if args.grid:
         configs += [c for c in itertools.product((32, 64, 128), (128, 256, 512), (4, 8))
                     if c[1] >= c[0] and c not in configs]
-    for tile, chunk, warps in configs:
+    for (tile, chunk, warps), target in itertools.product(configs, args.targets):
         da.TILE_TOKENS, da.MIN_CHUNK_TILES, da.NUM_WARPS = tile, chunk // tile, warps
-        replays(f"few-row kernel, tile {tile}, chunk >= {chunk}, {warps} warps", da.MAX_ROWS)
+        da.TARGET_PROGRAMS = target
+        replays(f"few-row kernel, tile {tile}, chunk >= {chunk}, {warps} warps, {target} "
+                f"programs", da.MAX_ROWS)
 
 
 TOOLS = {"decode": decode_main, "prefill": prefill_main, "host": host_main, "ttft": ttft_main,

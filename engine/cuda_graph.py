@@ -5,8 +5,10 @@ query token each, reading its inputs from static buffers (token ids, positions, 
 and writing float32 logits into a static buffer. A step of ``n`` sequences replays the smallest
 graph with ``size >= n``: rows past ``n`` are padding (token 0 at position 0, slot -1 so nothing
 is stored, one page of the null block). Graphs are captured largest first into one shared
-memory pool. Attention uses one FlashInfer decode wrapper with fixed index buffers per size,
-re-planned on the host before each replay.
+memory pool. Attention uses one decode wrapper with fixed index buffers per size (Baton's
+few-row kernel up to its rows, FlashInfer's above), re-planned on the host before each replay;
+a size whose long steps run FlashInfer's kernel instead (``backend.long_context``) has a second
+graph, captured with that wrapper and replayed for them.
 """
 
 from __future__ import annotations
@@ -46,7 +48,12 @@ class DecodeGraphs:
         pages = torch.zeros(self.max_batch * per_seq + self.max_batch, dtype=torch.int32,
                             device=dev)
         self.wrappers = {s: self.backend.graph_decode_wrapper(s, pages) for s in self.sizes}
+        # A second graph of the sizes whose long steps take another attention kernel
+        # (``backend.long_context``).
+        self.long_wrappers = {s: w for s in self.sizes if (
+            w := self.backend.graph_decode_wrapper(s, pages, long_context=True)) is not None}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.long_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.capture_s = 0.0
 
     def size_for(self, n: int) -> int | None:
@@ -57,10 +64,12 @@ class DecodeGraphs:
         t0 = time.perf_counter()
         pool = None
         model = self.runner.model
-        for size in tqdm(sorted(self.sizes, reverse=True), desc="capturing decode graphs",
-                         disable=not progress, leave=False):
+        variants = [(size, long) for size in sorted(self.sizes, reverse=True)
+                    for long in ((False, True) if size in self.long_wrappers else (False,))]
+        for size, long in tqdm(variants, desc="capturing decode graphs", disable=not progress,
+                               leave=False):
             meta = null_meta(size, 1, self.runner.block_size)
-            self.backend.plan_decode(self.wrappers[size], meta)
+            self.backend.plan_decode((self.long_wrappers if long else self.wrappers)[size], meta)
             ids, pos, slots = self.inputs[0, :size], self.inputs[1, :size], self.inputs[2, :size]
             slots.fill_(-1)
             meta.slot_mapping = slots
@@ -71,7 +80,7 @@ class DecodeGraphs:
                 with torch.cuda.graph(graph, pool=pool):
                     self.logits[:size].copy_(model.compute_logits(model(ids, pos)))
             pool = graph.pool()
-            self.graphs[size] = graph
+            (self.long_graphs if long else self.graphs)[size] = graph
         torch.cuda.synchronize()
         self.capture_s = time.perf_counter() - t0
 
@@ -80,9 +89,10 @@ class DecodeGraphs:
         NCCL group ends: a communicator whose work a live graph holds does not end (NCCL's
         shutdown waits for that work, pytorch/pytorch#115388)."""
         torch.cuda.synchronize(self.inputs.device)
-        for graph in self.graphs.values():
+        for graph in (*self.graphs.values(), *self.long_graphs.values()):
             graph.reset()
         self.graphs.clear()
+        self.long_graphs.clear()
 
     def run(self, step, prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """Queue a replay for the ``n`` sequences of ``step`` (:class:`StepInputs`); returns
@@ -92,8 +102,11 @@ class DecodeGraphs:
         size = self.size_for(n)
         self.inputs[:, :size].copy_(step.host_rows(size).pin_memory(), non_blocking=True)
         step.feed_pending(self.inputs[0], self.inputs[3], prev_tokens)
-        self.backend.plan_decode(self.wrappers[size], self._padded_meta(step.meta, size))
-        self.graphs[size].replay()
+        long = size in self.long_graphs and self.backend.long_context(step.meta)
+        wrappers, graphs = ((self.long_wrappers, self.long_graphs) if long
+                            else (self.wrappers, self.graphs))
+        self.backend.plan_decode(wrappers[size], self._padded_meta(step.meta, size))
+        graphs[size].replay()
         return self.logits[:n]
 
     @staticmethod

@@ -28,6 +28,7 @@ CASES = [
     ([700, 5], 40, 8, 16, 2, False),
     ([100], 64, 8, 32, 1, False),
     ([1100], 16, 8, 16, 1, False),
+    ([4000], 16, 8, 16, 1, False),  # 32 splits: merged 8 a load
     ([300, 700], 16, 8, 16, 2, True),
 ]
 
@@ -150,7 +151,7 @@ def test_the_backend_runs_the_kernel_up_to_its_rows_and_flashinfer_above(monkeyp
     """Decode steps of up to ``MAX_ROWS`` rows, graphed (a graph's wrapper) or eager (the
     step's plan), take the kernel; larger ones FlashInfer's; ``BATON_SMALL_DECODE=0`` keeps
     FlashInfer for all."""
-    from engine.attention.flashinfer_backend import FlashInferBackend
+    from engine.attention.flashinfer_backend import SMALL_DECODE_MAX_CONTEXT, FlashInferBackend
     from engine.forward_context import null_meta
     from kernels.decode_attention import MAX_ROWS, DecodeAttention
 
@@ -166,8 +167,22 @@ def test_the_backend_runs_the_kernel_up_to_its_rows_and_flashinfer_above(monkeyp
         meta = null_meta(rows, 1, 16)
         on.plan(meta)
         assert isinstance(meta.extras["wrapper"], DecodeAttention) == (rows <= MAX_ROWS)
+    # Past SMALL_DECODE_MAX_CONTEXT tokens in a row, at 2 query heads a KV head: FlashInfer's
+    # kernel, eager and through a second graph of the size; at 4 a KV head the kernel still.
+    long = null_meta(2, 1, 16)
+    long.context_lens = [5, SMALL_DECODE_MAX_CONTEXT + 1]
+    on.plan(long)
+    assert not isinstance(long.extras["wrapper"], DecodeAttention)
+    assert on.long_context(long) and not on.long_context(null_meta(2, 1, 16))
+    assert not isinstance(on.graph_decode_wrapper(2, pages, long_context=True),
+                          (DecodeAttention, type(None)))
+    assert on.graph_decode_wrapper(MAX_ROWS + 8, pages, long_context=True) is None
+    group4 = FlashInferBackend(32, 8, 128, 128 ** -0.5, 16, torch.device("cuda"), torch.bfloat16)
+    assert not group4.long_context(long)
+    assert group4.graph_decode_wrapper(1, pages, long_context=True) is None
     monkeypatch.setenv("BATON_SMALL_DECODE", "0")
     off, meta = backend(), null_meta(1, 1, 16)
     off.plan(meta)
     assert not isinstance(off.graph_decode_wrapper(1, pages), DecodeAttention)
+    assert off.graph_decode_wrapper(1, pages, long_context=True) is None
     assert not isinstance(meta.extras["wrapper"], DecodeAttention)

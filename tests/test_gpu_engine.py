@@ -182,6 +182,35 @@ def test_cuda_graph_decode_matches_eager_tokens(flashinfer_engine):
         assert graph_tokens == eager_tokens
 
 
+def test_long_decode_steps_replay_their_own_graph_and_match_eager(flashinfer_engine):
+    """0.6B's decode steps past ``SMALL_DECODE_MAX_CONTEXT`` tokens run FlashInfer's attention
+    (a second graph of the size; eager steps plan the same): prompts that cross the limit while
+    decoding give the eager engine's tokens, and the long graphs were replayed."""
+    from engine.attention.flashinfer_backend import SMALL_DECODE_MAX_CONTEXT
+    graphs = flashinfer_engine.runner.graphs
+    assert set(graphs.long_graphs) == {s for s in graphs.sizes if s <= 8}
+    replays, saved = [], dict(graphs.long_graphs)
+
+    class Counting:
+        def __init__(self, graph, size):
+            self.graph, self.size = graph, size
+
+        def replay(self):
+            replays.append(self.size)
+            self.graph.replay()
+    graphs.long_graphs.update({s: Counting(g, s) for s, g in saved.items()})
+    eager = _engine(attention_backend="flashinfer", enforce_eager=True)
+    try:
+        for n in (1, 3):
+            prompts = random_prompts([SMALL_DECODE_MAX_CONTEXT - 10 - i for i in range(n)],
+                                     vocab=VOCAB, seed=n)
+            graph_tokens = _run(flashinfer_engine, prompts, 24, prefix=f"long{n}-")
+            assert graph_tokens == _run(eager, prompts, 24, prefix=f"long{n}-")
+    finally:
+        graphs.long_graphs.update(saved)
+    assert 1 in replays and 4 in replays
+
+
 def test_piecewise_graphs_of_mixed_steps_replay_what_the_pieces_compute():
     """Prompts that join a decoding batch (one every 3 steps; one of 400 tokens, padded to 448
     rows, one of 1,100, padded to 1,152, with graphs to 2,048 tokens) and one behind a cached

@@ -35,6 +35,12 @@ from engine.forward_context import AttentionMetadata
 from kernels import decode_attention
 
 WORKSPACE_BYTES = 256 * 2**20
+# Few-row decode steps longer than this (tokens in the longest row) run FlashInfer's kernel
+# where a KV head serves at most SMALL_DECODE_LONG_GROUP query heads: measured slower there
+# (Qwen3-0.6B, 2 a KV head: 6% at 4,096 tokens, even at 2,048; 8B, 4 a KV head: even or
+# faster at 4,096; docs/benchmarks.md).
+SMALL_DECODE_MAX_CONTEXT = 2048
+SMALL_DECODE_LONG_GROUP = 2
 _EMPTY = torch.empty(0, dtype=torch.int32)
 
 
@@ -58,6 +64,10 @@ class FlashInferBackend(AttentionBackend):
             self.workspace, "HND", use_tensor_cores=self.decode_tensor_cores)
         self.small_decode_rows = (decode_attention.MAX_ROWS
                                   if os.environ.get("BATON_SMALL_DECODE", "1") != "0" else 0)
+        # Longest row the kernel takes (None: any); longer steps run FlashInfer's kernel.
+        self.small_decode_max_context = (
+            SMALL_DECODE_MAX_CONTEXT if num_heads // num_kv_heads <= SMALL_DECODE_LONG_GROUP
+            else None)
         self._eager_small: decode_attention.DecodeAttention | None = None
 
     def plan(self, meta: AttentionMetadata) -> None:
@@ -77,7 +87,7 @@ class FlashInferBackend(AttentionBackend):
     def _eager_decode(self, meta: AttentionMetadata):
         """The eager decode step's wrapper: the small-batch kernel up to its rows (over page
         buffers grown as needed), else FlashInfer's."""
-        if meta.num_seqs > self.small_decode_rows:
+        if meta.num_seqs > self.small_decode_rows or self.long_context(meta):
             return self.decode_wrapper
         small = self._eager_small
         if small is None or len(small.pages) < len(meta.kv_indices):
@@ -110,10 +120,22 @@ class FlashInferBackend(AttentionBackend):
                          q_data_type=self.dtype, kv_data_type=self.kv_dtype)
         wrapper._baton_indptr = meta.kv_indptr
 
-    def graph_decode_wrapper(self, batch_size: int, pages: torch.Tensor):
+    def long_context(self, meta: AttentionMetadata) -> bool:
+        """Whether a decode step of few rows is too long for the few-row kernel (its longest
+        row past ``small_decode_max_context``): FlashInfer's kernel runs it."""
+        limit = self.small_decode_max_context
+        return limit is not None and max(meta.context_lens) > limit
+
+    def graph_decode_wrapper(self, batch_size: int, pages: torch.Tensor,
+                             long_context: bool = False):
         """``pages``: the block-index buffer (int32), long enough for any batch of this size;
-        it may be shared by the wrappers of every size."""
-        if batch_size <= self.small_decode_rows:
+        it may be shared by the wrappers of every size. ``long_context``: the wrapper of this
+        size's steps that :meth:`long_context` sends to FlashInfer, or None where the one
+        wrapper serves every length."""
+        small = batch_size <= self.small_decode_rows
+        if long_context and not (small and self.small_decode_max_context is not None):
+            return None
+        if small and not long_context:
             return self._small_decode(batch_size, pages)
 
         def buf(n: int) -> torch.Tensor:

@@ -40,6 +40,15 @@ with ``--grid`` over that kernel's tile configs (how its constants were chosen; 
 
     python -m benchmarks.profiler attention --model dummy:Qwen3-0.6B --grid
 
+``ablate``: an upper bound on what folding a kind of small kernel away could save: runs
+``engine_bench`` (its arguments follow ``--`` ) with those launches removed from the model
+(``norm``: the RMSNorms, ``silu``: the SiLU-and-multiply, ``qk``: the q/k norm + RoPE + K/V
+store; each replaced by a view of its input). The tokens are meaningless; the step time is
+that of the graph without those kernels.
+
+    python -m benchmarks.profiler ablate --without norm -- --tasks ceilings decode \
+        --decode-models dummy:Qwen3-8B --quantization fp8
+
 ``ttft``: an engine's time to first token at zero load, outside any server.
 
 The same fresh prompts (no prefix-cache hit) one at a time, timed from "add" to the first
@@ -609,8 +618,32 @@ def attention_main(argv=None) -> None:
                 f"programs", da.MAX_ROWS)
 
 
+# -- ablate ---------------------------------------------------------------------------------
+def ablate_main(argv=None) -> None:
+    import benchmarks.engine_bench as engine_bench
+    from engine.models import layers, qwen3
+
+    argv = sys.argv[1:] if argv is None else argv
+    cut = argv.index("--") if "--" in argv else len(argv)
+    ap = argparse.ArgumentParser(prog="profiler ablate")
+    ap.add_argument("--without", nargs="+", choices=["norm", "silu", "qk"], required=True)
+    args = ap.parse_args(argv[:cut])
+    if "norm" in args.without:
+        layers.RMSNorm.forward = lambda self, x, residual=None, residual_out=None: (
+            x if residual is None else (x, residual))
+    if "silu" in args.without:
+        qwen3.silu_and_mul = lambda gate_up: gate_up[:, : gate_up.shape[1] // 2]
+    if "qk" in args.without:
+        qwen3.Qwen3Attention.queries = lambda self, positions, qkv, out=None: qkv[
+            :, : self.q_size].view(-1, self.num_heads, self.head_dim)
+    print(f"without: {sorted(args.without)} (tokens meaningless; step times are the point)",
+          flush=True)
+    sys.argv = ["engine_bench", *argv[cut + 1:]]
+    engine_bench.main()
+
+
 TOOLS = {"decode": decode_main, "prefill": prefill_main, "host": host_main, "ttft": ttft_main,
-         "timeline": timeline_main, "attention": attention_main}
+         "timeline": timeline_main, "attention": attention_main, "ablate": ablate_main}
 
 
 def main(argv=None) -> None:

@@ -35,12 +35,11 @@ from engine.forward_context import AttentionMetadata
 from kernels import decode_attention
 
 WORKSPACE_BYTES = 256 * 2**20
-# Few-row decode steps longer than this (tokens in the longest row) run FlashInfer's kernel
-# where a KV head serves at most SMALL_DECODE_LONG_GROUP query heads: measured slower there
-# (Qwen3-0.6B, 2 a KV head: 6% at 4,096 tokens, even at 2,048; 8B, 4 a KV head: even or
-# faster at 4,096; docs/benchmarks.md).
-SMALL_DECODE_MAX_CONTEXT = 2048
-SMALL_DECODE_LONG_GROUP = 2
+# Few-row decode steps longer than this (tokens in the longest row) run FlashInfer's kernel:
+# at 4,096 tokens the few-row kernel measured 6-7% slower on Qwen3-0.6B (1 and 8 rows), 14B
+# and 32B (8 rows), even to 2% faster on 8B; up to 3,072 it was even or faster on 14B and 32B,
+# and even at 2,048 on 0.6B (docs/benchmarks.md, "Long contexts back on FlashInfer").
+SMALL_DECODE_MAX_CONTEXT = 3072
 _EMPTY = torch.empty(0, dtype=torch.int32)
 
 
@@ -65,9 +64,8 @@ class FlashInferBackend(AttentionBackend):
         self.small_decode_rows = (decode_attention.MAX_ROWS
                                   if os.environ.get("BATON_SMALL_DECODE", "1") != "0" else 0)
         # Longest row the kernel takes (None: any); longer steps run FlashInfer's kernel.
-        self.small_decode_max_context = (
-            SMALL_DECODE_MAX_CONTEXT if num_heads // num_kv_heads <= SMALL_DECODE_LONG_GROUP
-            else None)
+        self.small_decode_max_context = (SMALL_DECODE_MAX_CONTEXT if self.small_decode_rows
+                                         else None)
         self._eager_small: decode_attention.DecodeAttention | None = None
 
     def plan(self, meta: AttentionMetadata) -> None:

@@ -36,9 +36,11 @@ of proposals kept, forced as ``engine_bench``'s timing points do), a step is a s
 
 ``attention``: the decode graph's device time at several contexts and row counts with
 FlashInfer's decode attention and with the few-row kernel (``kernels.decode_attention``), and
-with ``--grid`` over that kernel's tile configs (how its constants were chosen; GPU only).
+with ``--grid`` over that kernel's tile configs and ``--targets`` over the programs a launch
+aims at (how its constants were chosen; GPU only). Its graphs replay the kernel at every
+context given, also past the length where the engine hands long steps to FlashInfer.
 
-    python -m benchmarks.profiler attention --model dummy:Qwen3-0.6B --grid
+    python -m benchmarks.profiler attention --model dummy:Qwen3-0.6B --grid --targets 256 512
 
 ``ablate``: an upper bound on what folding a kind of small kernel away could save: runs
 ``engine_bench`` (its arguments follow ``--`` ) with those launches removed from the model

@@ -247,7 +247,7 @@ class ModelRunner:
         self.warm_up_s = time.perf_counter() - t0
         log.info("warm-up %.1fs (%d decode graphs in %.1fs, mixed-step graphs for %d token "
                  "counts in %.1fs)", self.warm_up_s,
-                 len(self.graphs.graphs) if self.graphs else 0,
+                 len(self.graphs.graphs) + len(self.graphs.long_graphs) if self.graphs else 0,
                  self.graphs.capture_s if self.graphs else 0.0,
                  len(self.mixed.graphs) if self.mixed else 0,
                  self.mixed.capture_s if self.mixed else 0.0)

@@ -63,9 +63,6 @@ class FlashInferBackend(AttentionBackend):
             self.workspace, "HND", use_tensor_cores=self.decode_tensor_cores)
         self.small_decode_rows = (decode_attention.MAX_ROWS
                                   if os.environ.get("BATON_SMALL_DECODE", "1") != "0" else 0)
-        # Longest row the kernel takes (None: any); longer steps run FlashInfer's kernel.
-        self.small_decode_max_context = (SMALL_DECODE_MAX_CONTEXT if self.small_decode_rows
-                                         else None)
         self._eager_small: decode_attention.DecodeAttention | None = None
 
     def plan(self, meta: AttentionMetadata) -> None:
@@ -120,9 +117,8 @@ class FlashInferBackend(AttentionBackend):
 
     def long_context(self, meta: AttentionMetadata) -> bool:
         """Whether a decode step of few rows is too long for the few-row kernel (its longest
-        row past ``small_decode_max_context``): FlashInfer's kernel runs it."""
-        limit = self.small_decode_max_context
-        return limit is not None and max(meta.context_lens) > limit
+        row past ``SMALL_DECODE_MAX_CONTEXT``): FlashInfer's kernel runs it."""
+        return bool(self.small_decode_rows) and max(meta.context_lens) > SMALL_DECODE_MAX_CONTEXT
 
     def graph_decode_wrapper(self, batch_size: int, pages: torch.Tensor,
                              long_context: bool = False):
@@ -130,11 +126,11 @@ class FlashInferBackend(AttentionBackend):
         it may be shared by the wrappers of every size. ``long_context``: the wrapper of this
         size's steps that :meth:`long_context` sends to FlashInfer, or None where the one
         wrapper serves every length."""
-        small = batch_size <= self.small_decode_rows
-        if long_context and not (small and self.small_decode_max_context is not None):
+        if batch_size <= self.small_decode_rows:
+            if not long_context:
+                return self._small_decode(batch_size, pages)
+        elif long_context:  # FlashInfer's wrapper takes this size's steps at every length
             return None
-        if small and not long_context:
-            return self._small_decode(batch_size, pages)
 
         def buf(n: int) -> torch.Tensor:
             return torch.zeros(n, dtype=torch.int32, device=self.device)

@@ -448,7 +448,7 @@ def _chain(model: str):
     step's projections over every layer and the LM head (``model`` ending in ``:fp8``: FP8
     weights per channel, the head too, as ``fp8_lm_head`` runs it)."""
     from kernels import rmsnorm, silu_and_mul
-    from kernels.gemv import NORM_FUSE_MAX_K, SILU_FUSE_MAX_K, norm_gemv
+    from kernels.gemv import GLU_EPILOGUE, NORM_FUSE_MAX_K, SILU_FUSE_MAX_K, norm_gemv
 
     name, fp8 = (model[:-4], True) if model.endswith(":fp8") else (model, False)
     c = resolve_model(name).config
@@ -469,28 +469,33 @@ def _chain(model: str):
     norm_w = torch.ones(c.hidden_size, device="cuda", dtype=torch.bfloat16)
     x0 = torch.randn(1, c.hidden_size, device="cuda", dtype=torch.bfloat16)
 
-    def linear(x, layer, proj, cfg, silu=False):
+    def linear(x, layer, proj, cfg, silu=False, glu=False):
         w, scale = layer[proj]
         if fp8:
-            return fp8_gemv(x, w, scale, None, cfg, silu=silu)
-        return gemv(x, w, cfg, silu=silu)
-
-    def normed(x, res, layer, proj, cfg):
-        if not fp8 and c.hidden_size <= NORM_FUSE_MAX_K:
-            return norm_gemv(x, res, norm_w, 1e-6, layer[proj][0], cfg)
-        h, res = rmsnorm(x, norm_w, 1e-6, res)
-        return linear(h, layer, proj, cfg), res
+            return fp8_gemv(x, w, scale, None, cfg, silu=silu, glu=glu)
+        return gemv(x, w, cfg, silu=silu, glu=glu)
 
     fuse_silu = c.intermediate_size <= SILU_FUSE_MAX_K
+    fuse_norm = not fp8 and c.hidden_size <= NORM_FUSE_MAX_K
+    glu = GLU_EPILOGUE and not fuse_silu and not fuse_norm  # as Qwen3MLP.glu_in_projection
+
+    def normed(x, res, layer, proj, cfg, glu=False):
+        if fuse_norm:
+            return norm_gemv(x, res, norm_w, 1e-6, layer[proj][0], cfg)
+        h, res = rmsnorm(x, norm_w, 1e-6, res)
+        return linear(h, layer, proj, cfg, glu=glu), res
 
     def step(cfg):
         x, res = x0, x0
         for layer in layers:
             qkv, res = normed(x, res, layer, "qkv", cfg["qkv"])
             o = linear(qkv[:, :q], layer, "o", cfg["o"])
-            gu, res = normed(o, res, layer, "gate_up", cfg["gate_up"])
-            x = (linear(gu, layer, "down", cfg["down"], silu=True) if fuse_silu
-                 else linear(silu_and_mul(gu), layer, "down", cfg["down"]))
+            gu, res = normed(o, res, layer, "gate_up", cfg["gate_up"], glu=glu)
+            if glu:
+                x = linear(gu, layer, "down", cfg["down"])
+            else:
+                x = (linear(gu, layer, "down", cfg["down"], silu=True) if fuse_silu
+                     else linear(silu_and_mul(gu), layer, "down", cfg["down"]))
         h, _ = rmsnorm(x, norm_w, 1e-6, res)
         return linear(h, {"lm_head": head}, "lm_head", cfg["lm_head"])
 

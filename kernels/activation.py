@@ -27,6 +27,13 @@ if triton is not None:
         else:
             gate = tl.load(row_ptr + cols, mask=mask, other=0.0)
             up = tl.load(row_ptr + n + cols, mask=mask, other=0.0)
+        return silu_times(gate, up)
+
+    @triton.jit
+    def silu_times(gate, up):
+        """``silu(gate) * up`` of values in the activation dtype, rounded as transformers
+        rounds it (``silu(gate)`` to the dtype, then the product): :func:`silu_mul`'s
+        arithmetic, also the one-row gate/up projection's epilogue (``kernels.gemv``)."""
         g = gate.to(tl.float32)
         act = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
         return (act * up.to(tl.float32)).to(gate.dtype)

@@ -29,7 +29,7 @@ from kernels._triton import pdl, tl, triton, use_triton, wait_for_inputs
 from kernels.activation import silu_and_mul
 from kernels.fp8_base import FP8, FP8_MAX, quantize_rows_reference, to_fp8  # noqa: F401
 from kernels.fp8_base import MIN_SCALE as _MIN_SCALE
-from kernels.gemv import GemvConfig
+from kernels.gemv import GemvConfig, glu_supported
 
 
 def fp8_supported(device: torch.device) -> bool:
@@ -101,7 +101,7 @@ def fp8_gemv_reference(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
 
 # -- Triton kernels ---------------------------------------------------------------------------
 if triton is not None:
-    from kernels.gemv import row_input, weight_tile
+    from kernels.gemv import program_rows, row_input, store_rows, weight_tile
 
     @triton.jit
     def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, stride_s,
@@ -135,14 +135,15 @@ if triton is not None:
     def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, stride_wn, stride_sn,
                          BLOCK_SCALE: tl.constexpr, GROUP_N: tl.constexpr,
                          GROUP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         EVEN_K: tl.constexpr, SILU: tl.constexpr, PDL: tl.constexpr):
+                         EVEN_K: tl.constexpr, SILU: tl.constexpr, GLU: tl.constexpr,
+                         PDL: tl.constexpr):
         """``y = x @ (w * scale).T`` for one row: each program streams BLOCK_N whole rows of the
         FP8 weight. Block format: BLOCK_N divides GROUP_N, so a program's rows share one row
         of tiles, and the scale of each K position folds into x. The first weight tile is read
-        before the wait for the kernel before (``kernels._triton.wait_for_inputs``)."""
+        before the wait for the kernel before (``kernels._triton.wait_for_inputs``). GLU (not
+        with the block format): ``kernels.gemv.program_rows``' pairs of a packed gate/up."""
         pid = tl.program_id(0)
-        rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        rmask = rows < N
+        rows, rmask = program_rows(N, BLOCK_N, GLU)
         cols = tl.arange(0, BLOCK_K)
         w_ptrs = w_ptr + rows[:, None].to(tl.int64) * stride_wn + cols[None, :]
         tile_row = (pid * BLOCK_N) // GROUP_N
@@ -157,7 +158,7 @@ if triton is not None:
         y = tl.sum(acc, axis=1)
         if not BLOCK_SCALE:
             y *= tl.load(s_ptr + rows * stride_sn, mask=rmask, other=0.0)
-        tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rmask)
+        store_rows(y_ptr, y, rows, rmask, N, BLOCK_N, GLU)
 
     @triton.jit
     def _fp8_skinny_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, count_ptr, M, N, K, K_SPLIT,
@@ -303,14 +304,17 @@ def quantize_rows(x: torch.Tensor, group: int | None = None):
 def fp8_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
              block: tuple[int, int] | None = None,
              config: GemvConfig = GemvConfig(block_n=4, block_k=2048),
-             silu: bool = False) -> torch.Tensor:
+             silu: bool = False, glu: bool = False) -> torch.Tensor:
     """One row ``x`` ``[1, K]`` (bf16/fp16) times an FP8 weight: ``[1, N]`` in x's dtype.
     ``silu``: ``x`` is a packed ``[gate | up]`` row ``[1, 2K]``, its SiLU-and-multiply computed
-    in the kernel (as :func:`kernels.gemv.gemv` does)."""
+    in the kernel; ``glu`` (channel format): ``w`` is the packed ``[gate | up]`` projection and
+    the result its SiLU-and-multiply ``[1, N / 2]`` (both as :func:`kernels.gemv.gemv`)."""
     supported = (use_triton(x) and x.dim() == 2 and x.shape[0] == 1 and x.stride(1) == 1
                  and w.stride(1) == 1)
     if silu and not (supported and x.shape[1] == 2 * w.shape[1]):
         return fp8_gemv(silu_and_mul(x), w, scale, block, config)
+    if glu and not (supported and block is None and glu_supported(x, w, config.block_n)):
+        return silu_and_mul(fp8_gemv(x, w, scale, block, config))
     if not supported:
         return fp8_gemv_reference(x, w, scale, block)
     n, k = w.shape
@@ -318,11 +322,11 @@ def fp8_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
     if group_n % config.block_n:
         raise ValueError(f"fp8_gemv: block_n {config.block_n} must divide the scale tile "
                          f"height {group_n}")
-    y = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    y = torch.empty((1, n // 2 if glu else n), dtype=x.dtype, device=x.device)
     _fp8_gemv_kernel[(triton.cdiv(n, config.block_n),)](
         x, w, scale, y, n, k, w.stride(0), scale.stride(0), BLOCK_SCALE=block is not None,
         GROUP_N=group_n, GROUP_K=group_k, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        EVEN_K=k % config.block_k == 0, SILU=silu, num_warps=config.num_warps,
+        EVEN_K=k % config.block_k == 0, SILU=silu, GLU=glu, num_warps=config.num_warps,
         num_stages=config.num_stages, **pdl(x))
     return y
 

@@ -13,6 +13,7 @@ chunk by chunk as it streams the weight), used where that measured faster.
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
@@ -37,7 +38,7 @@ def gemv_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 if triton is not None:
-    from kernels.activation import silu_mul
+    from kernels.activation import silu_mul, silu_times
 
     @triton.jit
     def row_input(x_ptr, k0, cols, K, SILU: tl.constexpr, EVEN_K: tl.constexpr):
@@ -63,11 +64,38 @@ if triton is not None:
                        eviction_policy="evict_first")
 
     @triton.jit
+    def program_rows(N, BLOCK_N: tl.constexpr, GLU: tl.constexpr):
+        """The weight rows a one-row kernel's program streams, and which are real. GLU: the
+        weight is a packed ``[gate | up]`` projection of ``N`` rows, and the program streams
+        gate rows ``j`` and up rows ``N / 2 + j`` of its ``BLOCK_N / 2`` outputs ``j``,
+        interleaved (gate, up, gate, up, ...) for :func:`store_rows`."""
+        if GLU:
+            r = tl.arange(0, BLOCK_N)
+            j = tl.program_id(0) * (BLOCK_N // 2) + r // 2
+            return j + (r % 2) * (N // 2), j < N // 2
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        return rows, rows < N
+
+    @triton.jit
+    def store_rows(y_ptr, y, rows, rmask, N, BLOCK_N: tl.constexpr, GLU: tl.constexpr):
+        """A one-row kernel's products ``y`` (float32, one per row of :func:`program_rows`)
+        into ``y_ptr``, rounded to its dtype. GLU: ``silu(gate) * up`` of each (gate, up) pair
+        instead, rounded as the projection then ``kernels.activation.silu_and_mul`` round it
+        (so the bytes are those of the two kernels)."""
+        y = y.to(y_ptr.dtype.element_ty)
+        if GLU:
+            gate, up = tl.split(tl.reshape(y, (BLOCK_N // 2, 2)))
+            j = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+            tl.store(y_ptr + j, silu_times(gate, up), mask=j < N // 2)
+        else:
+            tl.store(y_ptr + rows, y, mask=rmask)
+
+    @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                      M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     EVEN_K: tl.constexpr, SILU: tl.constexpr, PDL: tl.constexpr):
-        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        rmask = rows < N
+                     EVEN_K: tl.constexpr, SILU: tl.constexpr, GLU: tl.constexpr,
+                     PDL: tl.constexpr):
+        rows, rmask = program_rows(N, BLOCK_N, GLU)
         cols = tl.arange(0, BLOCK_K)
         w_ptrs = w_ptr + rows[:, None].to(tl.int64) * stride_wn + cols[None, :]
         if M_PAD == 1:  # one row: keep the products, reduce once at the end
@@ -80,8 +108,7 @@ if triton is not None:
                 w = weight_tile(w_ptrs, k0, rmask, cols, K, EVEN_K)
                 x = row_input(x_ptr, k0, cols, K, SILU, EVEN_K)
                 acc += w.to(tl.float32) * x[None, :]
-            y = tl.sum(acc, axis=1)
-            tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rmask)
+            store_rows(y_ptr, tl.sum(acc, axis=1), rows, rmask, N, BLOCK_N, GLU)
         else:  # a few rows: each weight tile read once, used by all
             wait_for_inputs(PDL)
             m = tl.arange(0, M_PAD)
@@ -180,21 +207,31 @@ def gemv_supported(x: torch.Tensor, w: torch.Tensor) -> bool:
             and x.stride(1) == 1 and w.stride(1) == 1 and x.dtype == w.dtype)
 
 
+def glu_supported(x: torch.Tensor, w: torch.Tensor, block_n: int) -> bool:
+    """Whether a one-row kernel can end a packed ``[gate | up]`` projection ``w`` with the
+    SiLU-and-multiply (``glu``): one row, an even row count, and programs of whole pairs."""
+    return x.shape[0] == 1 and w.shape[0] % 2 == 0 and block_n % 2 == 0
+
+
 def gemv(x: torch.Tensor, w: torch.Tensor, config: GemvConfig = GemvConfig(),
-         silu: bool = False) -> torch.Tensor:
+         silu: bool = False, glu: bool = False) -> torch.Tensor:
     """``x @ w.T``; ``silu`` (one row): ``x`` is a packed ``[gate | up]`` row and the product is
-    of its SiLU-and-multiply, computed in the kernel (no launch of its own)."""
+    of its SiLU-and-multiply, computed in the kernel (no launch of its own); ``glu`` (one row):
+    ``w`` is the packed ``[gate | up]`` projection and the result its SiLU-and-multiply
+    (``[1, N / 2]``), computed in the kernel's epilogue."""
     if silu and not (gemv_supported(x, w) and x.shape[0] == 1 and x.shape[1] == 2 * w.shape[1]):
         return gemv(silu_and_mul(x), w, config)
+    if glu and not (gemv_supported(x, w) and glu_supported(x, w, config.block_n)):
+        return silu_and_mul(gemv(x, w, config))
     if not gemv_supported(x, w):
         return gemv_reference(x, w)
     m, k = x.shape[0], w.shape[1]
     n = w.shape[0]
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    y = torch.empty((m, n // 2 if glu else n), dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(n, config.block_n),)](
         x, w, y, m, n, k, x.stride(0), w.stride(0), y.stride(0),
         M_PAD=triton.next_power_of_2(m), BLOCK_N=config.block_n,
-        BLOCK_K=config.block_k, EVEN_K=k % config.block_k == 0, SILU=silu,
+        BLOCK_K=config.block_k, EVEN_K=k % config.block_k == 0, SILU=silu, GLU=glu,
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl(x))
     return y
 
@@ -207,6 +244,11 @@ NORM_FUSE_MAX_K = 1024
 # (Qwen3-0.6B: 1.160 -> 1.125 ms a step on an H100); at 12,288 (8B, FP8 weights: 4.02 -> 4.15 ms)
 # the activation's reads cost more than the launch they save.
 SILU_FUSE_MAX_K = 3072
+# Wider down projections take their one-row input from the gate/up projection's epilogue instead
+# (``gemv(..., glu=True)``: each program streams gate row j and up row I + j and writes the
+# SiLU-and-multiply of the pair; one launch fewer a layer, no activation read twice).
+# ``BATON_GLU_EPILOGUE=0`` runs the SiLU kernel there instead (the A/B of its figures).
+GLU_EPILOGUE = os.environ.get("BATON_GLU_EPILOGUE", "1") != "0"
 
 
 # The winners of ``projections_bench chain --grid`` on the H100 (a batch-1 step's projections and

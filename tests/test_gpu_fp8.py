@@ -239,6 +239,33 @@ def test_fp8_lm_head_graphs_match_eager_and_stay_near_the_bf16_head():
     assert (bf16.exp() * (bf16 - fp8)).sum(-1).mean().item() < 0.05
 
 
+@pytest.mark.parametrize("quantization", [None, "fp8"], ids=["bf16", "fp8"])
+def test_one_row_gate_up_ending_in_the_silu_gives_the_tokens_of_the_silu_kernel(
+        quantization, monkeypatch):
+    """Qwen3-1.7B (intermediate 6,144: wider than the down projection's own fold, hidden 2,048:
+    no norm folded into the gate/up): its one-row gate/up projection ends in the
+    SiLU-and-multiply (``kernels.gemv.GLU_EPILOGUE``). Batch-1 greedy tokens and logprobs,
+    graphed and eager, are exactly those of the same engine running the SiLU kernel."""
+    import engine.models.qwen3 as qwen3
+    from tests.test_mixed_graphs import staggered
+
+    kw = dict(model="dummy:Qwen3-1.7B", attention_backend="flashinfer", num_blocks=512,
+              quantization=quantization)
+    prompts = random_prompts([20, 57], vocab=VOCAB, seed=5)
+    runs = {}
+    for glu in (True, False):
+        monkeypatch.setattr(qwen3, "GLU_EPILOGUE", glu)
+        for eager in (False, True):
+            engine = _engine(enforce_eager=eager, **kw)
+            assert engine.model.model.layers[0].mlp.glu_in_projection(1) == glu
+            assert not engine.model.model.layers[0].mlp.glu_in_projection(2)
+            runs[glu, eager] = staggered(engine, prompts, max_tokens=24, every=40)  # batch 1
+            del engine
+            _free()
+    for eager in (False, True):
+        assert runs[True, eager] == runs[False, eager], f"eager={eager}"
+
+
 @pytest.mark.parametrize("per_layer", [True, False], ids=["per-layer", "logits"])
 def test_flashinfer_over_an_fp8_cache_matches_torch(fp8_engine, per_layer):
     both = TwoBackends(fp8_engine, per_layer)

@@ -166,6 +166,73 @@ def test_one_row_kernels_with_the_silu_folded_in_equal_silu_then_the_kernel(shap
                            fp8_gemv(act, q, s, block, cfg))
 
 
+# Packed gate/up shapes ``(2 * intermediate, hidden)``: Qwen3-8B's and 0.6B's on the GPU, small
+# ones in the interpreter; the last of each has a program holding a single pair (its other rows
+# masked) and a K that is no multiple of the tiles.
+GLU_SHAPES = {"cuda": [(2 * 12288, 4096), (2 * 3072, 1024), (2 * 1001, 300)],
+              "cpu": [(2 * 64, 1024), (2 * 37, 300)]}
+
+
+def check_glu_epilogue(device: str, dtype: torch.dtype) -> None:
+    """The one-row gate/up projection ending in the SiLU-and-multiply (``glu``) gives the bytes
+    of the projection then the SiLU kernel: bf16 (or fp16) weights and FP8 per channel, at the
+    engine's configs and at a few others; the block-scaled FP8 format falls back to the two."""
+    from kernels.fp8 import fp8_gemv, fp8_gemv_config, quantize_per_block, quantize_per_channel
+    from kernels.gemv import gemv
+    for n, k in GLU_SHAPES[device]:
+        g = torch.Generator(device=device).manual_seed(n)
+        x = (torch.randn(1, k, device=device, generator=g) * 2).to(dtype)
+        w = (torch.randn(n, k, device=device, generator=g) * 0.05).to(dtype)
+        for cfg in {config_for(n, k), GemvConfig(2, 512, 4, 2), GemvConfig(16, 1024, 8, 2)}:
+            got = gemv(x, w, cfg, glu=True)
+            assert got.shape == (1, n // 2)
+            assert torch.equal(got, silu_and_mul(gemv(x, w, cfg))), (n, k, cfg)
+        q, s = quantize_per_channel(w)
+        for cfg in {fp8_gemv_config(n, k), GemvConfig(2, 512, 4, 2)}:
+            assert torch.equal(fp8_gemv(x, q, s, None, cfg, glu=True),
+                               silu_and_mul(fp8_gemv(x, q, s, None, cfg))), (n, k, cfg)
+        if n % 128 == 0 and k % 128 == 0:
+            qb, sb = quantize_per_block(w, (128, 128))
+            cfg = fp8_gemv_config(n, k)
+            assert torch.equal(fp8_gemv(x, qb, sb, (128, 128), cfg, glu=True),
+                               silu_and_mul(fp8_gemv(x, qb, sb, (128, 128), cfg)))
+    # Configs of an odd row count cannot pair gate and up rows: the two kernels instead.
+    n, k = GLU_SHAPES[device][-1]
+    w = torch.randn(n, k, device=device).to(dtype)
+    x = torch.randn(1, k, device=device).to(dtype)
+    assert torch.equal(gemv(x, w, GemvConfig(1, 512, 4, 2), glu=True),
+                       silu_and_mul(gemv(x, w, GemvConfig(1, 512, 4, 2))))
+
+
+INTERPRETED = """
+import torch, kernels.activation, kernels.fp8, kernels.gemv
+for module in (kernels.activation, kernels.fp8, kernels.gemv):
+    module.use_triton = lambda t: True  # the interpreter runs kernels on CPU tensors
+import tests.test_kernels as t
+t.check_glu_epilogue('cpu', torch.float16)
+print('checked')
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU host runs the kernels themselves")
+def test_glu_epilogue_equals_projection_then_silu_in_the_interpreter():
+    """Triton's interpreter on the CPU (float16: it misreads bfloat16): the pairs each program
+    streams, their masks and the epilogue's rounding, as the GPU runs them."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+    run = subprocess.run([sys.executable, "-c", INTERPRETED], env=env, capture_output=True,
+                         cwd=Path(__file__).resolve().parent.parent, text=True, timeout=600)
+    assert run.returncode == 0 and "checked" in run.stdout, run.stderr[-3000:]
+
+
+@pytest.mark.gpu
+def test_glu_epilogue_equals_projection_then_silu_on_the_gpu():
+    check_glu_epilogue("cuda", torch.bfloat16)
+
+
 @pytest.mark.gpu
 def test_a_one_row_chain_under_pdl_gives_the_bytes_it_gives_without_eager_and_graphed():
     """A batch-1 step's kernels in a row (RMSNorm, projection, norm folded into a projection,

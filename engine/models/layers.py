@@ -34,7 +34,15 @@ class Linear(nn.Linear):
         initialisers run Python decompositions that import TorchDynamo, and with it Triton,
         whose bindings report leaks at interpreter exit.)"""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, glu: bool = False) -> torch.Tensor:
+        """``glu`` (one row, ``gemv_config`` set): this is a packed ``[gate | up]`` projection
+        and the result its SiLU-and-multiply, computed in the one-row kernel's epilogue
+        (:func:`kernels.gemv.gemv`)."""
+        if glu:
+            if self.weight_scale is not None:
+                return fp8_gemv(x, self.weight, self.weight_scale, self.fp8_block,
+                                self.gemv_config, glu=True)
+            return gemv(x, self.weight, self.gemv_config, glu=True)
         if self.weight_scale is not None:
             return fp8_linear(x, self.weight, self.weight_scale, self.fp8_block, self.gemv_config)
         if self.gemv_config is not None and x.shape[0] == 1:
@@ -63,12 +71,12 @@ class Linear(nn.Linear):
 
 
 def norm_then(proj: Linear, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None,
-              residual_out: torch.Tensor | None = None):
+              residual_out: torch.Tensor | None = None, glu: bool = False):
     """``proj(norm(x [+ residual]))`` and the new residual (``x`` when there is none yet), the
     latter written into ``residual_out`` when given (a piecewise graph's static buffer): one
     kernel for a row when ``proj.fuse_norm``; the norm writing its rows quantized where an FP8
     projection would quantize them (:meth:`Linear.takes_quantized`); else the norm kernel and
-    the projection."""
+    the projection (``glu``: :meth:`Linear.forward`'s, only where neither fold applies)."""
     if residual is None and residual_out is not None:
         x = residual_out.copy_(x)  # the first layer's residual is its input
     elif proj.fuse_norm and x.shape[0] == 1:
@@ -79,9 +87,9 @@ def norm_then(proj: Linear, norm: RMSNorm, x: torch.Tensor, residual: torch.Tens
         xq, xs, residual = rmsnorm_quant(x, norm.weight, norm.eps, residual, residual_out)
         return proj.forward_quantized(xq, xs, x.dtype), residual
     if residual is None:
-        return proj(norm(x)), x
+        return proj(norm(x), glu=glu), x
     x, residual = norm(x, residual, residual_out)
-    return proj(x), residual
+    return proj(x, glu=glu), residual
 
 
 def embedding(num: int, dim: int) -> nn.Embedding:

@@ -13,7 +13,7 @@ from engine.parallel import all_gather_last, all_reduce, split, tp
 from kernels import qk_norm_rope_store, silu_and_mul
 from kernels.activation import silu_and_mul_quant
 from kernels.fp8 import fp8_gemv_config, fp8_linear, quantize_per_channel
-from kernels.gemv import SILU_FUSE_MAX_K, GemvConfig, gemv
+from kernels.gemv import GLU_EPILOGUE, SILU_FUSE_MAX_K, GemvConfig, gemv
 
 # checkpoint name fragment -> (our packed parameter fragment, shard index)
 PACKED_MODULES = {
@@ -81,12 +81,26 @@ class Qwen3MLP(nn.Module):
         self.down_proj = Linear(inter, cfg.hidden_size, bias=False)
         self.shard_sizes = (inter, inter)
 
-    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """From the packed gate/up projection (run by the layer, like ``qkv_proj``): for one row
+    def glu_in_projection(self, rows: int) -> bool:
+        """Whether the gate/up projection ends in the SiLU-and-multiply for these rows (its
+        one-row kernel's epilogue, ``kernels.gemv.GLU_EPILOGUE``): one row, neither its norm
+        folded in front (``fuse_norm``) nor the activation into the down projection (both
+        small models'), and not the block-scaled FP8 format (a program's gate and up rows sit
+        in two rows of scale tiles)."""
+        gate_up = self.gate_up_proj
+        return (GLU_EPILOGUE and rows == 1 and gate_up.gemv_config is not None
+                and not gate_up.fuse_norm and gate_up.fp8_block is None
+                and self.down_proj.weight.shape[1] > SILU_FUSE_MAX_K)
+
+    def forward(self, gate_up: torch.Tensor, activated: bool = False) -> torch.Tensor:
+        """From the packed gate/up projection (run by the layer, like ``qkv_proj``), or from its
+        activation when it computed it (``activated``, :meth:`glu_in_projection`): for one row
         of a small model the down projection's kernel computes the SiLU-and-multiply itself
         (``kernels.gemv.SILU_FUSE_MAX_K``); for more rows, the SiLU kernel writes its rows
         quantized where the FP8 down projection would quantize them."""
         down = self.down_proj
+        if activated:
+            return all_reduce(down(gate_up), self.group)
         if (down.gemv_config is not None and gate_up.shape[0] == 1
                 and down.weight.shape[1] <= SILU_FUSE_MAX_K):  # one row: in the kernel
             return all_reduce(down.forward_silu(gate_up), self.group)
@@ -121,8 +135,10 @@ class Qwen3DecoderLayer(nn.Module):
         """Output projection, norm, MLP: ``(x, residual)`` for the next layer."""
         mlp = self.mlp
         x = self.self_attn.output(o)
-        gate_up, residual = norm_then(mlp.gate_up_proj, self.post_attention_layernorm, x, residual)
-        return mlp(gate_up), residual
+        glu = mlp.glu_in_projection(x.shape[0])
+        gate_up, residual = norm_then(mlp.gate_up_proj, self.post_attention_layernorm, x,
+                                      residual, glu=glu)
+        return mlp(gate_up, activated=glu), residual
 
 
 class Qwen3Model(nn.Module):

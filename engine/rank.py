@@ -77,6 +77,7 @@ def draft_runner(config: EngineConfig, model, device: torch.device, dtype: torch
     spec = config.speculative_config
     draft = config.model_copy(update={
         "model": spec.model, "num_blocks": num_blocks, "quantization": spec.quantization,
+        "fp8_lm_head": config.fp8_lm_head if spec.fp8_lm_head is None else spec.fp8_lm_head,
         "speculative_config": None, "kv_offloading_size": 0.0, "tensor_parallel_size": 1})
     with building(TPGroup()):
         runner = ModelRunner(model, draft, device, dtype, max_model_len)

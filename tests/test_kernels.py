@@ -204,28 +204,65 @@ def check_glu_epilogue(device: str, dtype: torch.dtype) -> None:
                        silu_and_mul(gemv(x, w, GemvConfig(1, 512, 4, 2))))
 
 
+def check_few_row_fp8(device: str, dtype: torch.dtype) -> None:
+    """The few-row FP8 kernel (``fp8_skinny_mm``), channel and block formats, K split in 1 and 2
+    ranges, a masked K tail, at its own tiles and the engine's: each against the float32
+    reference."""
+    from kernels.fp8 import fp8_gemv_reference, fp8_skinny_mm, quantize_per_block
+    from kernels.fp8 import quantize_per_channel
+    g = torch.Generator(device=device).manual_seed(1)
+    for n, k, fmt in [(256, 512, "block"), (200, 384, "channel"), (96, 320, "channel")]:
+        w = torch.randn(n, k, device=device, generator=g) * 0.05
+        block = (128, 128) if fmt == "block" else None
+        q, s = quantize_per_block(w, block) if block else quantize_per_channel(w)
+        for m in (2, 5, 12):
+            x = torch.randn(m, k, device=device, generator=g).to(dtype)
+            ref = fp8_gemv_reference(x, q, s, block).float()
+            for kw in (dict(block_n=32, block_k=128), {}):
+                for split in (1, 2):
+                    if split > 1 and k % (split * kw.get("block_k", 256)):
+                        continue
+                    y = fp8_skinny_mm(x, q, s, block, split=split, **kw).float()
+                    err = ((y - ref).norm() / ref.norm()).item()
+                    assert err < 1e-2, (n, k, fmt, m, kw, split, err)
+
+
 INTERPRETED = """
 import torch, kernels.activation, kernels.fp8, kernels.gemv
 for module in (kernels.activation, kernels.fp8, kernels.gemv):
     module.use_triton = lambda t: True  # the interpreter runs kernels on CPU tensors
+torch.cuda.is_current_stream_capturing = lambda: False  # (asked before the counters are made)
 import tests.test_kernels as t
-t.check_glu_epilogue('cpu', torch.float16)
+t.{check}('cpu', torch.float16)
 print('checked')
 """
+
+
+def _interpreted(check: str) -> None:
+    """``check`` (a function here) run by Triton's interpreter on the CPU, in a subprocess."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+    run = subprocess.run([sys.executable, "-c", INTERPRETED.format(check=check)], env=env,
+                         capture_output=True, cwd=Path(__file__).resolve().parent.parent,
+                         text=True, timeout=600)
+    assert run.returncode == 0 and "checked" in run.stdout, run.stderr[-3000:]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU host runs the kernels themselves")
 def test_glu_epilogue_equals_projection_then_silu_in_the_interpreter():
     """Triton's interpreter on the CPU (float16: it misreads bfloat16): the pairs each program
     streams, their masks and the epilogue's rounding, as the GPU runs them."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
-    run = subprocess.run([sys.executable, "-c", INTERPRETED], env=env, capture_output=True,
-                         cwd=Path(__file__).resolve().parent.parent, text=True, timeout=600)
-    assert run.returncode == 0 and "checked" in run.stdout, run.stderr[-3000:]
+    _interpreted("check_glu_epilogue")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU host runs the kernels themselves")
+def test_few_row_fp8_kernel_in_the_interpreter():
+    """The few-row kernel's tiles, masks, split partials and counters on the CPU (its GPU
+    tests: tests/test_gpu_fp8.py)."""
+    _interpreted("check_few_row_fp8")
 
 
 @pytest.mark.gpu

@@ -255,6 +255,26 @@ def test_a_draft_quantized_to_fp8_keeps_the_targets_tokens():
     assert llm.engine.pool.num_used_blocks == 0
 
 
+def test_the_drafts_lm_head_alone_in_fp8_keeps_the_targets_tokens():
+    """``speculative_config.fp8_lm_head``: the draft's head in e4m3, the target's as it is (None:
+    as the target's ``fp8_lm_head``). Where FP8 matmuls are missing (the CPU) it is refused as
+    the engine's is; on a GPU the tokens are those of no speculation."""
+    with pytest.raises(ValueError, match="are for method 'draft_model'"):
+        SpeculativeConfig(num_speculative_tokens=2, fp8_lm_head=True)
+    spec = {**DRAFT, "fp8_lm_head": True}
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="fp8_lm_head: needs FP8 matmuls"):
+            LLM("tiny", show_progress=False, seed=0, speculative_config=spec)
+        return
+    prompts = _prompts()
+    ref, _ = _run(prompts, spec=None)
+    llm = _speculating(spec)
+    assert llm.engine.executor.draft.model.lm_head_fp8 is not None
+    assert llm.engine.model.lm_head_fp8 is None
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == ref
+    assert llm.engine.pool.num_used_blocks == 0
+
+
 @METHODS
 def test_prefix_hits_and_a_seeded_request_keep_the_tokens(spec, noise):
     prompts = _prompts()

@@ -45,6 +45,10 @@ chosen.
 
     python -m benchmarks.projections_bench chain --models dummy:Qwen3-0.6B dummy:Qwen3-8B:fp8 --grid
 
+``--rows N`` (2-8) chains the kernels of an N-row step instead (the RMSNorm and SiLU kernels, the
+few-row FP8 kernel or cuBLAS), ``--grid`` then trying the few-row FP8 kernel's tiles, stages and K
+splits: a small batch's decode step, or a speculating step's verification of ``1 + k`` rows.
+
 """
 
 from __future__ import annotations
@@ -443,11 +447,16 @@ CHAIN_GRID = [GemvConfig(bn, bk, nw, 2) for bn, bk, nw in itertools.product(
     (2, 4, 8, 16), (512, 1024, 2048, 4096), (4, 8))]
 
 
-def _chain(model: str):
-    """``(step, weight bytes, engine configs, shapes)``: ``step(configs)`` runs one batch-1
-    step's projections over every layer and the LM head (``model`` ending in ``:fp8``: FP8
-    weights per channel, the head too, as ``fp8_lm_head`` runs it)."""
+def _chain(model: str, rows: int = 1):
+    """``(step, weight bytes, engine configs, shapes, grid)``: ``step(configs)`` runs one decode
+    step's projections of ``rows`` rows over every layer and the LM head (``model`` ending in
+    ``:fp8``: FP8 weights per channel, the head too, as ``fp8_lm_head`` runs it), with the
+    kernels the engine launches at that row count: one row, the skinny matmuls with their folds;
+    a few rows, the RMSNorm and SiLU kernels and, FP8, the few-row kernel (``fp8_skinny_mm``,
+    its configs the tiles, warps, stages and K split), bf16, cuBLAS (no configs). ``grid``:
+    the configs ``--grid`` tries for a ``(n, k)`` projection."""
     from kernels import rmsnorm, silu_and_mul
+    from kernels.fp8 import SKINNY_BLOCK_K, SKINNY_BLOCK_N, fp8_skinny_mm, skinny_split
     from kernels.gemv import GLU_EPILOGUE, NORM_FUSE_MAX_K, SILU_FUSE_MAX_K, norm_gemv
 
     name, fp8 = (model[:-4], True) if model.endswith(":fp8") else (model, False)
@@ -467,17 +476,20 @@ def _chain(model: str):
             nbytes += layer[proj][0].numel() * layer[proj][0].element_size()
         layers.append(layer)
     norm_w = torch.ones(c.hidden_size, device="cuda", dtype=torch.bfloat16)
-    x0 = torch.randn(1, c.hidden_size, device="cuda", dtype=torch.bfloat16)
+    x0 = torch.randn(rows, c.hidden_size, device="cuda", dtype=torch.bfloat16)
 
     def linear(x, layer, proj, cfg, silu=False, glu=False):
         w, scale = layer[proj]
+        if rows > 1:
+            return fp8_skinny_mm(x, w, scale, None, *cfg) if fp8 else F.linear(x, w)
         if fp8:
             return fp8_gemv(x, w, scale, None, cfg, silu=silu, glu=glu)
         return gemv(x, w, cfg, silu=silu, glu=glu)
 
-    fuse_silu = c.intermediate_size <= SILU_FUSE_MAX_K
-    fuse_norm = not fp8 and c.hidden_size <= NORM_FUSE_MAX_K
-    glu = GLU_EPILOGUE and not fuse_silu and not fuse_norm  # as Qwen3MLP.glu_in_projection
+    fuse_silu = rows == 1 and c.intermediate_size <= SILU_FUSE_MAX_K
+    fuse_norm = rows == 1 and not fp8 and c.hidden_size <= NORM_FUSE_MAX_K
+    # as Qwen3MLP.glu_in_projection
+    glu = GLU_EPILOGUE and rows == 1 and not fuse_silu and not fuse_norm
 
     def normed(x, res, layer, proj, cfg, glu=False):
         if fuse_norm:
@@ -499,9 +511,20 @@ def _chain(model: str):
         h, _ = rmsnorm(x, norm_w, 1e-6, res)
         return linear(h, {"lm_head": head}, "lm_head", cfg["lm_head"])
 
-    pick = fp8_gemv_config if fp8 else config_for
     shapes["lm_head"] = (c.vocab_size, c.hidden_size)
-    return step, nbytes, {proj: pick(*nk) for proj, nk in shapes.items()}, shapes
+    if rows > 1:
+        def pick(n, k):
+            return (SKINNY_BLOCK_N, SKINNY_BLOCK_K, 4, 3, skinny_split(n, k)) if fp8 else None
+
+        def grid(n, k):
+            return [cfg for cfg in SKINNY_GRID if k % (cfg[4] * cfg[1]) == 0] if fp8 else []
+    else:
+        pick = fp8_gemv_config if fp8 else config_for
+
+        def grid(n, k):
+            return [cfg for cfg in CHAIN_GRID
+                    if cfg.block_k <= max(1024, triton.next_power_of_2(k))]
+    return step, nbytes, {proj: pick(*nk) for proj, nk in shapes.items()}, shapes, grid
 
 
 def chain_main(argv=None) -> None:
@@ -513,18 +536,21 @@ def chain_main(argv=None) -> None:
     ap.add_argument("--grid", action="store_true", help="each projection's tile configs in turn")
     ap.add_argument("--projections", nargs="+", default=None,
                     help="the projections --grid tries (default: all, lm_head included)")
+    ap.add_argument("--rows", type=int, default=1,
+                    help="rows a step (2-8: the few-row kernels, a small batch's decode step or "
+                         "a speculating step's verification)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     copy_gbs = ceilings()["copy_GBps"]
     out = []
     for model in args.models:
-        step, nbytes, engine_cfg, shapes = _chain(model)
+        step, nbytes, engine_cfg, shapes, grid = _chain(model, args.rows)
         floor_us = nbytes / (copy_gbs * 1e3)  # only reads: the copy rate's bytes a second
         for on in (False, True):
             set_pdl(on)
             us = graph_us(lambda _: step(engine_cfg), [0], reps=50)
-            out.append({"model": model, "pdl": on, "configs": "engine", "us": round(us, 1),
-                        "floor_us": round(floor_us, 1)})
+            out.append({"model": model, "rows": args.rows, "pdl": on, "configs": "engine",
+                        "us": round(us, 1), "floor_us": round(floor_us, 1)})
             print(f"{model} PDL {'on ' if on else 'off'} engine configs: {us:7.1f} us a step "
                   f"({floor_us / us:.0%} of the copy rate)", flush=True)
         if not args.grid:
@@ -533,25 +559,26 @@ def chain_main(argv=None) -> None:
         for proj in args.projections or list(best):
             k = shapes[proj][1]
             timed = []
-            for cfg in CHAIN_GRID:
-                if cfg.block_k > max(1024, triton.next_power_of_2(k)):
-                    continue
+            for cfg in grid(*shapes[proj]):
                 try:
                     us = graph_us(lambda _: step({**best, proj: cfg}), [0], reps=20)
                 except Exception as e:  # noqa: BLE001 - a config that does not compile
                     print(f"  {proj} {tuple(cfg)}: {type(e).__name__}", flush=True)
                     continue
                 timed.append((us, cfg))
+            if not timed:  # nothing to choose (bf16 at a few rows: cuBLAS)
+                continue
             timed.sort()
             print(f"  {proj} (K {k}): best " + ", ".join(
                 f"{tuple(cfg)} {us:.1f}" for us, cfg in timed[:4]), flush=True)
             best[proj] = timed[0][1]
-            out.append({"model": model, "pdl": True, "projection": proj,
+            out.append({"model": model, "rows": args.rows, "pdl": True, "projection": proj,
                         "grid": [[list(cfg), round(us, 1)] for us, cfg in timed]})
         us = graph_us(lambda _: step(best), [0], reps=50)
-        print(f"{model} PDL on, best configs {({p: tuple(c) for p, c in best.items()})}: "
-              f"{us:7.1f} us a step ({floor_us / us:.0%} of the copy rate)", flush=True)
-        out.append({"model": model, "pdl": True, "configs": {p: list(c) for p, c in best.items()},
+        configs = {p: c and list(c) for p, c in best.items()}
+        print(f"{model} PDL on, best configs {configs}: {us:7.1f} us a step "
+              f"({floor_us / us:.0%} of the copy rate)", flush=True)
+        out.append({"model": model, "rows": args.rows, "pdl": True, "configs": configs,
                     "us": round(us, 1), "floor_us": round(floor_us, 1)})
     if args.json:
         with open(args.json, "w") as f:

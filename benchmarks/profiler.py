@@ -44,8 +44,9 @@ context given, also past the length where the engine hands long steps to FlashIn
 
 ``ablate``: an upper bound on what folding a kind of small kernel away could save: runs
 ``engine_bench`` (its arguments follow ``--`` ) with those launches removed from the model
-(``norm``: the RMSNorms, ``silu``: the SiLU-and-multiply, ``qk``: the q/k norm + RoPE + K/V
-store; each replaced by a view of its input). The tokens are meaningless; the step time is
+(``norm``: the RMSNorms, ``silu``: the SiLU-and-multiply, also where a one-row gate/up
+projection would end in it, ``qk``: the q/k norm + RoPE + K/V store; each replaced by a view of
+its input). The tokens are meaningless; the step time is
 that of the graph without those kernels.
 
     python -m benchmarks.profiler ablate --without norm -- --tasks ceilings decode \
@@ -633,7 +634,8 @@ def ablate_main(argv=None) -> None:
     if "norm" in args.without:
         layers.RMSNorm.forward = lambda self, x, residual=None, residual_out=None: (
             x if residual is None else (x, residual))
-    if "silu" in args.without:
+    if "silu" in args.without:  # (one-row gate/up projections then end without it too)
+        qwen3.GLU_EPILOGUE = False
         qwen3.silu_and_mul = lambda gate_up: gate_up[:, : gate_up.shape[1] // 2]
     if "qk" in args.without:
         qwen3.Qwen3Attention.queries = lambda self, positions, qkv, out=None: qkv[

@@ -315,3 +315,47 @@ def test_bf16_sender_to_fp8_receiver_is_refused_naming_both():
                                                   "'bfloat16'"):
         check_compatible(KVLayout(dtype="float8_e4m3fn", **layout),
                          KVLayout(dtype="bfloat16", **layout))
+
+
+def test_a_one_row_layer_ends_its_gate_up_in_the_silu_only_where_nothing_else_folds_it(
+        monkeypatch):
+    """``Qwen3MLP.glu_in_projection``: one row, a one-row kernel config, no norm folded in
+    front, the channel FP8 format or bf16, and an intermediate size wider than the down
+    projection's own SiLU fold; the layer's output is then that of the SiLU kernel's path
+    (here through the CPU references; the kernels' bytes: tests/test_kernels.py)."""
+    from engine.config import ModelConfig
+    from engine.models import qwen3
+    from engine.models.layers import RotaryEmbedding
+    from kernels.gemv import SILU_FUSE_MAX_K, GemvConfig
+
+    def layer_for(inter: int) -> qwen3.Qwen3DecoderLayer:
+        cfg = ModelConfig(vocab_size=100, hidden_size=64, intermediate_size=inter,
+                          num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                          head_dim=16, rms_norm_eps=1e-6, rope_theta=1e6,
+                          max_position_embeddings=128, tie_word_embeddings=True)
+        layer = qwen3.Qwen3DecoderLayer(cfg, RotaryEmbedding(16, 128, 1e6))
+        g = torch.Generator().manual_seed(inter)
+        for p in layer.parameters():
+            p.data = torch.randn(p.shape, generator=g) * 0.05 + (1.0 if p.dim() == 1 else 0.0)
+        for m in layer.modules():
+            if isinstance(m, qwen3.Linear):
+                m.gemv_config = GemvConfig(4, 64, 4, 2)
+        return layer
+
+    wide, narrow = layer_for(SILU_FUSE_MAX_K + 64), layer_for(SILU_FUSE_MAX_K)
+    assert wide.mlp.glu_in_projection(1) and not wide.mlp.glu_in_projection(2)
+    assert not narrow.mlp.glu_in_projection(1)  # the down projection folds it there
+    g = torch.Generator().manual_seed(5)
+    o, residual = torch.randn(1, 64, generator=g), torch.randn(1, 64, generator=g)
+    out = wide.after_attention(o, residual)
+    monkeypatch.setattr(qwen3, "GLU_EPILOGUE", False)
+    assert not wide.mlp.glu_in_projection(1)
+    want = wide.after_attention(o, residual)
+    assert torch.allclose(out[0], want[0], rtol=1e-5, atol=1e-6)
+    assert torch.equal(out[1], want[1])
+    monkeypatch.setattr(qwen3, "GLU_EPILOGUE", True)
+    wide.mlp.gate_up_proj.fuse_norm = True  # the norm folded in front: not both
+    assert not wide.mlp.glu_in_projection(1)
+    wide.mlp.gate_up_proj.fuse_norm = False
+    wide.mlp.gate_up_proj.fp8_block = (128, 128)  # block scales: a pair spans two tile rows
+    assert not wide.mlp.glu_in_projection(1)

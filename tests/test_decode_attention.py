@@ -5,18 +5,12 @@ on new page tables."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.forward_context import AttentionMetadata
-
-ROOT = Path(__file__).resolve().parent.parent
+from tests.interpreter import run_interpreted
 
 # (context lengths of the rows, query heads, KV heads, page size, rows the buffers hold, FP8):
 # one chunk, several chunks merged, a row of one token, GQA groups of 2, 4, 5 and 8, pages of
@@ -100,12 +94,8 @@ def test_max_splits_follow_the_padded_rows():
 def test_kernel_matches_reference_in_the_interpreter():
     """Triton's interpreter on the CPU: the kernel's split, merge and counters, the page
     gathers and the FP8 scales, as the GPU runs them."""
-    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
-    code = ("import torch, tests.test_decode_attention as t; "
-            "t.check_cases(torch.float16, 'cpu'); print('checked')")
-    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
-                         text=True, timeout=300)
-    assert run.returncode == 0 and "checked" in run.stdout, run.stderr[-3000:]
+    run_interpreted("import torch, tests.test_decode_attention as t; "
+                    "t.check_cases(torch.float16, 'cpu'); print('checked')", timeout=300)
 
 
 @pytest.mark.gpu

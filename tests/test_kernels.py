@@ -239,16 +239,9 @@ print('checked')
 
 
 def _interpreted(check: str) -> None:
-    """``check`` (a function here) run by Triton's interpreter on the CPU, in a subprocess."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
-    run = subprocess.run([sys.executable, "-c", INTERPRETED.format(check=check)], env=env,
-                         capture_output=True, cwd=Path(__file__).resolve().parent.parent,
-                         text=True, timeout=600)
-    assert run.returncode == 0 and "checked" in run.stdout, run.stderr[-3000:]
+    """``check`` (a function here) run by Triton's interpreter on the CPU."""
+    from tests.interpreter import run_interpreted
+    run_interpreted(INTERPRETED.format(check=check), timeout=600)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU host runs the kernels themselves")

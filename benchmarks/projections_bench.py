@@ -445,6 +445,10 @@ def quantized_main(argv=None) -> None:
 
 CHAIN_GRID = [GemvConfig(bn, bk, nw, 2) for bn, bk, nw in itertools.product(
     (2, 4, 8, 16), (512, 1024, 2048, 4096), (4, 8))]
+# the few-row kernel's configs ``chain --rows N --grid`` tries: (block_n, block_k, warps,
+# stages, K split)
+CHAIN_SKINNY_GRID = list(itertools.product((16, 32, 64), (128, 256, 512), (4, 8), (3,),
+                                           (1, 2, 4)))
 
 
 def _chain(model: str, rows: int = 1):
@@ -517,7 +521,8 @@ def _chain(model: str, rows: int = 1):
             return (SKINNY_BLOCK_N, SKINNY_BLOCK_K, 4, 3, skinny_split(n, k)) if fp8 else None
 
         def grid(n, k):
-            return [cfg for cfg in SKINNY_GRID if k % (cfg[4] * cfg[1]) == 0] if fp8 else []
+            return ([cfg for cfg in CHAIN_SKINNY_GRID if k % (cfg[4] * cfg[1]) == 0] if fp8
+                    else [])
     else:
         pick = fp8_gemv_config if fp8 else config_for
 

@@ -514,13 +514,27 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
     return fp8_scaled_mm(x, w, scale)
 
 
+# Where the rule below is more than ~1% off for a shape's chain (``projections_bench chain
+# --models dummy:Qwen3-<size>:fp8 --grid`` on an H100), ``(n, k) -> (block_n, block_k, warps,
+# stages)``: the Qwen3-32B projections (its down projection alone: 12.00 -> 11.66 ms a step)
+# and the 0.6B ones (a draft model's: 465 -> 402 us a step; its head takes the rule).
+FP8_CHAIN_WINNERS = {
+    (10240, 5120): (4, 1024, 4, 2), (5120, 8192): (2, 2048, 4, 2),  # 32B qkv, o
+    (51200, 5120): (4, 1024, 4, 2), (5120, 25600): (2, 2048, 4, 2),  # 32B gate/up, down
+    (4096, 1024): (4, 512, 4, 2), (1024, 2048): (4, 2048, 4, 2),  # 0.6B qkv, o
+    (6144, 1024): (8, 512, 8, 2), (1024, 3072): (4, 4096, 8, 2),  # 0.6B gate/up, down
+}
+
+
 def fp8_gemv_config(n: int, k: int) -> GemvConfig:
     """Tile config of the one-row FP8 kernel for an ``[n, k]`` weight (by shape, so every
-    engine sums in the same order): the winners of ``projections_bench chain --grid`` on an H100
-    for the Qwen3-8B projections chained as a step runs them, under programmatic dependent
-    launch: projections wider than deep (qkv, gate/up) 16 rows of 512 FP8 bytes a program, the
-    others (o, down) 4 rows of 2048. 16 and 4 divide the 128-row scale tiles of Qwen's FP8
-    checkpoints."""
+    engine sums in the same order): :data:`FP8_CHAIN_WINNERS` for the shapes there, else the
+    winners of ``projections_bench chain --grid`` on an H100 for the Qwen3-8B projections
+    chained as a step runs them, under programmatic dependent launch: projections wider than
+    deep (qkv, gate/up) 16 rows of 512 FP8 bytes a program, the others (o, down) 4 rows of 2048.
+    16, 4 and 2 divide the 128-row scale tiles of Qwen's FP8 checkpoints."""
+    if (n, k) in FP8_CHAIN_WINNERS:
+        return GemvConfig(*FP8_CHAIN_WINNERS[n, k])
     if n > k:
         return GemvConfig(block_n=16, block_k=512, num_warps=8, num_stages=2)
     return GemvConfig(block_n=4, block_k=2048, num_warps=8, num_stages=2)

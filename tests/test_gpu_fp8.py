@@ -11,8 +11,8 @@ import torch
 
 from engine import LLM, EngineConfig, SamplingParams
 from kernels import qk_norm_rope_store, qk_norm_rope_store_reference
-from kernels.fp8 import (_TORCH_BLOCK_REFUSED, FP8, SKINNY_MAX_ROWS, fp8_gemv_config,
-                         fp8_gemv_reference, fp8_linear, quantize_per_block,
+from kernels.fp8 import (_TORCH_BLOCK_REFUSED, FP8, FP8_CHAIN_WINNERS, SKINNY_MAX_ROWS,
+                         fp8_gemv_config, fp8_gemv_reference, fp8_linear, quantize_per_block,
                          quantize_per_channel, quantize_rows, quantize_rows_reference,
                          w8a8_reference)
 from tests.models import random_prompts
@@ -70,6 +70,21 @@ def test_fp8_linear_matches_its_reference_at_every_row_count(rows, fmt, k):
            else w8a8_reference(x, q, s, block))
     assert not out.isnan().any()
     assert _rel(out, ref) < 1e-2
+
+
+@pytest.mark.parametrize("fmt", ["channel", "block"])
+@pytest.mark.parametrize("nk", sorted(FP8_CHAIN_WINNERS))
+def test_the_one_row_fp8_chain_winners_match_the_reference(nk, fmt):
+    """The one-row FP8 kernel at each shape's own tiles (Qwen3-32B's and 0.6B's projections, as
+    ``fp8_gemv_config`` gives them), both weight formats: against the float32 reference."""
+    n, k = nk
+    g = torch.Generator(device="cuda").manual_seed(n + k)
+    w = torch.randn(n, k, device="cuda", generator=g) * 0.02
+    x = torch.randn(1, k, device="cuda", generator=g, dtype=torch.bfloat16)
+    block = (128, 128) if fmt == "block" else None
+    q, s = quantize_per_block(w, block) if block else quantize_per_channel(w)
+    out = fp8_linear(x, q, s, block, fp8_gemv_config(n, k))
+    assert _rel(out, fp8_gemv_reference(x, q, s, block)) < 1e-2
 
 
 @pytest.mark.parametrize("fmt", ["channel", "block"])

@@ -123,7 +123,12 @@ def test_fp8_gemv_config_follows_the_measured_winners():
     # `projections_bench chain --grid` on the H100, Qwen3-8B with FP8 weights.
     from kernels.fp8 import fp8_gemv_config
     winners = {(6144, 4096): (16, 512, 8, 2), (4096, 4096): (4, 2048, 8, 2),
-               (24576, 4096): (16, 512, 8, 2), (4096, 12288): (4, 2048, 8, 2)}
+               (24576, 4096): (16, 512, 8, 2), (4096, 12288): (4, 2048, 8, 2),
+               # Qwen3-32B's and 0.6B's own (FP8_CHAIN_WINNERS); 14B's take the rule
+               (10240, 5120): (4, 1024, 4, 2), (5120, 8192): (2, 2048, 4, 2),
+               (51200, 5120): (4, 1024, 4, 2), (5120, 25600): (2, 2048, 4, 2),
+               (1024, 3072): (4, 4096, 8, 2), (151936, 1024): (16, 512, 8, 2),  # 0.6B down, head
+               (7168, 5120): (16, 512, 8, 2), (5120, 17408): (4, 2048, 8, 2)}
     for (n, k), cfg in winners.items():
         assert tuple(fp8_gemv_config(n, k)) == cfg
 
@@ -211,16 +216,20 @@ def check_few_row_fp8(device: str, dtype: torch.dtype) -> None:
     from kernels.fp8 import fp8_gemv_reference, fp8_skinny_mm, quantize_per_block
     from kernels.fp8 import quantize_per_channel
     g = torch.Generator(device=device).manual_seed(1)
-    for n, k, fmt in [(256, 512, "block"), (200, 384, "channel"), (96, 320, "channel")]:
+    for n, k, fmt in [(256, 512, "block"), (200, 384, "channel"), (96, 320, "channel"),
+                      (192, 2048, "channel")]:
         w = torch.randn(n, k, device=device, generator=g) * 0.05
         block = (128, 128) if fmt == "block" else None
         q, s = quantize_per_block(w, block) if block else quantize_per_channel(w)
         for m in (2, 5, 12):
             x = torch.randn(m, k, device=device, generator=g).to(dtype)
             ref = fp8_gemv_reference(x, q, s, block).float()
-            for kw in (dict(block_n=32, block_k=128), {}):
-                for split in (1, 2):
-                    if split > 1 and k % (split * kw.get("block_k", 256)):
+            # the engine's defaults, the chain winner's tiles (SKINNY_CHAIN_WINNERS), others
+            for kw in (dict(block_n=32, block_k=128), {},
+                       dict(block_n=64, block_k=512, num_warps=8)):
+                for split in (1, 2, 4):
+                    width = 128 if block else kw.get("block_k", 256)
+                    if split > 1 and k % (split * width):
                         continue
                     y = fp8_skinny_mm(x, q, s, block, split=split, **kw).float()
                     err = ((y - ref).norm() / ref.norm()).item()

@@ -267,8 +267,8 @@ def test_the_drafts_lm_head_alone_in_fp8_keeps_the_targets_tokens():
             LLM("tiny", show_progress=False, seed=0, speculative_config=spec)
         return
     prompts = _prompts()
-    ref, _ = _run(prompts, spec=None)
-    llm = _speculating(spec)
+    ref, _ = _run(prompts, spec=None, dtype="bfloat16")  # FP8 matmuls take bf16 activations
+    llm = _speculating(spec, dtype="bfloat16")
     assert llm.engine.executor.draft.model.lm_head_fp8 is not None
     assert llm.engine.model.lm_head_fp8 is None
     assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == ref

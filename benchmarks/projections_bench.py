@@ -40,14 +40,15 @@ projection against the two kernels each replaces, at several row counts.
 engine runs them (its one-row kernels, the norm and SiLU folded where it folds them; no
 attention) and the LM head (FP8 for an FP8 model, as ``fp8_lm_head`` runs it), against the bytes they read at the copy rate: with programmatic dependent launch on
 and off, and, with ``--grid``, each projection's tile configs in turn (the others at the
-engine's), which is how ``kernels.gemv.config_for`` and ``kernels.fp8.fp8_gemv_config`` were
-chosen.
+engine's, or at their best once tried), which is how ``kernels.gemv.config_for`` and
+``kernels.fp8.fp8_gemv_config`` (with ``CHAIN_WINNERS`` and ``FP8_CHAIN_WINNERS``) were chosen.
 
     python -m benchmarks.projections_bench chain --models dummy:Qwen3-0.6B dummy:Qwen3-8B:fp8 --grid
 
 ``--rows N`` (2-8) chains the kernels of an N-row step instead (the RMSNorm and SiLU kernels, the
-few-row FP8 kernel or cuBLAS), ``--grid`` then trying the few-row FP8 kernel's tiles, stages and K
-splits: a small batch's decode step, or a speculating step's verification of ``1 + k`` rows.
+few-row FP8 kernel or cuBLAS), ``--grid`` then trying the few-row FP8 kernel's tiles, warps and
+K splits (``CHAIN_SKINNY_GRID``): a small batch's decode step, or a speculating step's
+verification of ``1 + k`` rows.
 
 """
 

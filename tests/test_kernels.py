@@ -210,8 +210,8 @@ def check_glu_epilogue(device: str, dtype: torch.dtype) -> None:
 
 
 def check_few_row_fp8(device: str, dtype: torch.dtype) -> None:
-    """The few-row FP8 kernel (``fp8_skinny_mm``), channel and block formats, K split in 1 and 2
-    ranges, a masked K tail, at its own tiles and the engine's: each against the float32
+    """The few-row FP8 kernel (``fp8_skinny_mm``), channel and block formats, K split in 1, 2
+    and 4 ranges, a masked K tail, at the engine's tiles and others: each against the float32
     reference."""
     from kernels.fp8 import fp8_gemv_reference, fp8_skinny_mm, quantize_per_block
     from kernels.fp8 import quantize_per_channel
@@ -224,7 +224,7 @@ def check_few_row_fp8(device: str, dtype: torch.dtype) -> None:
         for m in (2, 5, 12):
             x = torch.randn(m, k, device=device, generator=g).to(dtype)
             ref = fp8_gemv_reference(x, q, s, block).float()
-            # the engine's defaults, the chain winner's tiles (SKINNY_CHAIN_WINNERS), others
+            # the engine's tiles, and smaller and wider ones (the chain grid's, 8 warps)
             for kw in (dict(block_n=32, block_k=128), {},
                        dict(block_n=64, block_k=512, num_warps=8)):
                 for split in (1, 2, 4):

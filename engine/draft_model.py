@@ -41,6 +41,7 @@ from engine.model_runner import ModelRunner
 from engine.scheduler import ScheduledBatch
 from engine.sequence import PENDING, Sequence
 from engine.structured import apply_bitmasks
+from kernels.argmax import RowArgmax
 
 
 @dataclass(eq=False)
@@ -76,6 +77,7 @@ class DraftProposer:
         self.runner = runner
         self.max_tokens = max_num_batched_tokens  # a catch-up pass's budget
         self.steps = 0  # the draft's forward passes (catch-up and proposing), ever
+        self.argmax = RowArgmax()
 
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], grammars=None,
@@ -109,7 +111,7 @@ class DraftProposer:
             logits = self._run([views[i] for i in active], counts, tokens[-1] if j else None)
             if taken:
                 logits = self._masked(logits, active, seqs, grammars)
-            tokens.append(logits.argmax(dim=-1))
+            tokens.append(self.argmax(logits))
             if taken:
                 self._match(tokens[-1], active, seqs, taken)
             rows.append(active)

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.sequence import PENDING, Sequence
+from kernels.argmax import RowArgmax
 from engine.structured import apply_bitmasks
 from engine.uploads import upload
 
@@ -57,6 +58,7 @@ class Sampler:
     def __init__(self, device: torch.device, seed: int = 0):
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.argmax = RowArgmax()  # rows' argmax, one launch on CUDA (on this engine's stream)
 
     def new_generator(self) -> torch.Generator:
         """A seeded request's generator (re-seeded for each draw by :func:`position_seed`)."""
@@ -74,7 +76,7 @@ class Sampler:
         matchers = {i: s.matcher for i, s in enumerate(seqs) if s.matcher is not None}
         masks = (list(matchers), grammars.bitmasks(len(seqs), matchers)) if matchers else None
         logits = processed(logits, seqs, prev_tokens, frozenset(eos_ids), masks)
-        greedy_ids = logits.argmax(dim=-1)
+        greedy_ids = self.argmax(logits)
         if all(p.greedy for p in params):
             tokens = greedy_ids
         else:
@@ -112,30 +114,29 @@ class Sampler:
         probs = self._probs(logits, params)
         if any(p.greedy for p in params):
             greedy = self._greedy_mask(params, logits.device)
-            one_hot = torch.zeros_like(probs).scatter_(1, logits.argmax(-1, keepdim=True), 1.0)
+            one_hot = torch.zeros_like(probs).scatter_(1, self.argmax(logits)[:, None], 1.0)
             probs = torch.where(greedy[:, None], one_hot, probs)
         return probs
 
     def draw(self, probs: torch.Tensor) -> torch.Tensor:
         """One id per row, drawn in proportion to ``probs`` (need not sum to one)."""
         q = torch.empty_like(probs).exponential_(generator=self.generator)
-        return (probs / q).argmax(dim=-1)
+        return self.argmax(probs / q)
 
     def _sample(self, logits, params, generators, positions) -> torch.Tensor:
         probs = self._probs(logits, params)
         q = torch.empty_like(probs).exponential_(generator=self.generator)
         _seeded_noise(q, [(i, gen, params[i].seed, positions[i])
                           for i, gen in enumerate(generators) if gen is not None])
-        return (probs / q).argmax(dim=-1)
+        return self.argmax(probs / q)
 
-    @staticmethod
-    def seeded_draws(probs: torch.Tensor, rows) -> torch.Tensor:
+    def seeded_draws(self, probs: torch.Tensor, rows) -> torch.Tensor:
         """Row ``i``'s draw from ``probs[i]`` with the noise a seeded request's token at
         ``position`` is drawn with (``rows``: ``(generator, seed, position)`` per row): the
         token :meth:`__call__` draws there from the same distribution."""
         q = torch.empty_like(probs)
         _seeded_noise(q, [(i, *row) for i, row in enumerate(rows)])
-        return (probs / q).argmax(dim=-1)
+        return self.argmax(probs / q)
 
 
 def _seeded_noise(q: torch.Tensor, rows) -> None:

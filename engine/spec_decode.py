@@ -278,7 +278,7 @@ def verify(sampler, logits: torch.Tensor, seqs: list[Sequence], drafts: list[lis
                         for r in (*(s.draft_rows if d else ()), -1)], torch.int64, device)
         proposed = torch.where(where >= 0, drafted[where.clamp(min=0)], -1)
     if all(p.greedy for p in params):
-        row_ids = logits.argmax(dim=-1)
+        row_ids = sampler.argmax(logits)
         kept = row_ids == proposed
         drawn = row_ids
     else:

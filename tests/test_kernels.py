@@ -236,9 +236,34 @@ def check_few_row_fp8(device: str, dtype: torch.dtype) -> None:
                     assert err < 1e-2, (n, k, fmt, m, kw, split, err)
 
 
+def check_argmax(device: str, dtype: torch.dtype) -> None:
+    """:class:`kernels.argmax.RowArgmax` against ``torch.argmax``: a vocabulary's worth of
+    columns and widths that leave the last block short, ties within and across blocks (the
+    first column wins), a row of -inf, NaN, and rows past what the workspace first held."""
+    from kernels.argmax import BLOCK, RowArgmax
+    g = torch.Generator().manual_seed(0)
+    argmax = RowArgmax()
+    for rows, n in ((1, 151936), (3, 2 * BLOCK + 5), (2, BLOCK), (8, 1), (5, 5000), (9, 300)):
+        x = torch.randn(rows, n, generator=g).to(dtype)
+        if n > BLOCK + 10:
+            top = x.max() + 1
+            x[0, [7, BLOCK + 3, n - 1]] = top  # the same largest value in three blocks
+            x[-1, [n - 2, n - 1]] = top  # twice in the last, short block
+        x[1 % rows] = float("-inf")  # nothing allowed: torch's argmax is column 0
+        x = x.to(device)
+        got = argmax(x)
+        assert got.dtype == torch.int64 and torch.equal(got.cpu(), x.argmax(-1).cpu()), (rows, n)
+    x = torch.randn(2, 5000, generator=g).to(dtype)
+    x[0, 4000] = float("nan")
+    x[1, 3] = float("nan")
+    x[1, 4999] = float("nan")
+    assert argmax(x.to(device)).tolist() == [4000, 3]
+    assert argmax(x[:, 100:].to(device)).tolist() == x[:, 100:].argmax(-1).tolist()  # strided
+
+
 INTERPRETED = """
-import torch, kernels.activation, kernels.fp8, kernels.gemv
-for module in (kernels.activation, kernels.fp8, kernels.gemv):
+import torch, kernels.activation, kernels.argmax, kernels.fp8, kernels.gemv
+for module in (kernels.activation, kernels.argmax, kernels.fp8, kernels.gemv):
     module.use_triton = lambda t: True  # the interpreter runs kernels on CPU tensors
 torch.cuda.is_current_stream_capturing = lambda: False  # (asked before the counters are made)
 import tests.test_kernels as t
@@ -258,6 +283,18 @@ def test_glu_epilogue_equals_projection_then_silu_in_the_interpreter():
     """Triton's interpreter on the CPU (float16: it misreads bfloat16): the pairs each program
     streams, their masks and the epilogue's rounding, as the GPU runs them."""
     _interpreted("check_glu_epilogue")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU host runs the kernels themselves")
+def test_argmax_kernel_in_the_interpreter():
+    """The one-launch argmax's blocks, partials and counters on the CPU."""
+    _interpreted("check_argmax")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_kernel_on_the_gpu(dtype):
+    check_argmax("cuda", dtype)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU host runs the kernels themselves")

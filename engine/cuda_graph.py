@@ -6,8 +6,9 @@ and writing float32 logits into a static buffer. A step of ``n`` sequences repla
 graph with ``size >= n``: rows past ``n`` are padding (token 0 at position 0, slot -1 so nothing
 is stored, one page of the null block). Graphs are captured largest first into one shared
 memory pool. Attention uses one decode wrapper with fixed index buffers per size (Baton's
-few-row kernel up to its rows, FlashInfer's above), re-planned on the host before each replay;
-a size whose long steps run FlashInfer's kernel instead (``backend.long_context``) has a second
+few-row kernel up to its rows, FlashInfer's above), re-planned on the host before each replay
+(the few-row kernel's page table copied in with the step's inputs, :class:`StagedInputs`); a
+size whose long steps run FlashInfer's kernel instead (``backend.long_context``) has a second
 graph, captured with that wrapper and replayed for them.
 """
 
@@ -19,6 +20,7 @@ import torch
 from tqdm import tqdm
 
 from engine.forward_context import AttentionMetadata, null_meta, set_forward_context
+from kernels.decode_attention import DecodeAttention
 
 
 def capture_sizes(max_batch: int) -> list[int]:
@@ -52,6 +54,13 @@ class DecodeGraphs:
         # (``backend.long_context``).
         self.long_wrappers = {s: w for s in self.sizes if (
             w := self.backend.graph_decode_wrapper(s, pages, long_context=True)) is not None}
+        # The sizes on the few-row kernel take their inputs and its page table in one copy.
+        few_row = [s for s, w in self.wrappers.items() if isinstance(w, DecodeAttention)]
+        self.staged = StagedInputs(few_row, per_seq, dev) if few_row else None
+        self.rows = {s: (self.staged.rows(s) if s in few_row else self.inputs[:, :s])
+                     for s in self.sizes}  # each size's ids, positions, slots, pending rows
+        for s in few_row:
+            self.wrappers[s].bind(*self.staged.table(s))
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.long_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.capture_s = 0.0
@@ -70,7 +79,7 @@ class DecodeGraphs:
                                leave=False):
             meta = null_meta(size, 1, self.runner.block_size)
             self.backend.plan_decode((self.long_wrappers if long else self.wrappers)[size], meta)
-            ids, pos, slots = self.inputs[0, :size], self.inputs[1, :size], self.inputs[2, :size]
+            ids, pos, slots, _ = self.rows[size]
             slots.fill_(-1)
             meta.slot_mapping = slots
             with set_forward_context(meta):
@@ -96,16 +105,27 @@ class DecodeGraphs:
 
     def run(self, step, prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """Queue a replay for the ``n`` sequences of ``step`` (:class:`StepInputs`); returns
-        float32 logits ``[n, vocab]`` (valid once the replay has run). A fresh pinned buffer per
-        call: the previous step's copy may still be queued behind the running step."""
+        float32 logits ``[n, vocab]`` (valid once the replay has run). Sizes on the few-row
+        kernel send inputs and page table in one copy (:class:`StagedInputs`); the others a
+        freshly pinned buffer of inputs (the previous step's copy may still be queued behind
+        the running step) and FlashInfer's plan."""
         n = len(step.ids)
         size = self.size_for(n)
-        self.inputs[:, :size].copy_(step.host_rows(size).pin_memory(), non_blocking=True)
-        step.feed_pending(self.inputs[0], self.inputs[3], prev_tokens)
         long = size in self.long_graphs and self.backend.long_context(step.meta)
         wrappers, graphs = ((self.long_wrappers, self.long_graphs) if long
                             else (self.wrappers, self.graphs))
-        self.backend.plan_decode(wrappers[size], self._padded_meta(step.meta, size))
+        meta = self._padded_meta(step.meta, size)
+        rows = self.rows[size]
+        staged = self.staged is not None and size in self.staged.words
+        if staged:  # (a long step's table goes to FlashInfer's plan)
+            self.staged.stage(step.host_rows(size), None if long else meta)
+        else:
+            rows.copy_(step.host_rows(size).pin_memory(), non_blocking=True)
+        step.feed_pending(rows[0], rows[3], prev_tokens)
+        if staged and not long:
+            meta.extras["wrapper"] = wrappers[size]  # (as plan_decode marks it)
+        else:
+            self.backend.plan_decode(wrappers[size], meta)
         graphs[size].replay()
         return self.logits[:n]
 
@@ -124,6 +144,57 @@ class DecodeGraphs:
             kv_indices=torch.cat([meta.kv_indices, null.kv_indices]),
             kv_last_page_len=torch.cat([meta.kv_last_page_len, null.kv_last_page_len]),
             block_size=meta.block_size, is_decode_only=True)
+
+
+class StagedInputs:
+    """The inputs of the decode graphs on the few-row attention kernel, each size's in one
+    device buffer: ``[ids | positions | slots | pending rows]`` (int64, ``size`` each), then
+    the kernel's page table as int32 ``[indptr (size + 1) | last page lengths (size) |
+    pages]``. A step's are written into pinned memory on the host and sent in one copy (four
+    before: the rows from a freshly pinned tensor and the table's three parts from pageable
+    memory). Every size's region starts at the buffer's start (a step's copy runs on the stream
+    after the graph before it has); two pinned buffers take turns, each written again only
+    once its last copy has run."""
+
+    def __init__(self, sizes: list[int], pages_per_seq: int, device: torch.device):
+        self.pages = {s: s * pages_per_seq + s for s in sizes}  # a padded batch's most pages
+        self.words = {s: 4 * s + -(-(2 * s + 1 + self.pages[s]) // 2) for s in sizes}
+        n = max(self.words.values())
+        self.buffer = torch.zeros(n, dtype=torch.int64, device=device)
+        self.host = [torch.zeros(n, dtype=torch.int64, pin_memory=True) for _ in range(2)]
+        self.copied = [torch.cuda.Event(), torch.cuda.Event()]
+        self.turn = 0
+
+    def rows(self, size: int) -> torch.Tensor:
+        """``[4, size]``: ids, positions, slots, pending rows (the graph's inputs)."""
+        return self.buffer[:4 * size].view(4, size)
+
+    def table(self, size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The few-row kernel's indptr, last page lengths and pages for ``size`` rows."""
+        t = self.buffer.view(torch.int32)[8 * size:]
+        return t[:size + 1], t[size + 1:2 * size + 1], t[2 * size + 1:2 * size + 1
+                                                           + self.pages[size]]
+
+    def stage(self, rows: torch.Tensor, meta: AttentionMetadata | None) -> None:
+        """Queue the copy of ``rows`` (host ``[4, size]`` int64) and, with ``meta`` (padded to
+        ``size`` rows), its page table."""
+        size = rows.shape[1]
+        turn, self.turn = self.turn, self.turn ^ 1
+        self.copied[turn].synchronize()  # (its copy two steps ago has run long since)
+        host = self.host[turn]
+        words = 4 * size
+        host[:words].copy_(rows.view(-1))
+        if meta is not None:
+            pages = len(meta.kv_indices)
+            if pages > self.pages[size]:
+                raise ValueError(f"{pages} pages exceed the {size}-row graph's table")
+            t = host.view(torch.int32)[2 * words:]
+            t[:size + 1].copy_(meta.kv_indptr)
+            t[size + 1:2 * size + 1].copy_(meta.kv_last_page_len)
+            t[2 * size + 1:2 * size + 1 + pages].copy_(meta.kv_indices)
+            words += -(-(2 * size + 1 + pages) // 2)
+        self.buffer[:words].copy_(host[:words], non_blocking=True)
+        self.copied[turn].record()
 
 
 def graph_max_tokens(configured: int | None, fp8_weights: bool) -> int:

@@ -157,6 +157,16 @@ class DecodeAttention:
         self.lse = torch.empty(parts, dtype=torch.float32, device=device)
         self.counters = torch.zeros(rows * num_kv_heads, dtype=torch.int32, device=device)
 
+    def bind(self, indptr: torch.Tensor, last: torch.Tensor, pages: torch.Tensor) -> None:
+        """Read the page table from these int32 buffers (``rows + 1``, ``rows`` and at least the
+        pages of a plan) instead of its own, which a caller fills itself (before a CUDA graph
+        is captured over them: ``engine.cuda_graph.DecodeGraphs`` copies a step's inputs and
+        page table in one copy)."""
+        if len(indptr) != self.rows + 1 or len(last) != self.rows:
+            raise ValueError(f"DecodeAttention.bind: {len(indptr)} / {len(last)} entries for "
+                             f"{self.rows} rows")
+        self.indptr, self.last, self.pages = indptr, last, pages
+
     def plan(self, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
              kv_last_page_len: torch.Tensor) -> None:
         """A step's page table (host int32, FlashInfer's description) for ``n <= rows`` rows."""

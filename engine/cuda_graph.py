@@ -180,7 +180,7 @@ class StagedInputs:
         ``size`` rows), its page table."""
         size = rows.shape[1]
         turn, self.turn = self.turn, self.turn ^ 1
-        self.copied[turn].synchronize()  # (its copy two steps ago has run long since)
+        self.copied[turn].synchronize()  # (normally run: it preceded the replay before last)
         host = self.host[turn]
         words = 4 * size
         host[:words].copy_(rows.view(-1))

@@ -23,19 +23,28 @@ from engine.forward_context import AttentionMetadata, null_meta, set_forward_con
 from kernels.decode_attention import DecodeAttention
 
 
-def capture_sizes(max_batch: int) -> list[int]:
+def capture_sizes(max_batch: int, step_rows: int = 1) -> list[int]:
+    """1, 2, 4, then every 8 up to ``max_batch``. With speculation (``step_rows``: 1 + the
+    proposals a sequence verifies), also the rows of 1, 2 and 4 sequences verifying a full set,
+    as vLLM sizes its graphs in multiples of 1 + k: one sequence verifying 4 proposals replays
+    a graph of 5 rows, not 8 (an H100, 8B FP8 and a 0.6B draft: a speculating step 0.7-2%
+    shorter, docs/benchmarks.md)."""
     sizes = [s for s in (1, 2, 4) if s <= max_batch]
     sizes += list(range(8, max_batch + 1, 8))
     if sizes[-1] != max_batch:
         sizes.append(max_batch)
+    if step_rows > 1:
+        sizes = sorted(set(sizes) | {step_rows * b for b in (1, 2, 4)
+                                     if step_rows * b <= max_batch})
     return sizes
 
 
 class DecodeGraphs:
-    def __init__(self, runner, max_batch: int):
+    def __init__(self, runner, max_batch: int, step_rows: int = 1):
+        """``step_rows``: a speculating sequence's rows in a verification (capture_sizes)."""
         self.runner = runner
         self.backend = runner.backend
-        self.sizes = capture_sizes(max_batch)
+        self.sizes = capture_sizes(max_batch, step_rows)
         self.max_batch = self.sizes[-1]
         dev, vocab = runner.device, runner.model.config.vocab_size
         # ids, positions, slots (read by the graphs), and the pending-token rows (see

@@ -95,8 +95,9 @@ class ModelRunner:
         self.others = None  # rank 0 of a tensor-parallel engine: engine.tp_ranks.RankProcesses
         if device.type == "cuda" and not config.enforce_eager \
                 and self.backend.supports_cuda_graphs:
-            self.graphs = DecodeGraphs(self, min(config.max_num_seqs,
-                                                 config.cuda_graph_max_batch))
+            spec = config.speculative_config  # (its verifications' rows get graphs too)
+            self.graphs = DecodeGraphs(self, min(config.max_num_seqs, config.cuda_graph_max_batch),
+                                       1 + spec.num_speculative_tokens if spec else 1)
             self.rows_max = self.graphs.max_batch
             if max_tokens := graph_max_tokens(config.cuda_graph_max_tokens,
                                               model.quantization is not None):

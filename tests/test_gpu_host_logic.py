@@ -17,6 +17,15 @@ def test_capture_sizes_cover_every_batch_up_to_the_largest():
     assert all(b - a <= 8 for a, b in zip(sizes, sizes[1:]))
 
 
+def test_capture_sizes_take_a_speculating_steps_rows():
+    """With k proposals a sequence, the rows of 1, 2 and 4 sequences verifying k + 1 each have
+    graphs of their own (as vLLM's multiples of 1 + k): no padding rows at those batches."""
+    assert capture_sizes(8, step_rows=5) == [1, 2, 4, 5, 8]
+    assert capture_sizes(64, step_rows=3) == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 40, 48, 56, 64]
+    assert capture_sizes(8, step_rows=1) == capture_sizes(8)
+    assert 10 not in capture_sizes(8, step_rows=5)  # never past the largest
+
+
 def test_null_meta_points_every_sequence_at_the_null_block():
     meta = null_meta(3, 40, block_size=16)  # 40 tokens: 3 pages, the last holding 8
     assert meta.kv_indptr.tolist() == [0, 3, 6, 9]

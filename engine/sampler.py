@@ -26,9 +26,9 @@ from dataclasses import dataclass
 import torch
 
 from engine.sequence import PENDING, Sequence
-from kernels.argmax import RowArgmax
 from engine.structured import apply_bitmasks
 from engine.uploads import upload
+from kernels.argmax import RowArgmax
 
 _MASK64 = (1 << 64) - 1
 

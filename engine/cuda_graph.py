@@ -180,9 +180,14 @@ class StagedInputs:
 
     def table(self, size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The few-row kernel's indptr, last page lengths and pages for ``size`` rows."""
-        t = self.buffer.view(torch.int32)[8 * size:]
-        return t[:size + 1], t[size + 1:2 * size + 1], t[2 * size + 1:2 * size + 1
-                                                           + self.pages[size]]
+        return self._table(self.buffer, size, self.pages[size])
+
+    @staticmethod
+    def _table(words: torch.Tensor, size: int, pages: int):
+        """The table's three parts in ``words`` (int64, on either side of the copy): int32
+        views after the ``4 * size`` words of rows."""
+        t = words.view(torch.int32)[8 * size:]
+        return t[:size + 1], t[size + 1:2 * size + 1], t[2 * size + 1:2 * size + 1 + pages]
 
     def stage(self, rows: torch.Tensor, meta: AttentionMetadata | None) -> None:
         """Queue the copy of ``rows`` (host ``[4, size]`` int64) and, with ``meta`` (padded to
@@ -197,10 +202,9 @@ class StagedInputs:
             pages = len(meta.kv_indices)
             if pages > self.pages[size]:
                 raise ValueError(f"{pages} pages exceed the {size}-row graph's table")
-            t = host.view(torch.int32)[2 * words:]
-            t[:size + 1].copy_(meta.kv_indptr)
-            t[size + 1:2 * size + 1].copy_(meta.kv_last_page_len)
-            t[2 * size + 1:2 * size + 1 + pages].copy_(meta.kv_indices)
+            for part, value in zip(self._table(host, size, pages),
+                                   (meta.kv_indptr, meta.kv_last_page_len, meta.kv_indices)):
+                part.copy_(value)
             words += -(-(2 * size + 1 + pages) // 2)
         self.buffer[:words].copy_(host[:words], non_blocking=True)
         self.copied[turn].record()

@@ -26,6 +26,23 @@ def test_capture_sizes_take_a_speculating_steps_rows():
     assert 10 not in capture_sizes(8, step_rows=5)  # never past the largest
 
 
+def test_the_staged_page_table_follows_the_rows():
+    """``StagedInputs``' layout (its copies need CUDA; the views do not): a size's int32 indptr,
+    last-page lengths and pages sit right after its ``4 * size`` int64 words of rows, one after
+    another, on the device buffer the graph reads and the pinned one a step is written into."""
+    from engine.cuda_graph import StagedInputs
+    words = torch.zeros(64, dtype=torch.int64)
+    indptr, last, pages = StagedInputs._table(words, 4, 20)
+    assert (len(indptr), len(last), len(pages)) == (5, 4, 20)
+    indptr.fill_(1)
+    last.fill_(2)
+    pages.fill_(3)
+    t = words.view(torch.int32)
+    assert t[:32].eq(0).all()  # the rows' 16 int64 words untouched
+    assert t[32:37].eq(1).all() and t[37:41].eq(2).all() and t[41:61].eq(3).all()
+    assert t[61:].eq(0).all()
+
+
 def test_null_meta_points_every_sequence_at_the_null_block():
     meta = null_meta(3, 40, block_size=16)  # 40 tokens: 3 pages, the last holding 8
     assert meta.kv_indptr.tolist() == [0, 3, 6, 9]

@@ -138,6 +138,23 @@ class DecodeGraphs:
         graphs[size].replay()
         return self.logits[:n]
 
+    def written_size(self, rows: int, context_len: int) -> int | None:
+        """The size whose graph takes a step of ``rows`` rows (the longest reading
+        ``context_len`` tokens) with inputs written on the device into the staged buffer
+        (:meth:`replay_written`): one on the few-row kernel; None where there is none."""
+        size = self.size_for(rows)
+        if size is None or self.staged is None or size not in self.staged.words or (
+                size in self.long_graphs and self.backend.long_context_len(context_len)):
+            return None
+        return size
+
+    def replay_written(self, size: int, rows: int) -> torch.Tensor:
+        """Replay the graph of ``size`` rows over the inputs and page table a kernel has
+        written into the staged buffer (``staged.buffer``, :class:`StagedInputs`' layout),
+        queued before this call; returns the logits of the first ``rows``."""
+        self.graphs[size].replay()
+        return self.logits[:rows]
+
     @staticmethod
     def _padded_meta(meta: AttentionMetadata, size: int) -> AttentionMetadata:
         """``meta`` followed by padding rows of the null block, ``size`` rows in all."""

@@ -29,6 +29,17 @@ the draft's, reading the proposals on the device (``Sequence.draft_rows``), and 
 with the verification's result, in its one wait (measured on an H100: the host's preparation of
 the target's step no longer leaves the GPU idle, docs/benchmarks.md). Otherwise the host waits
 once, for all ``k`` proposals, before the target's step is prepared.
+
+The step ahead. The host's work between a verification's result and the draft's next step
+(the tokens, stop checks and outputs, the next schedule, the draft's inputs) left the GPU idle
+0.4-0.6 ms a round on an H100 (8B FP8 target, a round ~7 ms). So, where the proposals stay on
+the device, the round's first draft step is queued behind the verification before the host has
+its result (:meth:`DraftProposer.launch_ahead`): one row a sequence, the target's token after
+the last kept proposal (or, when every proposal was kept, the last proposal), its position,
+slot and pages written on the device by :mod:`kernels.ahead_inputs` into the draft graph's
+staged inputs. The next :meth:`DraftProposer.propose` starts from that step's tokens for each
+sequence it still fits; the others (a sequence that joined, was preempted, skipped a round, or
+kept every proposal: one token still to take) take their first step then, as before.
 """
 
 from __future__ import annotations
@@ -37,10 +48,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.block_pool import NULL_BLOCK
 from engine.model_runner import ModelRunner
 from engine.scheduler import ScheduledBatch
 from engine.sequence import PENDING, Sequence
 from engine.structured import apply_bitmasks
+from engine.uploads import upload
+from kernels.ahead_inputs import ahead_inputs
 from kernels.argmax import RowArgmax
 
 
@@ -68,6 +82,40 @@ class _View:
 
 
 SHORT = 2  # tokens a sequence may lack in the draft's cache for its first proposing step
+AHEAD = True  # the draft's first step of a round queued behind the verification (A/B switch)
+
+
+@dataclass(eq=False)
+class _Ahead:
+    """A draft step queued behind a verification (:meth:`DraftProposer.launch_ahead`): for
+    each sequence, its length and the draft's count before it, its proposals, and its row in
+    ``tokens`` (the draft's next proposal, on the device)."""
+
+    seqs: list[Sequence]
+    lengths: list[int]
+    computed: list[int]
+    proposals: list[int]
+    tokens: torch.Tensor
+
+    def __post_init__(self):
+        self.index = {s: i for i, s in enumerate(self.seqs)}
+
+    def row(self, seq: Sequence) -> int | None:
+        """``seq``'s row, if the step ahead is its next step: nothing has changed since but the
+        verification's tokens (1 to ``k + 1`` of them) and no token waits to be computed."""
+        i = self.index.get(seq)
+        if i is None:
+            return None
+        new = seq.num_tokens - self.lengths[i]
+        if 1 <= new <= self.proposals[i] + 1 and seq.num_computed_tokens == seq.num_tokens - 1 \
+                and seq.num_draft_computed == self.computed[i] and not seq.num_pending:
+            return i
+        return None
+
+    def complete(self, seq: Sequence, i: int) -> bool:
+        """Whether row ``i`` took ``seq``'s last token (some proposal was rejected), its
+        argmax the next proposal, rather than the last proposal (every one kept)."""
+        return seq.num_tokens - self.lengths[i] <= self.proposals[i]
 
 
 class DraftProposer:
@@ -76,8 +124,25 @@ class DraftProposer:
     def __init__(self, runner: ModelRunner, max_num_batched_tokens: int):
         self.runner = runner
         self.max_tokens = max_num_batched_tokens  # a catch-up pass's budget
-        self.steps = 0  # the draft's forward passes (catch-up and proposing), ever
+        self.steps = 0  # the draft's forward passes (catch-up, proposing, ahead), ever
+        self.steps_ahead = 0  # of them, steps queued behind a verification
+        self.seqs_ahead = 0  # sequences whose first step of a round ran ahead, ever
         self.argmax = RowArgmax()
+        self.ahead: _Ahead | None = None
+        self._compile_ahead()
+
+    def _compile_ahead(self) -> None:
+        """Compile the step ahead's kernel at start-up (a first launch mid-run would stall
+        that step): one launch over one dummy row, into the staged inputs, which every step
+        writes again."""
+        graphs = self.runner.graphs
+        size = graphs.written_size(1, 1) if graphs is not None else None
+        if not AHEAD or size is None:
+            return
+        zeros = torch.zeros(2, dtype=torch.int64, device=self.runner.device)
+        ahead_inputs(graphs.staged.buffer, size, zeros.bool(), zeros, zeros,
+                     zeros.new_tensor([[0, 1, 0]]), zeros.new_zeros(1, 1),
+                     self.runner.block_size, NULL_BLOCK, 1)
 
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], grammars=None,
@@ -95,12 +160,25 @@ class DraftProposer:
         views = [_View(list(s.token_ids), s.block_ids,
                        min(s.num_draft_computed, s.num_computed_tokens), s.num_prompt_tokens)
                  for s in seqs]
+        taken = {i: 0 for i, s in enumerate(seqs) if s.matcher is not None}  # tokens matched
+        ahead, self.ahead = self.ahead, None
+        done = {}  # view -> its row in the step ahead, which was its first step
+        if ahead is not None and not taken:
+            for i, s in enumerate(seqs):
+                if (row := ahead.row(s)) is not None:
+                    self.seqs_ahead += 1
+                    # the draft's cache holds the sequence, or all but its last token
+                    views[i].num_computed_tokens = views[i].num_tokens - 1
+                    if ahead.complete(s, row):
+                        views[i].num_computed_tokens += 1
+                        done[i] = row
         self._catch_up(views)
         lengths = [len(s.draft_token_ids) for s in seqs]
         rows: list[list[int]] = []  # per step, the views it ran (their rows in its tokens)
         tokens: list[torch.Tensor] = []
-        taken = {i: 0 for i, s in enumerate(seqs) if s.matcher is not None}  # tokens matched
-        for j in range(max(lengths)):
+        if done:
+            self._first_from_ahead(ahead, done, views, lengths, rows, tokens)
+        for j in range(len(tokens), max(lengths)):
             active = [i for i in range(len(seqs)) if lengths[i] > j]
             for i in active:
                 if j:  # its input: the token the step before drew, on the device
@@ -138,6 +216,79 @@ class DraftProposer:
         for seq, rows_of in zip(seqs, where):
             seq.draft_token_ids = [drawn[r] for r in rows_of]
         return None
+
+    def _first_from_ahead(self, ahead: _Ahead, done: dict[int, int], views: list[_View],
+                          lengths: list[int], rows: list[list[int]],
+                          tokens: list[torch.Tensor]) -> None:
+        """The first proposing step: the step ahead's tokens for the views in ``done``, and
+        a step now for the others (first those, then these, in its tokens)."""
+        first = list(done)
+        picked = [done[i] for i in first]
+        own = ahead.tokens if picked == list(range(len(ahead.seqs))) else \
+            ahead.tokens[upload(picked, torch.int64, ahead.tokens.device)]
+        rest = [i for i in range(len(views)) if i not in done and lengths[i]]
+        if rest:
+            counts = [views[i].num_tokens - views[i].num_computed_tokens for i in rest]
+            own = torch.cat([own, self.argmax(self._run([views[i] for i in rest], counts,
+                                                          None))])
+            for i, n in zip(rest, counts):
+                views[i].num_computed_tokens += n
+        rows.append(first + rest)
+        tokens.append(own)
+
+    def launch_ahead(self, chosen: list[tuple[int, Sequence, int]], kept: torch.Tensor,
+                     drawn: torch.Tensor, proposed: torch.Tensor) -> None:
+        """Queue the next round's first step behind the verification, before the host has its
+        result: ``chosen``, (first verification row, sequence, proposals ``k``) of the
+        sequences whose blocks hold position ``P + k + 1`` (``P``: its last token's);
+        ``kept``, ``drawn``, ``proposed``: the rows' device results
+        (:func:`engine.spec_decode.verify`).
+
+        One row a sequence, whatever the count ``n`` of kept proposals turns out to be: the
+        target's token at ``P + n + 1`` where ``n < k`` (the draft then holds the whole
+        sequence, and the row's argmax is its next proposal), else the last proposal at
+        ``P + k`` (the target's token after it is then left to the next step, one row instead
+        of two). On CUDA a kernel writes the rows and page table from the device results into
+        the staged inputs of the draft's decode graphs and the graph is replayed (nothing here
+        waits; where no graph on the few-row attention kernel takes the rows, there is no step
+        ahead). On the CPU the same step runs through the host. The next :meth:`propose` takes
+        it as its first step's where it still fits (:meth:`_Ahead.row`)."""
+        if not AHEAD or not chosen:
+            return
+        runner = self.runner
+        seqs = [s for _, s, _ in chosen]
+        ks = [k for _, _, k in chosen]
+        bs = runner.block_size
+        if runner.device.type == "cuda":
+            graphs = runner.graphs
+            longest = max(s.num_tokens + k + 1 for s, k in zip(seqs, ks))
+            size = graphs.written_size(len(seqs), longest) if graphs is not None else None
+            if size is None:
+                return
+            width = -(-longest // bs)
+            fields, table = [], []
+            for row0, s, k in chosen:
+                fields += (row0, k, s.num_tokens - 1)
+                pages = s.block_ids[:width]
+                table += pages + [NULL_BLOCK] * (width - len(pages))
+            host = upload(fields + table, torch.int64, runner.device)
+            ahead_inputs(graphs.staged.buffer, size, kept, drawn, proposed,
+                         host[:len(fields)].view(-1, 3), host[len(fields):].view(-1, width),
+                         bs, NULL_BLOCK, max(ks))
+            tokens = self.argmax(graphs.replay_written(size, len(seqs)))
+            self.steps += 1
+        else:
+            kept_l, drawn_l, proposed_l = kept.tolist(), drawn.tolist(), proposed.tolist()
+            views = []
+            for row0, s, k in chosen:
+                n = next((i for i in range(k) if not kept_l[row0 + i]), k)
+                more = proposed_l[row0:row0 + n] + ([drawn_l[row0 + n]] if n < k else [])
+                views.append(_View(s.token_ids + more, s.block_ids,
+                                   s.num_tokens + len(more) - 1, s.num_prompt_tokens))
+            tokens = self.argmax(self._run(views, [1] * len(views), None))
+        self.steps_ahead += 1
+        self.ahead = _Ahead(seqs, [s.num_tokens for s in seqs],
+                            [s.num_draft_computed for s in seqs], ks, tokens)
 
     @staticmethod
     def _masked(logits: torch.Tensor, active: list[int], seqs: list[Sequence],

@@ -337,6 +337,8 @@ class LLMEngine:
                 and (speculating := [s for s in batch.seqs if s.draft_token_ids]):
             on_device = self.drafter.propose(speculating, self._grammars_for(speculating),
                                            on_device=self._drafts_stay_on_device(batch.seqs))
+        if self.drafter is not None:  # a step ahead serves the step after its own alone
+            self.drafter.ahead = None
         self._queue_kv_copies()
         if not batch and self._running_step is None and self.scheduler.loading:
             self.executor.sync_copies()  # nothing else to run: wait for the host tier's copies
@@ -434,7 +436,8 @@ class LLMEngine:
             drafts = [s.draft_token_ids for s in due]
             step.spec, step.tokens = verify(
                 self.sampler, logits, due, drafts, self.spec_stats, self.eos_token_ids,
-                self._grammars_for(due), drafted=drafted)
+                self._grammars_for(due), drafted=drafted,
+                before_wait=self._step_ahead(step, drafts) if drafted is not None else None)
             if any(s.params.logprobs is not None for s in due):
                 step.spec_logprobs = verified_logprobs(logits, due, drafts, step.spec)
             self.executor.share_tokens(step.tokens)
@@ -451,11 +454,30 @@ class LLMEngine:
                                            out.top_logprobs))
             for row, seq in enumerate(due):
                 seq.add_pending(row)
-        step.done_at = self.step_cost.mark()
+        if step.done_at is None:  # (a step ahead marks the verification's end before it)
+            step.done_at = self.step_cost.mark()
         if self.device.type == "cuda":
             step.done = step.done_at
         step.releases = self.scheduler.num_releases
         return step
+
+    def _step_ahead(self, step: LaunchedStep, drafts: list[list[int]]):
+        """What queues the draft's next step behind the verification ``step`` (its
+        ``before_wait``, :meth:`engine.draft_model.DraftProposer.launch_ahead`): for each
+        sequence that verifies proposals, once its blocks hold the position after its last
+        proposal (taken from the free blocks now: a step that keeps every proposal writes
+        there next) and the context allows it. The step's end is marked before it, so that
+        waiting for the verification never waits for the step ahead."""
+        def launch(kept: torch.Tensor, drawn: torch.Tensor, proposed: torch.Tensor) -> None:
+            step.done_at = self.step_cost.mark()
+            chosen, row = [], 0
+            for seq, d in zip(step.due, drafts):
+                if d and seq.num_tokens + len(d) < self.max_model_len \
+                        and self.kv_manager.grow(seq, seq.num_tokens + len(d) + 1):
+                    chosen.append((row, seq, len(d)))
+                row += 1 + len(d)
+            self.drafter.launch_ahead(chosen, kept, drawn, proposed)
+        return launch
 
     def _queue_kv_copies(self, wait: bool = False) -> None:
         """Queue the host tier's block copies on every rank (before the step that the

@@ -59,7 +59,7 @@ import torch
 from engine.config import SpeculativeConfig
 from engine.sampler import processed
 from engine.sequence import Sequence
-from engine.uploads import upload
+from engine.uploads import Download, upload
 
 
 PROBE_EVERY = 16  # steps between two that look for proposals once speculation goes off,
@@ -241,7 +241,7 @@ class SpecStats:
 
 def verify(sampler, logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]],
            stats: SpecStats | None = None, eos_ids: frozenset[int] = frozenset(),
-           grammars=None, drafted: torch.Tensor | None = None
+           grammars=None, drafted: torch.Tensor | None = None, before_wait=None
            ) -> tuple[list[list[int]], torch.Tensor]:
     """``logits``: float32 ``[sum(1 + len(d)), V]``, each sequence's rows in order (its last
     token's, then one after each proposal). Returns each sequence's new tokens (the proposals
@@ -255,7 +255,10 @@ def verify(sampler, logits: torch.Tensor, seqs: list[Sequence], drafts: list[lis
     ``drafted``: the draft's proposals left on the device (each sequence's ``draft_rows`` say
     where its are; ``drafts`` hold placeholders, filled in place with the proposals once they
     have come back with the verification's result, in the one wait). Only without grammars and
-    logits processors that read the rows' tokens (they need the proposals on the host first)."""
+    logits processors that read the rows' tokens (they need the proposals on the host first).
+    ``before_wait(kept, drawn, proposed)`` (with ``drafted``): called with the rows' device
+    results once they are queued, before the host waits for them (the draft's step ahead,
+    :meth:`engine.draft_model.DraftProposer.launch_ahead`); the wait is for them alone."""
     counts = [1 + len(d) for d in drafts]
     params = [s.params for s, c in zip(seqs, counts) for _ in range(c)]
     device = logits.device
@@ -303,7 +306,10 @@ def verify(sampler, logits: torch.Tensor, seqs: list[Sequence], drafts: list[lis
         kept, drawn = kept.tolist(), drawn.tolist()
     else:  # the proposals come back with the result
         rows = len(params)
-        host = torch.cat([kept.long(), drawn, proposed]).tolist()
+        back = Download(torch.cat([kept.long(), drawn, proposed]))
+        if before_wait is not None:
+            before_wait(kept, drawn, proposed)
+        host = back.tolist()
         kept, drawn, values = host[:rows], host[rows:2 * rows], host[2 * rows:]
         row = 0
         for d, c in zip(drafts, counts):

@@ -1,4 +1,5 @@
-"""Host tensors from Python lists, and host → device copies that never wait on the device.
+"""Host tensors from Python lists, host → device copies that never wait on the device, and a
+device → host copy waited for alone.
 
 ``torch.tensor(values, device="cuda")`` copies from pageable memory and then waits for the
 stream to drain, which would tie the host to the step running before it (the engine prepares
@@ -30,3 +31,24 @@ def upload(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     if device.type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
+
+
+class Download:
+    """A device tensor's copy to pinned host memory, queued on the stream now; :meth:`tolist`
+    waits for that copy alone, not for work queued on the stream after it (``t.tolist()``
+    waits for the whole stream). On the CPU, the tensor itself."""
+
+    def __init__(self, t: torch.Tensor):
+        self.event = None
+        if t.device.type != "cuda":
+            self.host = t
+            return
+        self.host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        self.host.copy_(t, non_blocking=True)
+        self.event = torch.cuda.Event()
+        self.event.record()
+
+    def tolist(self) -> list:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host.tolist()

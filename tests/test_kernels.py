@@ -261,6 +261,62 @@ def check_argmax(device: str, dtype: torch.dtype) -> None:
     assert argmax(x[:, 100:].to(device)).tolist() == x[:, 100:].argmax(-1).tolist()  # strided
 
 
+def check_ahead_inputs(device: str, dtype: torch.dtype = None) -> None:
+    """:func:`kernels.ahead_inputs.ahead_inputs` writes what the host writes for the same draft
+    step (``ModelRunner.prepare`` of one row a sequence, padded to the graph's size, in
+    ``StagedInputs``' layout), for every count of kept proposals: none, some (the target's
+    token after the last kept), all (the last proposal, in the block it shares with the
+    position after it or not); sequences of different ``k``, a padded graph, pages past one
+    loop of the copy."""
+    from types import SimpleNamespace
+
+    from engine.cuda_graph import DecodeGraphs, StagedInputs
+    from engine.draft_model import _View
+    from engine.model_runner import ModelRunner
+    from engine.scheduler import ScheduledBatch
+    from kernels.ahead_inputs import PAGE_BLOCK, ahead_inputs
+    bs, g = 4, torch.Generator().manual_seed(0)
+    host = SimpleNamespace(block_size=bs, _as_rows=lambda batch: True)
+    for ks, size, longest in (([4], 1, 40), ([4, 2, 3], 4, 40), ([1, 4], 2, 40),
+                              ([4], 1, bs * PAGE_BLOCK + 30)):
+        for trial in range(5):
+            kept, drawn, proposed, fields, tables, views, ns = [], [], [], [], [], [], []
+            lengths = torch.randint(1, longest, (len(ks),), generator=g).tolist()
+            width = max(-(-(n + k + 1) // bs) for n, k in zip(lengths, ks))
+            for length, k in zip(lengths, ks):
+                n = (trial + k) % (k + 1)
+                tokens = torch.randint(1, 1000, (length,), generator=g).tolist()
+                pages = -(-(length + k + 1) // bs)
+                table = (torch.randperm(4 * width * len(ks), generator=g)[:pages] + 1).tolist()
+                props = torch.randint(1, 1000, (k,), generator=g).tolist()
+                own = torch.randint(1, 1000, (k + 1,), generator=g).tolist()
+                fields += [len(kept), k, length - 1]
+                # kept up to n, then a rejection, then anything (never read)
+                kept += [i < n or (i > n and bool(i % 2)) for i in range(k)] + [False]
+                proposed += props + [-1]
+                drawn += own
+                tables += table + [0] * (width - pages)
+                more = props[:n] + ([own[n]] if n < k else [])
+                views.append(_View(tokens + more, table, length + len(more) - 1, 1))
+                ns.append(n)
+            words = torch.zeros(4 * size + size + 2 * width * size, dtype=torch.int64,
+                                device=device)
+            i64 = dict(dtype=torch.int64, device=device)
+            got = ahead_inputs(words, size, torch.tensor(kept, device=device),
+                               torch.tensor(drawn, **i64), torch.tensor(proposed, **i64),
+                               torch.tensor(fields, **i64).view(-1, 3),
+                               torch.tensor(tables, **i64).view(-1, width), bs, 0, max(ks))
+            step = ModelRunner.prepare(host, ScheduledBatch(views, [1] * len(views)))
+            meta = DecodeGraphs._padded_meta(step.meta, size)
+            expect = torch.zeros(words.shape, dtype=torch.int64)
+            expect[:4 * size] = step.host_rows(size).view(-1)
+            for part, value in zip(StagedInputs._table(expect, size, len(meta.kv_indices)),
+                                   (meta.kv_indptr, meta.kv_last_page_len, meta.kv_indices)):
+                part.copy_(value)
+            assert got.tolist() == ns
+            assert torch.equal(words.cpu(), expect)
+
+
 INTERPRETED = """
 import torch, kernels.activation, kernels.argmax, kernels.fp8, kernels.gemv
 for module in (kernels.activation, kernels.argmax, kernels.fp8, kernels.gemv):
@@ -295,6 +351,18 @@ def test_argmax_kernel_in_the_interpreter():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_argmax_kernel_on_the_gpu(dtype):
     check_argmax("cuda", dtype)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU host runs the kernels themselves")
+def test_a_drafts_step_ahead_has_the_hosts_inputs_in_the_interpreter():
+    """The inputs of the draft's step queued behind a verification, written on the device
+    (engine.draft_model's step ahead), against the host's for the same step."""
+    _interpreted("check_ahead_inputs")
+
+
+@pytest.mark.gpu
+def test_a_drafts_step_ahead_has_the_hosts_inputs_on_the_gpu():
+    check_ahead_inputs("cuda")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU host runs the kernels themselves")

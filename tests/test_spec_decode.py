@@ -411,6 +411,32 @@ def test_proposals_left_on_the_device_verify_as_those_brought_to_the_host(monkey
     assert 0 < runs[0][2] < runs[0][1]  # some proposals kept, some not
 
 
+@pytest.mark.parametrize("kw", [{}, {"num_blocks": 14}, {"max_num_batched_tokens": 24}],
+                         ids=["batch", "preemption", "chunked_prefill"])
+def test_the_drafts_step_ahead_keeps_the_tokens_and_the_acceptance(monkeypatch, kw):
+    """The draft's first step of a round queued behind the verification before it, for every
+    count of kept proposals (engine.draft_model's step ahead): the same tokens, proposals and
+    acceptance as that step run once the host has the verification's result; sequences that
+    finish, join, are preempted or skip a round take the step now instead. (The CPU runs the
+    step through the host; tests/test_gpu_spec_decode.py has the kernel-written one.)"""
+    import engine.draft_model as dm
+    runs, ahead_steps = [], []
+    for ahead in (True, False):
+        monkeypatch.setattr(dm, "AHEAD", ahead)
+        llm = _speculating(DRAFT, 0.02, device="cpu", **kw)
+        outs = llm.generate(_prompts(), GREEDY)
+        stats, engine = llm.engine.spec_stats, llm.engine
+        runs.append(([o.token_ids for o in outs], stats.num_draft_tokens,
+                     stats.num_accepted_tokens, stats.accepted_per_position))
+        ahead_steps.append((engine.drafter.steps_ahead, engine.drafter.seqs_ahead,
+                            stats.num_drafts))
+        assert engine.pool.num_used_blocks == 0
+    assert runs[0] == runs[1]
+    assert 0 < runs[0][2] < runs[0][1]  # some proposals kept, some not
+    (steps, seqs, rounds), off = ahead_steps
+    assert off[:2] == (0, 0) and steps > 0 and seqs >= rounds // 2
+
+
 def _oracle(engine, continuations: dict[tuple, list[int]]):
     """Propose the target's own greedy continuation (what a draft that always agrees does)."""
     def propose(seq, limit):
@@ -449,8 +475,13 @@ def test_the_target_as_its_own_draft_cuts_the_steps_by_k_plus_one():
     assert engine.stats.steps == 1 + 8 and plain.stats.steps >= 41
     assert engine.processor._grammars is None  # no structured output: no grammar compiler
     # the draft: its prompt (but the last token) once, then k steps each verified step, the
-    # first taking the last proposal kept and the target's token after it
-    assert engine.drafter.steps == 1 + 8 * 4
+    # first taking the last proposal kept and the target's token after it; or, where the
+    # draft's runner takes the step ahead (CUDA: graphs on the few-row attention kernel, which
+    # this model's head size does not get), the last proposal in a step queued behind each
+    # verification (the last one unused), the target's token in the round's first
+    ahead = engine.drafter.steps_ahead
+    assert ahead == 8 or (ahead == 0 and engine.device.type == "cuda")
+    assert engine.drafter.steps == 1 + 8 * 4 + ahead
 
 
 def test_sampling_with_a_draft_keeps_the_targets_distribution():

@@ -118,7 +118,11 @@ class FlashInferBackend(AttentionBackend):
     def long_context(self, meta: AttentionMetadata) -> bool:
         """Whether a decode step of few rows is too long for the few-row kernel (its longest
         row past ``SMALL_DECODE_MAX_CONTEXT``): FlashInfer's kernel runs it."""
-        return bool(self.small_decode_rows) and max(meta.context_lens) > SMALL_DECODE_MAX_CONTEXT
+        return self.long_context_len(max(meta.context_lens))
+
+    def long_context_len(self, context_len: int) -> bool:
+        """:meth:`long_context` of a step whose longest row reads ``context_len`` tokens."""
+        return bool(self.small_decode_rows) and context_len > SMALL_DECODE_MAX_CONTEXT
 
     def graph_decode_wrapper(self, batch_size: int, pages: torch.Tensor,
                              long_context: bool = False):

@@ -522,14 +522,15 @@ def spec(model: str, ks=(0, 2, 4, 6), batches=(1, 8, 32, 64), prompt_len: int = 
 
 def draft(model: str, draft_model: str, ks=(4, 2, 6), batches=(1, 8, 32, 64),
           prompt_len: int = 128, new: int = 256, quantization: str | None = None,
-          own: bool = True) -> list[dict]:
+          own: bool = True, fp8_lm_head: bool = False) -> list[dict]:
     """Speculative decoding by a draft model against none, on random prompts: ``draft_model``
     proposing ``k`` tokens, verified (random weights: a draft other than the target itself
     agrees with it by chance only, so speculation should turn itself off), and
     ``forced``/``kept70``, every proposal or 70% kept (the cost of the draft's ``k`` steps and
     the verification at acceptance 1 or 0.7, for timing); and the target as its own draft at
     the first ``k``, verified (acceptance near 1, less the near-ties of random bf16 weights;
-    ``own`` False: not run). ``quantization``: the draft's (``speculative_config``'s)."""
+    ``own`` False: not run). ``quantization``, ``fp8_lm_head``: the draft's
+    (``speculative_config``'s)."""
     import engine.llm_engine as llm_engine
     from engine.spec_decode import verify
 
@@ -539,7 +540,9 @@ def draft(model: str, draft_model: str, ks=(4, 2, 6), batches=(1, 8, 32, 64),
     for name, k_ in runs:
         config = {"speculative_config": {
             "method": "draft_model", "model": name, "num_speculative_tokens": k_,
-            "quantization": quantization if name == draft_model else None}} if k_ else {}
+            "quantization": quantization if name == draft_model else None,
+            "fp8_lm_head": True if fp8_lm_head and name == draft_model else None}} \
+            if k_ else {}
         engine = _engine(model, max_num_seqs=max(batches), **config)
         _warm(engine)
         for text in ("random", *FORCED):
@@ -549,11 +552,16 @@ def draft(model: str, draft_model: str, ks=(4, 2, 6), batches=(1, 8, 32, 64),
             for batch in batches:
                 drafter = engine.drafter
                 steps0 = drafter.steps if drafter else 0
+                ahead0 = drafter.steps_ahead if drafter else 0
                 row = _spec_point(engine, text, batch, prompt_len, new)
+                ours = bool(k_) and name == draft_model
                 rows.append({"task": "draft", "model": model, **_options(engine), "k": k_,
-                             "draft": name if k_ else None, "draft_quantization": (
-                                 quantization if k_ and name == draft_model else None), **row,
-                             "draft_steps": drafter.steps - steps0 if drafter else 0})
+                             "draft": name if k_ else None,
+                             "draft_quantization": quantization if ours else None,
+                             "draft_fp8_lm_head": fp8_lm_head and ours, **row,
+                             "draft_steps": drafter.steps - steps0 if drafter else 0,
+                             "draft_steps_ahead": drafter.steps_ahead - ahead0 if drafter
+                             else 0})
         llm_engine.verify = verify
         del engine
         _release_engines()
@@ -593,6 +601,8 @@ def main() -> None:
                     help="the draft of the draft task (speculative decoding)")
     ap.add_argument("--draft-quantization", choices=["fp8"], default=None,
                     help="the draft's weights (speculative_config's quantization)")
+    ap.add_argument("--draft-fp8-lm-head", action="store_true",
+                    help="the draft's LM head in FP8 (speculative_config's fp8_lm_head)")
     ap.add_argument("--decode-prompt-len", type=int, default=128,
                     help="prompt tokens of the batch-1 decode task (8192: decode at 8k context)")
     ap.add_argument("--quantization", choices=["fp8"], default=None)
@@ -644,7 +654,8 @@ def main() -> None:
         if "spec" in args.tasks:
             emit(spec(model))
         if "draft" in args.tasks:
-            emit(draft(model, args.draft_model, quantization=args.draft_quantization))
+            emit(draft(model, args.draft_model, quantization=args.draft_quantization,
+                       fp8_lm_head=args.draft_fp8_lm_head))
         if "hf" in args.tasks:
             emit(hf_generate(model))
     if "long" in args.tasks:

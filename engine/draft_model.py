@@ -44,6 +44,7 @@ kept every proposal: one token still to take) take their first step then, as bef
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -82,7 +83,9 @@ class _View:
 
 
 SHORT = 2  # tokens a sequence may lack in the draft's cache for its first proposing step
-AHEAD = True  # the draft's first step of a round queued behind the verification (A/B switch)
+# The draft's first step of a round queued behind the verification (the step ahead, below);
+# ``BATON_DRAFT_AHEAD=0`` turns it off (the step then runs once the host has the result).
+AHEAD = os.environ.get("BATON_DRAFT_AHEAD", "1") != "0"
 
 
 @dataclass(eq=False)

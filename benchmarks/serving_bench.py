@@ -676,6 +676,10 @@ def main(argv=None) -> None:
     p.add_argument("--engine-option", action="append", default=[], metavar="KEY=JSON",
                    help="an EngineConfig field for every engine, offline and served "
                         "(e.g. cuda_graph_max_tokens=0); repeatable")
+    p.add_argument("--served-engine-option", action="append", default=[], metavar="KEY=JSON",
+                   help="an EngineConfig field for the served engines alone, the offline "
+                        "reference keeping its own (e.g. speculative_config={...}: the served "
+                        "tokens with speculation against the offline ones without); repeatable")
     p.add_argument("--quantization", choices=["fp8"], default=None)
     p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
@@ -746,6 +750,10 @@ def main(argv=None) -> None:
     for option in args.engine_option:
         key, _, value = option.partition("=")
         engine[key] = json.loads(value)
+    served_engine = dict(engine)
+    for option in args.served_engine_option:
+        key, _, value = option.partition("=")
+        served_engine[key] = json.loads(value)
 
     g = torch.Generator().manual_seed(0)
     from engine.model_source import resolve_model
@@ -799,7 +807,7 @@ def main(argv=None) -> None:
             "worker_process_setup_hook": "benchmarks.serving_bench.worker_setup"},
             **metrics) as settings:
         out["ray_env"] = settings
-        serve_layouts(args, layouts, engine, prompts, tokens_by_tp, fresh_prompts, out,
+        serve_layouts(args, layouts, served_engine, prompts, tokens_by_tp, fresh_prompts, out,
                       metrics.get("_metrics_export_port"))
     report(out)
     if args.json:

@@ -6,6 +6,7 @@
         --layouts colo,1p1d --gpus-per-role 0.5 --json results/serving.json      # GPU host
     ... --layouts colo,1p1d,colo-tp2 --gpus-per-role 1     # two GPUs: one per role, or one split
     ... --dashboard results/dashboard.png   # also draw the Grafana dashboard from the run
+    ... --served-engine-option 'speculative_config={...}'  # served speculating, offline not
 
 For each stream count the same requests (random token-id prompts, greedy, ``ignore_eos``) run
 through ``LLM.generate`` and through the served app (sent all at once by client processes),

@@ -34,6 +34,7 @@ import torch
 
 from engine.block_pool import BlockPool
 from engine.config import EngineConfig
+from engine import draft_model
 from engine.draft_model import DraftProposer
 from engine.errors import BadRequest
 from engine.executor import Executor
@@ -437,7 +438,8 @@ class LLMEngine:
             step.spec, step.tokens = verify(
                 self.sampler, logits, due, drafts, self.spec_stats, self.eos_token_ids,
                 self._grammars_for(due), drafted=drafted,
-                before_wait=self._step_ahead(step, drafts) if drafted is not None else None)
+                before_wait=self._step_ahead(step, drafts)
+                if drafted is not None and draft_model.AHEAD else None)
             if any(s.params.logprobs is not None for s in due):
                 step.spec_logprobs = verified_logprobs(logits, due, drafts, step.spec)
             self.executor.share_tokens(step.tokens)

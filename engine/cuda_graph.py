@@ -184,7 +184,7 @@ class StagedInputs:
 
     def __init__(self, sizes: list[int], pages_per_seq: int, device: torch.device):
         self.pages = {s: s * pages_per_seq + s for s in sizes}  # a padded batch's most pages
-        self.words = {s: 4 * s + -(-(2 * s + 1 + self.pages[s]) // 2) for s in sizes}
+        self.words = {s: 4 * s + self._table_words(s, self.pages[s]) for s in sizes}
         n = max(self.words.values())
         self.buffer = torch.zeros(n, dtype=torch.int64, device=device)
         self.host = [torch.zeros(n, dtype=torch.int64, pin_memory=True) for _ in range(2)]
@@ -198,6 +198,11 @@ class StagedInputs:
     def table(self, size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The few-row kernel's indptr, last page lengths and pages for ``size`` rows."""
         return self._table(self.buffer, size, self.pages[size])
+
+    @staticmethod
+    def _table_words(size: int, pages: int) -> int:
+        """The int64 words a table of ``pages`` pages for ``size`` rows takes (int32 entries)."""
+        return -(-(2 * size + 1 + pages) // 2)
 
     @staticmethod
     def _table(words: torch.Tensor, size: int, pages: int):
@@ -222,7 +227,7 @@ class StagedInputs:
             for part, value in zip(self._table(host, size, pages),
                                    (meta.kv_indptr, meta.kv_last_page_len, meta.kv_indices)):
                 part.copy_(value)
-            words += -(-(2 * size + 1 + pages) // 2)
+            words += self._table_words(size, pages)
         self.buffer[:words].copy_(host[:words], non_blocking=True)
         self.copied[turn].record()
 

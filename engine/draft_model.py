@@ -53,6 +53,7 @@ from engine.block_pool import NULL_BLOCK
 from engine.model_runner import ModelRunner
 from engine.scheduler import ScheduledBatch
 from engine.sequence import PENDING, Sequence
+from engine.spec_decode import kept_run
 from engine.structured import apply_bitmasks
 from engine.uploads import upload
 from kernels.ahead_inputs import ahead_inputs
@@ -284,7 +285,7 @@ class DraftProposer:
             kept_l, drawn_l, proposed_l = kept.tolist(), drawn.tolist(), proposed.tolist()
             views = []
             for row0, s, k in chosen:
-                n = next((i for i in range(k) if not kept_l[row0 + i]), k)
+                n = kept_run(kept_l, row0, k)
                 more = proposed_l[row0:row0 + n] + ([drawn_l[row0 + n]] if n < k else [])
                 views.append(_View(s.token_ids + more, s.block_ids,
                                    s.num_tokens + len(more) - 1, s.num_prompt_tokens))

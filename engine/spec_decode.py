@@ -317,12 +317,18 @@ def verify(sampler, logits: torch.Tensor, seqs: list[Sequence], drafts: list[lis
             row += c
     out, row = [], 0
     for d, c in zip(drafts, counts):
-        n = next((i for i in range(len(d)) if not kept[row + i]), len(d))
+        n = kept_run(kept, row, len(d))
         out.append(d[:n] + [drawn[row + n]])
         if stats is not None:
             stats.add(d, n)
         row += c
     return out, row_ids
+
+
+def kept_run(kept: list, row: int, k: int) -> int:
+    """How many of a sequence's ``k`` proposals are kept: the run of kept rows from ``row``
+    (its first verification row) to the first rejection."""
+    return next((i for i in range(k) if not kept[row + i]), k)
 
 
 def verified_logprobs(logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]],

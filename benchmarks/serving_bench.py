@@ -748,13 +748,8 @@ def main(argv=None) -> None:
     if args.stub_forward:
         stub_forward()
         engine["enforce_eager"] = True
-    for option in args.engine_option:
-        key, _, value = option.partition("=")
-        engine[key] = json.loads(value)
-    served_engine = dict(engine)
-    for option in args.served_engine_option:
-        key, _, value = option.partition("=")
-        served_engine[key] = json.loads(value)
+    engine.update(_key_json(args.engine_option))
+    served_engine = served_config(engine, args.served_engine_option)
 
     g = torch.Generator().manual_seed(0)
     from engine.model_source import resolve_model
@@ -815,6 +810,17 @@ def main(argv=None) -> None:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
+
+
+def _key_json(options: list[str]) -> dict:
+    """``KEY=JSON`` options as a dict."""
+    return {key: json.loads(value) for key, _, value in (o.partition("=") for o in options)}
+
+
+def served_config(engine: dict, options: list[str]) -> dict:
+    """The served engines' fields: the offline reference's ``engine`` with ``--served-engine-
+    option``s over it (``engine`` itself unchanged)."""
+    return {**engine, **_key_json(options)}
 
 
 def serve_layouts(args, layouts, engine, prompts, tokens_by_tp, fresh_prompts, out,

@@ -66,3 +66,18 @@ def test_serving_bench_stub_forward_runs_the_engine_without_its_model(monkeypatc
     outs = llm.generate(random_prompts([12, 30], seed=3),
                         SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
     assert [len(o.token_ids) for o in outs] == [6, 6] and not calls
+
+
+def test_served_engine_options_reach_the_served_engines_alone():
+    """``serving_bench --served-engine-option``: the served engines take the field over the
+    offline reference's, which keeps its own (the served tokens with speculation against the
+    offline ones without)."""
+    from benchmarks.serving_bench import served_config
+
+    offline = {"model": "tiny", "dtype": "float32"}
+    spec = '{"method": "ngram", "num_speculative_tokens": 4}'
+    served = served_config(offline, [f"speculative_config={spec}", 'dtype="bfloat16"'])
+    assert served == {"model": "tiny", "dtype": "bfloat16",
+                      "speculative_config": {"method": "ngram", "num_speculative_tokens": 4}}
+    assert offline == {"model": "tiny", "dtype": "float32"}
+    assert served_config(offline, []) == offline

@@ -96,7 +96,7 @@ class DecodeGraphs:
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    self.logits[:size].copy_(model.compute_logits(model(ids, pos)))
+                    model.compute_logits(model(ids, pos), out=self.logits[:size])
             pool = graph.pool()
             (self.long_graphs if long else self.graphs)[size] = graph
         torch.cuda.synchronize()

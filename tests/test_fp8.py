@@ -250,6 +250,22 @@ def test_the_fp8_lm_head_needs_fp8_matmuls_and_computes_from_the_rounded_head():
     got = model.compute_logits(hidden)
     assert torch.equal(got, w8a8_reference(hidden, w, scale).float())
     assert ((got - exact).norm() / exact.norm()) < 0.08
+    out = torch.full_like(got, float("nan"))  # a decode graph's static buffer
+    assert model.compute_logits(hidden, out=out) is out and torch.equal(out, got)
+
+
+def test_logits_into_a_buffer_are_the_rounded_head_output_converted_there():
+    """A decode graph has the head's bf16 output converted into its float32 buffer (no float32
+    copy in between): the same values as the logits returned."""
+    model = LLM("tiny", device="cpu", dtype="bfloat16", show_progress=False).engine.model
+    hidden = torch.randn(3, model.config.hidden_size, generator=torch.Generator().manual_seed(3),
+                         dtype=torch.bfloat16)
+    got = model.compute_logits(hidden)
+    assert got.dtype == torch.float32
+    assert torch.equal(got, torch.nn.functional.linear(hidden, model.lm_head_weight).float())
+    out = torch.full((4, model.config.vocab_size), float("nan"))
+    assert model.compute_logits(hidden, out=out[:3]).data_ptr() == out.data_ptr()
+    assert torch.equal(out[:3], got) and out[3].isnan().all()
 
 
 # -- the FP8 KV cache -------------------------------------------------------------------------

@@ -178,16 +178,21 @@ class Qwen3ForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None
+                       ) -> torch.Tensor:
+        """float32 logits of the head's rounded output, written into ``out`` when given (a
+        graph's static buffer: converted there, no float32 copy in between; at 256 rows of a
+        151,936-token vocabulary that copy was 0.1 ms a step)."""
         if self.lm_head_fp8 is not None:
             w, scale = self.lm_head_fp8
             one_row = fp8_gemv_config(*w.shape) if self.lm_head_gemv is not None else None
-            return all_gather_last(fp8_linear(hidden, w, scale, None, one_row).float(),
-                                   self.group)
-        weight = self.lm_head_weight
-        if self.lm_head_gemv is not None and hidden.shape[0] == 1:
-            return all_gather_last(gemv(hidden, weight, self.lm_head_gemv).float(), self.group)
-        return all_gather_last(torch.nn.functional.linear(hidden, weight).float(), self.group)
+            logits = fp8_linear(hidden, w, scale, None, one_row)
+        elif self.lm_head_gemv is not None and hidden.shape[0] == 1:
+            logits = gemv(hidden, self.lm_head_weight, self.lm_head_gemv)
+        else:
+            logits = torch.nn.functional.linear(hidden, self.lm_head_weight)
+        logits = all_gather_last(logits, self.group)
+        return logits.float() if out is None else out.copy_(logits)
 
     def quantize_lm_head(self) -> None:
         """``fp8_lm_head``: logits from an e4m3 copy of the head with one scale per vocabulary

@@ -233,11 +233,13 @@ def test_fp8_prefill_of_up_to_2048_tokens_replays_the_piecewise_graphs():
         _same_greedy_up_to_a_tie(graphed[rid][0], graphed[rid][1], tokens, logprobs, rid)
 
 
-def test_fp8_lm_head_graphs_match_eager_and_stay_near_the_bf16_head():
+@pytest.mark.parametrize("quantization", ["fp8", None], ids=["fp8", "bf16-weights"])
+def test_fp8_lm_head_graphs_match_eager_and_stay_near_the_bf16_head(quantization):
     """``fp8_lm_head``: logits from the e4m3 head through the one-row kernel (batch 1) and W8A8
     (more rows): CUDA graphs give eager's tokens, and the next-token distribution stays near the
-    bf16 head's (mean KL under 0.05 on this random model, whose distribution is nearly flat)."""
-    kw = dict(attention_backend="flashinfer", quantization="fp8")
+    bf16 head's (mean KL under 0.05 on this random model, whose distribution is nearly flat).
+    With FP8 weights and with bf16 ones (the head alone in FP8)."""
+    kw = dict(attention_backend="flashinfer", quantization=quantization)
     graphs, eager = _engine(fp8_lm_head=True, **kw), _engine(fp8_lm_head=True,
                                                                enforce_eager=True, **kw)
     assert graphs.model.lm_head_fp8 is not None

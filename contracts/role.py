@@ -7,8 +7,17 @@ publishes (``aengine.feed``), never the engine itself."""
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
+import sys
+import threading
 import time
 from dataclasses import asdict
+
+log = logging.getLogger("baton.role")
+
+# How often a role replica looks at its engine (``RoleDeployment.watch_engine``).
+ENGINE_WATCH_S = 0.5
 
 
 def load_report(aengine, endpoint) -> dict:
@@ -81,6 +90,37 @@ class RoleDeployment:
 
     def check_health(self) -> None:
         self.server.aengine.check()  # the engine thread, and every rank of a split model
+
+    def watch_engine(self, period_s: float = ENGINE_WATCH_S, exit=os._exit) -> threading.Thread:
+        """Exit the replica's process as soon as its engine has failed (its thread died, or a
+        rank of a split model did), killing the other ranks first. Serve then replaces the
+        replica as it does one that crashed, and the ingress moves its requests as it does a
+        killed replica's; a failed health check alone takes three in a row (20-30 s at their
+        10 s period) before Serve replaces a replica. vLLM's server likewise exits when its
+        engine dies. An engine being shut down is left alone."""
+        aengine = self.server.aengine
+
+        def watch():
+            while not aengine.stopped:
+                time.sleep(period_s)
+                try:
+                    aengine.check()
+                except Exception as exc:  # noqa: BLE001 - any failure is fatal to the replica
+                    if aengine.stopped:
+                        return
+                    log.error("the engine failed (%s): this replica exits so that Serve "
+                              "replaces it now", exc)
+                    for stream in (sys.stdout, sys.stderr):
+                        stream.flush()
+                    try:
+                        aengine.kill_ranks()
+                    finally:
+                        exit(1)
+                    return
+
+        thread = threading.Thread(target=watch, name="baton-engine-watch", daemon=True)
+        thread.start()
+        return thread
 
     def __del__(self):
         if self.server is not None:

@@ -22,6 +22,7 @@ class DecodeDeployment(RoleDeployment):
                      if warm_links and prefill is not None else None)
         self.server = DecodeServer(EngineConfig(**engine), backend, prefill, transfer_timeout_s,
                                    directory, DisaggregationConfig(**(disaggregation or {})))
+        self.watch_engine()
 
     async def generate(self, req: GenerateRequest) -> None:
         """Runs the request to its end; its tokens, then its result (or the refusal of bad

@@ -176,6 +176,16 @@ class AsyncEngine:
             except Exception as exc:  # noqa: BLE001 - the caller gets it
                 fut.set_exception(exc)
 
+    def kill_ranks(self) -> None:
+        """Kill the other ranks of a split engine at once (any thread: only their processes
+        are touched; the replica is about to exit)."""
+        self.engine.kill_ranks()
+
+    @property
+    def stopped(self) -> bool:
+        """Whether :meth:`shutdown` has begun (its ranks then end on purpose)."""
+        return self._stop.is_set()
+
     def check(self) -> None:
         """Raise if the engine cannot serve: its thread died, or a rank of a split model did
         (a Serve health check: the replica is then replaced and its streams move)."""

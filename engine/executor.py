@@ -124,6 +124,11 @@ class Executor:
         if self.others is not None and (dead := self.others.dead()):
             raise RuntimeError(f"tensor-parallel rank(s) {dead} died")
 
+    def kill_ranks(self) -> None:
+        """Kill the other ranks now (their process is about to exit)."""
+        if self.others is not None:
+            self.others.kill()
+
     def shutdown(self) -> None:
         """Stop the other ranks (nothing to do with one)."""
         if self.others is not None:

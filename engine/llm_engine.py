@@ -296,6 +296,11 @@ class LLMEngine:
         """Raise if a rank of a tensor-parallel engine is gone."""
         self.executor.check_ranks()
 
+    def kill_ranks(self) -> None:
+        """Kill the other ranks of a tensor-parallel engine at once (any thread; the process
+        is about to exit)."""
+        self.executor.kill_ranks()
+
     def shutdown(self) -> None:
         """Stop the other ranks of a tensor-parallel engine (nothing to do otherwise)."""
         self.executor.shutdown()

@@ -198,6 +198,12 @@ class RankProcesses:
         """The ranks whose process has ended."""
         return [rank for rank, proc in enumerate(self.procs, 1) if not proc.is_alive()]
 
+    def kill(self) -> None:
+        """Kill every rank at once (their replica is about to exit; nothing waits for them)."""
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.kill()
+
     def close(self) -> None:
         from engine.parallel import destroy_tp
 

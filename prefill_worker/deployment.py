@@ -18,6 +18,7 @@ class PrefillDeployment(RoleDeployment):
                  push_at_step_end: bool = False):
         directory = PeerDirectory(serve.get_replica_context().app_name) if warm_links else None
         self.server = PrefillServer(EngineConfig(**engine), backend, directory, push_at_step_end)
+        self.watch_engine()
 
     async def info(self):
         return self.server.info()

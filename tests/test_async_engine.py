@@ -6,9 +6,11 @@ engine thread; an outputs hook gets each step's outputs at once."""
 
 import asyncio
 import threading
+from types import SimpleNamespace
 
 import pytest
 
+from contracts.role import RoleDeployment
 from engine import LLM, EngineConfig, SamplingParams
 from engine.async_engine import AsyncEngine, EngineDeadError
 from tests.models import random_prompts
@@ -180,3 +182,34 @@ def test_the_snapshot_follows_what_tickers_change(aengine):
 
     asyncio.run(main())
     assert state["ticks"] == 5
+
+
+class _Role(RoleDeployment):
+    def __init__(self, aengine):
+        self.server = SimpleNamespace(aengine=aengine, close=lambda: None)
+
+
+def test_a_role_replica_exits_once_a_rank_of_its_engine_dies():
+    """A replica whose split engine lost a rank exits at once (after killing its other ranks),
+    so Serve replaces it as a crashed replica instead of after three failed health checks;
+    while the engine is healthy, or once it is being shut down, nothing happens."""
+    aengine = AsyncEngine(EngineConfig(**{**CONFIG, "tensor_parallel_size": 2}))
+    exits = []
+    try:
+        watch = _Role(aengine).watch_engine(period_s=0.02, exit=exits.append)
+        asyncio.run(aengine.run(PROMPTS[0], GREEDY, "before"))
+        assert not exits and watch.is_alive()
+        (rank,) = aengine.engine.executor.others.procs
+        killed = []
+        aengine.engine.kill_ranks = lambda: killed.append(True)
+        rank.kill()
+        watch.join(10)
+        assert exits == [1] and killed == [True] and not watch.is_alive()
+    finally:
+        aengine.shutdown()
+    exits.clear()
+    healthy = AsyncEngine(EngineConfig(**CONFIG))
+    watch = _Role(healthy).watch_engine(period_s=0.02, exit=exits.append)
+    healthy.shutdown()
+    watch.join(5)
+    assert not watch.is_alive() and exits == []

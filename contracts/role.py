@@ -91,7 +91,8 @@ class RoleDeployment:
     def check_health(self) -> None:
         self.server.aengine.check()  # the engine thread, and every rank of a split model
 
-    def watch_engine(self, period_s: float = ENGINE_WATCH_S, exit=os._exit) -> threading.Thread:
+    def watch_engine(self, period_s: float = ENGINE_WATCH_S,
+                     exit_process=os._exit) -> threading.Thread:
         """Exit the replica's process as soon as its engine has failed (its thread died, or a
         rank of a split model did), killing the other ranks first. Serve then replaces the
         replica as it does one that crashed, and the ingress moves its requests as it does a
@@ -115,7 +116,7 @@ class RoleDeployment:
                     try:
                         aengine.kill_ranks()
                     finally:
-                        exit(1)
+                        exit_process(1)
                     return
 
         thread = threading.Thread(target=watch, name="baton-engine-watch", daemon=True)

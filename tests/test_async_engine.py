@@ -196,7 +196,7 @@ def test_a_role_replica_exits_once_a_rank_of_its_engine_dies():
     aengine = AsyncEngine(EngineConfig(**{**CONFIG, "tensor_parallel_size": 2}))
     exits = []
     try:
-        watch = _Role(aengine).watch_engine(period_s=0.02, exit=exits.append)
+        watch = _Role(aengine).watch_engine(period_s=0.02, exit_process=exits.append)
         asyncio.run(aengine.run(PROMPTS[0], GREEDY, "before"))
         assert not exits and watch.is_alive()
         (rank,) = aengine.engine.executor.others.procs
@@ -209,7 +209,7 @@ def test_a_role_replica_exits_once_a_rank_of_its_engine_dies():
         aengine.shutdown()
     exits.clear()
     healthy = AsyncEngine(EngineConfig(**CONFIG))
-    watch = _Role(healthy).watch_engine(period_s=0.02, exit=exits.append)
+    watch = _Role(healthy).watch_engine(period_s=0.02, exit_process=exits.append)
     healthy.shutdown()
     watch.join(5)
     assert not watch.is_alive() and exits == []

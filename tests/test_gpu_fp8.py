@@ -159,8 +159,9 @@ def test_norm_and_silu_quantizing_their_output_match_the_kernels_they_replace(ro
     assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s, rs)
 
 
-def test_rope_store_into_an_fp8_cache_matches_reference():
-    t, hq, hk, d = 9, 4, 2, 128
+@pytest.mark.parametrize("tile", [None, (1, 1)], ids=["tiles", "a-token-a-program"])
+def test_rope_store_into_an_fp8_cache_matches_reference(tile):
+    t, hq, hk, d = 9, 4, 2, 128  # (tiles of 8 tokens: one full, one of a token)
     qkv = torch.randn(t, (hq + 2 * hk) * d, device="cuda", dtype=torch.bfloat16)
     pos = torch.arange(t, device="cuda") + 5
     qw, kw = (torch.rand(d, device="cuda", dtype=torch.bfloat16) + 0.5 for _ in range(2))
@@ -170,7 +171,7 @@ def test_rope_store_into_an_fp8_cache_matches_reference():
     caches = [torch.zeros(4, 2, hk, 16, d, device="cuda", dtype=FP8) for _ in range(2)]
     slots = torch.tensor([17, 18, -1, 20, 21, 22, 23, 24, 40], device="cuda")
     q = qk_norm_rope_store(qkv, pos, qw, kw, 1e-6, rope.cos_sin, caches[0], slots, hq, hk,
-                           0.5, 2.0)
+                           0.5, 2.0, tile=tile)
     qr = qk_norm_rope_store_reference(qkv, pos, qw, kw, 1e-6, rope.cos_sin, caches[1], slots,
                                       hq, hk, 0.5, 2.0)
     torch.testing.assert_close(q, qr, rtol=2e-2, atol=2e-2)  # fused: rounds once, not per op

@@ -74,29 +74,47 @@ def test_silu_and_mul_triton_matches_reference(dtype):
     _close(silu_and_mul(x), silu_and_mul_reference(x), dtype)
 
 
+def check_qk_norm_rope_store(device: str, dtype: torch.dtype, heads=(16, 8), t: int = 21,
+                             tiles=(None, (1, 1), (16, 4), (4, 2))) -> None:
+    """The fused prologue against the unfused torch path, with a token a program and with tiles
+    of tokens (the last one partly past the step's tokens), skipped slots among them."""
+    hq, hk = heads
+    d, bs, layers = 128, 16, 3
+    blocks = -(-t // bs) + 2
+    g = torch.Generator().manual_seed(0)
+    qkv = torch.randn(t, (hq + 2 * hk) * d, generator=g).to(device, dtype)
+    positions = torch.randint(0, 4000, (t,), generator=g).to(device)
+    qw, kw = ((torch.rand(d, generator=g) + 0.5).to(device, dtype) for _ in range(2))
+    inv = 1.0 / (1e6 ** (torch.arange(0, d, 2).float() / d))
+    freqs = torch.outer(torch.arange(4096).float(), inv)
+    cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(device)
+    slots = torch.randperm(blocks * bs, generator=g)[:t].to(device)
+    slots[[2, 7]] = -1
+    for tile in tiles:
+        # Block-major storage seen layer by layer, as the engine keeps it.
+        storage = torch.zeros(blocks, layers, 2, hk, bs, d, device=device, dtype=dtype)
+        cache, ref_cache = storage.transpose(0, 1)[1], storage.clone().transpose(0, 1)[1]
+        q = qk_norm_rope_store(qkv, positions, qw, kw, 1e-6, cos_sin, cache, slots, hq, hk,
+                               tile=tile)
+        want = qk_norm_rope_store_reference(qkv, positions, qw, kw, 1e-6, cos_sin, ref_cache,
+                                            slots, hq, hk)
+        _close(q, want, dtype)
+        _close(cache, ref_cache, dtype)
+        assert storage.transpose(0, 1)[0].abs().sum() == 0  # other layers untouched
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads", [(16, 8), (32, 8), (4, 4)])
 def test_qk_norm_rope_store_triton_matches_reference(dtype, heads):
-    hq, hk = heads
-    d, bs, layers, blocks, t = 128, 16, 3, 10, 21
-    qkv = torch.randn(t, (hq + 2 * hk) * d, device="cuda", dtype=dtype)
-    positions = torch.randint(0, 4000, (t,), device="cuda")
-    qw, kw = (torch.rand(d, device="cuda", dtype=dtype) + 0.5 for _ in range(2))
-    inv = 1.0 / (1e6 ** (torch.arange(0, d, 2, device="cuda").float() / d))
-    freqs = torch.outer(torch.arange(4096, device="cuda").float(), inv)
-    cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
-    # Block-major storage seen layer by layer, as the engine keeps it.
-    storage = torch.zeros(blocks, layers, 2, hk, bs, d, device="cuda", dtype=dtype)
-    cache, ref_cache = storage.transpose(0, 1)[1], storage.clone().transpose(0, 1)[1]
-    slots = torch.randperm(blocks * bs, device="cuda")[:t]
-    slots[[2, 7]] = -1
-    q = qk_norm_rope_store(qkv, positions, qw, kw, 1e-6, cos_sin, cache, slots, hq, hk)
-    want = qk_norm_rope_store_reference(qkv, positions, qw, kw, 1e-6, cos_sin, ref_cache, slots,
-                                        hq, hk)
-    _close(q, want, dtype)
-    _close(cache, ref_cache, dtype)
-    assert storage.transpose(0, 1)[0].abs().sum() == 0  # other layers untouched
+    check_qk_norm_rope_store("cuda", dtype, heads)
+    check_qk_norm_rope_store("cuda", dtype, heads, t=300, tiles=(None,))  # a prefill's tiles
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU host runs the kernels themselves")
+def test_qk_norm_rope_store_tiles_in_the_interpreter():
+    """The prologue's token tiles (masks past the last token, skipped slots) on the CPU."""
+    _interpreted("check_qk_norm_rope_store")
 
 
 GEMV_CONFIGS = [GemvConfig(), GemvConfig(4, 512, 4, 2), GemvConfig(4, 1024, 8, 2),
@@ -318,8 +336,8 @@ def check_ahead_inputs(device: str, dtype: torch.dtype = None) -> None:
 
 
 INTERPRETED = """
-import torch, kernels.activation, kernels.argmax, kernels.fp8, kernels.gemv
-for module in (kernels.activation, kernels.argmax, kernels.fp8, kernels.gemv):
+import torch, kernels.activation, kernels.argmax, kernels.fp8, kernels.gemv, kernels.rope
+for module in (kernels.activation, kernels.argmax, kernels.fp8, kernels.gemv, kernels.rope):
     module.use_triton = lambda t: True  # the interpreter runs kernels on CPU tensors
 torch.cuda.is_current_stream_capturing = lambda: False  # (asked before the counters are made)
 import tests.test_kernels as t

@@ -31,9 +31,17 @@ def hash_block(parent: int | None, token_ids: Sequence[int]) -> int:
 def hash_blocks(token_ids: Sequence[int], block_size: int, parent: int | None = None,
                 start_block: int = 0) -> list[int]:
     """Chained hashes of the full blocks of ``token_ids`` from ``start_block`` on."""
-    hashes = []
-    for b in range(start_block, len(token_ids) // block_size):
-        parent = hash_block(parent, token_ids[b * block_size:(b + 1) * block_size])
+    hashes, end = [], len(token_ids) // block_size
+    if end <= start_block:
+        return hashes
+    # One packed copy of the blocks' tokens, hashed a block's slice at a time (as hash_block).
+    packed = memoryview(array("q", token_ids[start_block * block_size:end * block_size]))
+    step = block_size
+    for i in range(0, (end - start_block) * step, step):
+        h = xxhash.xxh3_64()
+        h.update(b"\x00" * 9 if parent is None else b"\x01" + parent.to_bytes(8, "little"))
+        h.update(packed[i:i + step])
+        parent = h.intdigest()
         hashes.append(parent)
     return hashes
 

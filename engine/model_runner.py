@@ -330,9 +330,16 @@ class ModelRunner:
                 first = len(ids) - len(drafts)
                 gathers += [(first + j, r) for j, r in enumerate(seq.draft_rows)]
             positions += range(start, end)
-            table, present = seq.block_ids, seq.num_present_tokens
-            slots += [-1 if p < present else table[p // bs] * bs + p % bs
-                      for p in range(start, end)]
+            table, p = seq.block_ids, start
+            if p < seq.num_present_tokens:  # already in the cache (loaded): not stored again
+                p = min(seq.num_present_tokens, end)
+                slots += [-1] * (p - start)
+            while p < end:  # a block's run of slots at a time (a prompt's thousands)
+                b, off = divmod(p, bs)
+                run = min(end - p, bs - off)
+                first = table[b] * bs + off
+                slots += range(first, first + run)
+                p += run
             for row_end in (range(start + 1, end + 1) if as_rows else (end,)):
                 qsl.append(len(ids) - (end - row_end))
                 ctx.append(row_end)
@@ -385,9 +392,8 @@ class ModelRunner:
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                  logit_rows: list[int], prompt: PromptRows | None = None) -> torch.Tensor | None:
-        self.backend.plan(meta)
-        with set_forward_context(meta):
-            hidden = self.model(input_ids, positions)
+        with set_forward_context(meta):  # planned while layer 0 runs up to its attention
+            hidden = self.model(input_ids, positions, plan=lambda: self.backend.plan(meta))
         return self._logits(hidden, logit_rows, prompt)
 
     def _logits(self, hidden: torch.Tensor, logit_rows: list[int],

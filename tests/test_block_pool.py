@@ -80,6 +80,17 @@ def test_hashes_are_chained():
     assert hash_blocks([1, 2, 3, 4, 5, 6, 7, 8], 4, parent=a[0], start_block=1) == a[1:]
 
 
+def test_hash_blocks_chains_hash_block_from_any_block():
+    tokens = list(range(1000, 1000 + 16 * 9 + 5))
+    chained, parent = [], None
+    for b in range(9):
+        parent = hash_block(parent, tokens[16 * b:16 * (b + 1)])
+        chained.append(parent)
+    assert hash_blocks(tokens, 16) == chained
+    assert hash_blocks(tokens, 16, parent=chained[3], start_block=4) == chained[4:]
+    assert hash_blocks(tokens, 16, parent=chained[-1], start_block=9) == []
+
+
 def test_reset_prefix_cache_forgets_free_blocks_only():
     pool = BlockPool(8)
     held, free = pool.allocate(2), pool.allocate(2)

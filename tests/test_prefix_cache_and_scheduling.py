@@ -182,3 +182,29 @@ def test_reset_prefix_cache_makes_a_replayed_prompt_a_miss(reference):
     hits = llm.engine.pool.hit_tokens
     again = llm.generate(PROMPTS[4], GREEDY)[0]
     assert llm.engine.pool.hit_tokens == hits and again.token_ids == first.token_ids
+
+
+def test_a_steps_slots_are_its_tokens_places_in_their_blocks():
+    """``ModelRunner.prepare`` writes a run of slots a block at a time: each token's slot is its
+    block's id x block size + its place in the block, and -1 where the token is already in the
+    cache (loaded from the host tier), for runs starting and ending anywhere in a block."""
+    import random
+    from types import SimpleNamespace
+
+    from engine.draft_model import _View
+    from engine.model_runner import ModelRunner
+    from engine.scheduler import ScheduledBatch
+    bs, rng = 4, random.Random(0)
+    host = SimpleNamespace(block_size=bs, _as_rows=lambda batch: False)
+    for _ in range(50):
+        views, news, want = [], [], []
+        for _ in range(3):
+            start, n = rng.randrange(0, 20), rng.randrange(1, 20)
+            table = rng.sample(range(1, 100), -(-(start + n) // bs))
+            present = rng.choice([0, start, rng.randrange(start, start + n + 1)])
+            views.append(_View(list(range(start + n)), table, start, start + n,
+                               num_present_tokens=present))
+            news.append(n)
+            want += [-1 if p < present else table[p // bs] * bs + p % bs
+                     for p in range(start, start + n)]
+        assert ModelRunner.prepare(host, ScheduledBatch(views, news)).slots == want

@@ -150,6 +150,8 @@ class FlashInferBackend(AttentionBackend):
         wrapper = meta.extras["wrapper"]
         if isinstance(wrapper, decode_attention.DecodeAttention):
             return wrapper.run(q, kv_cache, k_scale, v_scale, out=out)
+        if out is None:  # (FlashInfer's prefill zero-fills one first: a kernel a layer)
+            out = torch.empty_like(q)
         if kv_cache.dtype == self.dtype:
             return wrapper.run(q, kv_cache, out=out)
         return wrapper.run(q, kv_cache, k_scale=k_scale, v_scale=v_scale, out=out)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -150,10 +152,18 @@ class Qwen3Model(nn.Module):
             [Qwen3DecoderLayer(cfg, self.rope) for _ in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                plan: Callable[[], None] | None = None) -> torch.Tensor:
+        """``plan``: the step's attention plan, called once layer 0's queries are queued (the
+        device runs the embedding and layer 0 up to its attention while the host plans)."""
         x, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
-            x, residual = layer(positions, x, residual)
+        for i, layer in enumerate(self.layers):
+            if i == 0 and plan is not None:
+                q, residual = layer.before_attention(positions, x, residual)
+                plan()
+                x, residual = layer.after_attention(layer.self_attn.attend(q), residual)
+            else:
+                x, residual = layer(positions, x, residual)
         x, _ = self.norm(x, residual)
         return x
 
@@ -175,8 +185,9 @@ class Qwen3ForCausalLM(nn.Module):
         # fp8_lm_head: (e4m3 weight, per-row scales) of this rank's vocabulary rows
         self.lm_head_fp8: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                plan: Callable[[], None] | None = None) -> torch.Tensor:
+        return self.model(input_ids, positions, plan)
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None
                        ) -> torch.Tensor:

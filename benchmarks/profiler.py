@@ -12,7 +12,11 @@ profiler over a few prompts) summed by kind: GEMMs, FP8 activation quantization,
 norms, the rest.
 
     python -m benchmarks.profiler prefill --model dummy:Qwen3-8B --lengths 1024 2048 \\
-        [--quantization fp8] [--cprofile]
+        [--quantization fp8] [--cprofile] [--timeline]
+
+With ``--timeline``, also where one prompt's steps leave the device idle: its trace with the
+engine's pieces marked (schedule, inputs, attention plan, forward, logits, ...), then the same
+unprofiled with a CUDA event at each piece's start and end (the device's clock).
 
 ``host``: The engine's host work per decode step, with the model taken out: what the CPU spends on
 scheduling, building a step's inputs, sampling bookkeeping and outputs while the GPU would be
@@ -73,6 +77,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import cProfile
 import gc
 import io
@@ -215,25 +220,33 @@ def timed_pieces(engine: LLMEngine, steps: int,
                 calls[label] += 1
         return timed
 
-    saved = [(obj, name, obj.__dict__.get(name, _MISSING)) for obj, name, _ in pieces]
-    for obj, name, label in pieces:
-        setattr(obj, name, timer(getattr(obj, name), label))
-    try:
+    with wrapped(pieces, timer):
         for _ in range(steps):
             made = engine.step()
             if outputs is not None:
                 outputs += made
+    return {label: (spent[label] / steps * 1e6, calls[label] / steps)
+            for _, _, label in pieces if calls[label]}
+
+
+_MISSING = object()
+
+
+@contextlib.contextmanager
+def wrapped(pieces, wrap):
+    """Each ``(obj, name, label)`` of ``pieces`` replaced by ``wrap(obj.name, label)`` while in
+    the block, then put back."""
+    saved = [(obj, name, obj.__dict__.get(name, _MISSING)) for obj, name, _ in pieces]
+    for obj, name, label in pieces:
+        setattr(obj, name, wrap(getattr(obj, name), label))
+    try:
+        yield
     finally:
         for obj, name, before in reversed(saved):
             if before is _MISSING:
                 delattr(obj, name)
             else:
                 setattr(obj, name, before)
-    return {label: (spent[label] / steps * 1e6, calls[label] / steps)
-            for _, _, label in pieces if calls[label]}
-
-
-_MISSING = object()
 
 
 # -- prefill -------------------------------------------------------------------------------
@@ -272,6 +285,9 @@ def prefill_main(argv=None) -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--cprofile", action="store_true",
                     help="also the host's top functions over the reps of the first length")
+    ap.add_argument("--timeline", action="store_true",
+                    help="also where one prompt's step leaves the GPU idle, and what the host "
+                         "does meanwhile")
     args = ap.parse_args(argv)
     engine = LLMEngine(EngineConfig(model=args.model, device="cuda", max_num_seqs=4,
                                     max_num_batched_tokens=max(args.lengths),
@@ -298,6 +314,8 @@ def prefill_main(argv=None) -> None:
                           "by_kind_ms": {k: round(v, 2) for k, v in
                                          sorted(by_kind.items(), key=lambda kv: -kv[1])},
                           "top_kernels_ms": [[k[:90], round(v, 3)] for k, v in top]}))
+        if args.timeline:
+            prefill_timeline(engine, n, seed=40)
         if args.cprofile and n == args.lengths[0]:
             prof_host = cProfile.Profile()
             prof_host.enable()
@@ -307,6 +325,95 @@ def prefill_main(argv=None) -> None:
             text = io.StringIO()
             pstats.Stats(prof_host, stream=text).sort_stats("tottime").print_stats(18)
             print(text.getvalue())
+
+
+def prefill_timeline(engine: LLMEngine, n: int, seed: int) -> None:
+    """One ``n``-token prompt's steps under the torch profiler, the engine's pieces marked:
+    when the GPU starts and stops against the steps' wall, its idle gaps, and each piece's
+    place and length on the host's timeline (µs from the first step's start)."""
+    import tempfile
+
+    from torch.profiler import record_function
+
+    from engine.model_runner import StepInputs
+    from engine.sampler import Sampler
+    from engine.step_update import LaunchedStep
+    runner = engine.runner
+    pieces = [(engine, "step", "engine.step"), (engine.scheduler, "schedule", "schedule"),
+              (runner, "prepare", "prepare inputs"), (StepInputs, "host_rows", "input rows"),
+              (runner.backend, "plan", "attention plan"), (runner.model, "forward", "forward"),
+              (runner.model, "compute_logits", "logits"), (Sampler, "__call__", "sample"),
+              (engine, "_to_host", "copies to the host"), (LaunchedStep, "wait", "wait"),
+              (engine.updater, "resolve", "resolve")]
+    if runner.mixed is not None:
+        pieces.append((runner.mixed, "run", "piecewise graphs"))
+
+    def marked(fn, label):
+        def run(*args, **kwargs):
+            with record_function(label):
+                return fn(*args, **kwargs)
+        return run
+
+    run_prompt(engine, n, seed)  # the same path once, unprofiled
+    with wrapped(pieces, marked), profile(
+            activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        run_prompt(engine, n, seed + 1)  # the profiler's own first calls cost more: not read
+        with record_function("prompt"):
+            run_prompt(engine, n, seed + 2)
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        events = json.load(open(f.name))["traceEvents"]
+    labels = {label for _, _, label in pieces}
+    ann = [e for e in events if e.get("cat") == "user_annotation" and "dur" in e]
+    (a0, a1), = [(e["ts"], e["ts"] + e["dur"]) for e in ann if e["name"] == "prompt"]
+    marks = sorted((e for e in ann if e["name"] in labels and a0 <= e["ts"] <= a1),
+                   key=lambda e: e["ts"])
+    gpu = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+                  and "dur" in e and a0 <= e["ts"] <= a1 + 1e6), key=lambda e: e["ts"])
+    if not marks or not gpu:
+        raise SystemExit("no marked step or no GPU operation in the trace")
+    steps = [e for e in marks if e["name"] == "engine.step"]
+    t0, t1 = steps[0]["ts"], max(e["ts"] + e["dur"] for e in steps)
+    g0, g1 = gpu[0]["ts"], gpu[-1]["ts"] + gpu[-1]["dur"]
+    busy = sum(e["dur"] for e in gpu)
+    gaps = [(b["ts"] - a["ts"] - a["dur"], a, b) for a, b in zip(gpu, gpu[1:])]
+    inner = sum(max(g, 0.0) for g, _, _ in gaps)
+    print(f"timeline {n} tokens (under the profiler): steps {(t1 - t0) / 1e3:.2f} ms, GPU busy "
+          f"{busy / 1e3:.2f} ms; idle before its first operation {(g0 - t0) / 1e3:.2f} ms, "
+          f"between operations {inner / 1e3:.2f} ms, after its last {(t1 - g1) / 1e3:.2f} ms; "
+          f"{len(gpu)} GPU operations")
+    for g, a, b in sorted(gaps, key=lambda x: -x[0])[:8]:
+        print(f"  gap {g:8.1f} us at {a['ts'] + a['dur'] - t0:9.1f}: {a['name'][:50]} -> "
+              f"{b['name'][:50]}")
+    print("  host pieces (start .. end, µs from the first step's start):")
+    for e in marks:
+        print(f"    {e['ts'] - t0:9.1f} .. {e['ts'] + e['dur'] - t0:9.1f}  {e['name']}")
+    print(f"    GPU {g0 - t0:9.1f} .. {g1 - t0:9.1f}")
+    # Again without the profiler (whose own host work widens the gaps): a CUDA event at each
+    # piece's start and end, on the step's stream. On an idle device an event completes as the
+    # host records it; behind queued work, when the work before it is done.
+    stamps = []
+
+    def evented(fn, label):
+        def run(*args, **kwargs):
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                end = torch.cuda.Event(enable_timing=True)
+                end.record()
+                stamps.append((label, start, end))
+        return run
+
+    with wrapped(pieces, evented):
+        wall = run_prompt(engine, n, seed + 3)
+    first = min((s for _, s, _ in stamps), key=lambda e: stamps[0][1].elapsed_time(e))
+    print(f"  without the profiler: wall {wall * 1e3:.2f} ms; pieces on the device's clock "
+          f"(start .. end, µs from the first step's start; an end is when the device got there):")
+    for label, start, end in sorted(stamps, key=lambda x: first.elapsed_time(x[1])):
+        print(f"    {first.elapsed_time(start) * 1e3:9.1f} .. {first.elapsed_time(end) * 1e3:9.1f}"
+              f"  {label}")
 
 
 # -- host ----------------------------------------------------------------------------------

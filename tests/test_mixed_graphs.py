@@ -107,3 +107,26 @@ def test_prompt_logprobs_through_the_piecewise_path():
                 continue
             assert a[0] == pytest.approx(b[0], abs=1e-3)
             assert [i for i, _ in a[1]] == [i for i, _ in b[1]]
+
+
+def test_an_eager_step_plans_its_attention_after_layer_0s_queries():
+    """An eager step (no pieces) queues the embedding and layer 0 up to its queries before the
+    host plans the step's attention, as a piecewise step plans after piece 0; the tokens are the
+    same as the forward planned up front."""
+    engine = _engine(False)
+    runner, order = engine.runner, []
+
+    def noted(obj, name: str, label: str) -> None:
+        fn = getattr(obj, name)
+        setattr(obj, name, lambda *a, **k: order.append(label) or fn(*a, **k))
+    for i, layer in enumerate(engine.model.model.layers[:2]):
+        noted(layer.self_attn, "queries", f"queries {i}")
+        noted(layer.self_attn, "attend", f"attend {i}")
+    noted(runner.backend, "plan", "plan")
+    prompts = random_prompts([40], seed=9)
+    got = _tokens(staggered(engine, prompts))
+    assert order[:4] == ["queries 0", "plan", "attend 0", "queries 1"]
+    upfront = _engine(False)
+    forward = upfront.runner.model.forward
+    upfront.runner.model.forward = lambda ids, pos, plan=None: (plan(), forward(ids, pos))[1]
+    assert got == _tokens(staggered(upfront, prompts))

@@ -22,9 +22,14 @@ NULL_BLOCK = 0
 
 def hash_block(parent: int | None, token_ids: Sequence[int]) -> int:
     """xxh3-64 of the parent block's hash (or a root marker) and this block's token ids."""
+    return _chained(parent, array("q", token_ids))
+
+
+def _chained(parent: int | None, packed) -> int:
+    """:func:`hash_block` of a block's tokens already packed as int64 (any buffer)."""
     h = xxhash.xxh3_64()
     h.update(b"\x00" * 9 if parent is None else b"\x01" + parent.to_bytes(8, "little"))
-    h.update(array("q", token_ids).tobytes())
+    h.update(packed)
     return h.intdigest()
 
 
@@ -34,14 +39,10 @@ def hash_blocks(token_ids: Sequence[int], block_size: int, parent: int | None = 
     hashes, end = [], len(token_ids) // block_size
     if end <= start_block:
         return hashes
-    # One packed copy of the blocks' tokens, hashed a block's slice at a time (as hash_block).
+    # One packed copy of the blocks' tokens, hashed a block's slice at a time.
     packed = memoryview(array("q", token_ids[start_block * block_size:end * block_size]))
-    step = block_size
-    for i in range(0, (end - start_block) * step, step):
-        h = xxhash.xxh3_64()
-        h.update(b"\x00" * 9 if parent is None else b"\x01" + parent.to_bytes(8, "little"))
-        h.update(packed[i:i + step])
-        parent = h.intdigest()
+    for i in range(0, (end - start_block) * block_size, block_size):
+        parent = _chained(parent, packed[i:i + block_size])
         hashes.append(parent)
     return hashes
 

@@ -120,8 +120,11 @@ class Qwen3DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, positions, x, residual):
+    def forward(self, positions, x, residual, plan: Callable[[], None] | None = None):
+        """``plan``: called once the queries are queued, before the attention reads its plan."""
         q, residual = self.before_attention(positions, x, residual)
+        if plan is not None:
+            plan()
         return self.after_attention(self.self_attn.attend(q), residual)
 
     def before_attention(self, positions, x, residual, out=None):
@@ -158,12 +161,7 @@ class Qwen3Model(nn.Module):
         device runs the embedding and layer 0 up to its attention while the host plans)."""
         x, residual = self.embed_tokens(input_ids), None
         for i, layer in enumerate(self.layers):
-            if i == 0 and plan is not None:
-                q, residual = layer.before_attention(positions, x, residual)
-                plan()
-                x, residual = layer.after_attention(layer.self_attn.attend(q), residual)
-            else:
-                x, residual = layer(positions, x, residual)
+            x, residual = layer(positions, x, residual, plan if i == 0 else None)
         x, _ = self.norm(x, residual)
         return x
 

@@ -111,6 +111,18 @@ def test_qk_norm_rope_store_triton_matches_reference(dtype, heads):
     check_qk_norm_rope_store("cuda", dtype, heads, t=300, tiles=(None,))  # a prefill's tiles
 
 
+@pytest.mark.gpu
+def test_qk_norm_rope_store_compiles_once_for_every_token_count():
+    """The step's token count is not specialised on: a served step of a count not divisible by
+    16 after one that is compiles nothing (measured: a second kernel compiled mid-serving)."""
+    from kernels.rope import _qk_norm_rope_store_kernel as kernel
+    check_qk_norm_rope_store("cuda", torch.bfloat16, t=32, tiles=(None,))
+    compiled = kernel.device_caches[torch.cuda.current_device()][0]
+    before = len(compiled)
+    check_qk_norm_rope_store("cuda", torch.bfloat16, t=21 + 16, tiles=(None,))
+    assert len(compiled) == before
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU host runs the kernels themselves")
 def test_qk_norm_rope_store_tiles_in_the_interpreter():
     """The prologue's token tiles (masks past the last token, skipped slots) on the CPU."""

@@ -92,7 +92,10 @@ class DecodeGraphs:
             slots.fill_(-1)
             meta.slot_mapping = slots
             with set_forward_context(meta):
-                model(ids, pos)  # eager once: compiles kernels, settles allocations
+                # Eager once, the logits too: compiles kernels, loads them and settles
+                # allocations (a kernel's first launch inside a capture can fail it: the FP8
+                # head's few-row and W8A8 kernels over bf16 weights run nowhere before).
+                model.compute_logits(model(ids, pos), out=self.logits[:size])
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):

@@ -257,6 +257,24 @@ def test_fp8_lm_head_graphs_match_eager_and_stay_near_the_bf16_head(quantization
     assert (bf16.exp() * (bf16 - fp8)).sum(-1).mean().item() < 0.05
 
 
+def test_a_bf16_engine_with_the_fp8_head_starts_in_a_fresh_process():
+    """With bf16 weights the head is the engine's only FP8 matmul, so its few-row and W8A8
+    kernels first run at the decode graphs' capture: each graph's logits now run eagerly once
+    before it is captured. (It failed at capture in a process with no FP8 engine before it.)"""
+    import subprocess
+    import sys
+
+    from tests.test_gpu_engine import MODEL
+
+    code = ("from engine import EngineConfig\nfrom engine.llm_engine import LLMEngine\n"
+            f"e = LLMEngine(EngineConfig(model={MODEL!r}, device='cuda', dtype='bfloat16', "
+            "num_blocks=256, max_num_seqs=8, show_progress=False, fp8_lm_head=True))\n"
+            "assert e.model.lm_head_fp8 is not None and e.runner.graphs.graphs\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
 @pytest.mark.parametrize("quantization", [None, "fp8"], ids=["bf16", "fp8"])
 def test_one_row_gate_up_ending_in_the_silu_gives_the_tokens_of_the_silu_kernel(
         quantization, monkeypatch):

@@ -16,10 +16,13 @@ Decode steps of up to ``kernels.decode_attention.MAX_ROWS`` rows (graphed or eag
 one-launch Triton decode attention instead of FlashInfer's decode and merge kernels (measured
 faster at these rows: docs/benchmarks.md); ``BATON_SMALL_DECODE=0`` keeps FlashInfer there.
 
-Planning while the previous step runs: a wrapper's plan writes its work split into a pinned host
-buffer of that wrapper and queues a copy from it. Before planning a wrapper again, the backend
-waits for that copy (an event recorded after each plan), which has normally run already: it was
-queued behind the step before, which the engine has waited for.
+Planning while the previous step runs: every page table, length and index array a plan sends
+to the device goes from pinned memory, so its copy is queued behind the running step instead of
+holding the host until that step ends (a copy from pageable memory waits for the stream first).
+A wrapper's plan writes its work split into a pinned host buffer of that wrapper and queues a
+copy from it. Before planning a wrapper again, the backend waits for that copy (an event
+recorded after each plan), which has normally run already: it was queued behind the step
+before, which the engine has waited for.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from contextlib import contextmanager
 
 import flashinfer
 import torch
+from flashinfer.page import get_seq_lens
 
 from engine.attention.base import AttentionBackend, default_decode_tensor_cores
 from engine.forward_context import AttentionMetadata
@@ -71,12 +75,14 @@ class FlashInferBackend(AttentionBackend):
         if meta.is_decode_only:
             self.plan_decode(self._eager_decode(meta), meta)
             return
+        indptr, last = _pinned(meta.kv_indptr), _pinned(meta.kv_last_page_len)
         with _plan_fence(self.prefill_wrapper):
             self.prefill_wrapper.plan(
-                torch.tensor(meta.query_start_loc, dtype=torch.int32), meta.kv_indptr,
-                meta.kv_indices, meta.kv_last_page_len, self.num_heads, self.num_kv_heads,
+                _pinned(torch.tensor(meta.query_start_loc, dtype=torch.int32)), indptr,
+                self._uploaded(meta.kv_indices), last, self.num_heads, self.num_kv_heads,
                 self.head_dim, self.block_size, causal=True, sm_scale=self.scale,
-                q_data_type=self.dtype, kv_data_type=self.kv_dtype)
+                q_data_type=self.dtype, kv_data_type=self.kv_dtype,
+                seq_lens=_pinned(get_seq_lens(indptr, last, self.block_size)))
         meta.extras["wrapper"] = self.prefill_wrapper
 
     def _eager_decode(self, meta: AttentionMetadata):
@@ -105,15 +111,22 @@ class FlashInferBackend(AttentionBackend):
             # Same pages per sequence as the last plan: the split of the work is the same, only
             # the page ids and the last pages' fill change, and the kernel reads both from the
             # wrapper's fixed buffers at run time. Skips the host-side plan (~0.1 ms a step).
-            wrapper._paged_kv_indices_buf[: len(meta.kv_indices)].copy_(meta.kv_indices,
-                                                                         non_blocking=True)
-            wrapper._paged_kv_last_page_len_buf.copy_(meta.kv_last_page_len, non_blocking=True)
+            wrapper._paged_kv_indices_buf[: len(meta.kv_indices)].copy_(
+                _pinned(meta.kv_indices), non_blocking=True)
+            wrapper._paged_kv_last_page_len_buf.copy_(_pinned(meta.kv_last_page_len),
+                                                      non_blocking=True)
             return
         with _plan_fence(wrapper):
-            wrapper.plan(meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len, self.num_heads,
-                         self.num_kv_heads, self.head_dim, self.block_size, sm_scale=self.scale,
+            wrapper.plan(_pinned(meta.kv_indptr), self._uploaded(meta.kv_indices),
+                         _pinned(meta.kv_last_page_len), self.num_heads, self.num_kv_heads,
+                         self.head_dim, self.block_size, sm_scale=self.scale,
                          q_data_type=self.dtype, kv_data_type=self.kv_dtype)
         wrapper._baton_indptr = meta.kv_indptr
+
+    def _uploaded(self, indices: torch.Tensor) -> torch.Tensor:
+        """The page ids on the device, their copy queued (FlashInfer copies host page ids
+        into its buffers with a blocking copy)."""
+        return _pinned(indices).to(self.device, non_blocking=True)
 
     def long_context(self, meta: AttentionMetadata) -> bool:
         """Whether a decode step of few rows is too long for the few-row kernel (its longest
@@ -155,6 +168,15 @@ class FlashInferBackend(AttentionBackend):
         if kv_cache.dtype == self.dtype:
             return wrapper.run(q, kv_cache, out=out)
         return wrapper.run(q, kv_cache, k_scale=k_scale, v_scale=v_scale, out=out)
+
+
+def _pinned(t: torch.Tensor) -> torch.Tensor:
+    """A host tensor in page-locked memory. A copy to the device from it is queued and the host
+    goes on; from pageable memory the copy first waits for everything queued on the stream, so a
+    plan made while a step runs would hold the host until that step ends, and the device would
+    then idle while the host finished the plan and launched the next step (0.5 ms a step at
+    256 rows)."""
+    return t if t.device.type != "cpu" or t.is_pinned() else t.pin_memory()
 
 
 @contextmanager

@@ -28,8 +28,8 @@ them with the previous step's device work).
 Runs on CPU with the ``tiny`` model's engine; the forward pass is replaced by fixed logits, so
 every figure is host time. Absolute numbers depend on the CPU; compare runs on one machine.
 
-``timeline``: the GPU's timeline over a few engine steps of one sequence decoding (batch 1),
-from the torch profiler's trace: wall time a step, the GPU's busy time and its idle gaps, the
+``timeline``: the GPU's timeline over a few engine steps of ``--batch`` sequences decoding (one
+by default; ``--prompt-len`` tokens of prompt each), from the torch profiler's trace: wall time a step, the GPU's busy time and its idle gaps, the
 largest gaps by the operations on either side (where the device waits for the host), and the
 device time by kernel. With ``--speculative-config`` (vLLM's JSON) and ``--kept`` (the share
 of proposals kept, forced as ``engine_bench``'s timing points do), a step is a speculating one.
@@ -55,6 +55,12 @@ that of the graph without those kernels.
 
     python -m benchmarks.profiler ablate --without norm -- --tasks ceilings decode \
         --decode-models dummy:Qwen3-8B --quantization fp8
+
+``steady``: a steady decode step of ``--batch`` rows (256 by default) after ``--prompt-len``
+tokens of prompt each: the engine's wall time a step, the device's kernel time by kind, and
+the step's memory floor; a wall over the kernel time is the device waiting for the host.
+
+    python -m benchmarks.profiler steady --model dummy:Qwen3-8B --batch 256 --prompt-len 700
 
 ``ttft``: an engine's time to first token at zero load, outside any server.
 
@@ -618,11 +624,13 @@ def timeline_main(argv=None) -> None:
                     help="with --speculative-config: percent of the proposals kept (forced)")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--warm-steps", type=int, default=60)
+    ap.add_argument("--batch", type=int, default=1, help="sequences decoding at once")
+    ap.add_argument("--prompt-len", type=int, default=128)
     args = ap.parse_args(argv)
     kw = {"quantization": args.quantization} if args.quantization else {}
     if args.speculative_config:
         kw["speculative_config"] = args.speculative_config
-    engine = _engine(args.model, max_num_seqs=8, **kw)
+    engine = _engine(args.model, max_num_seqs=max(8, args.batch), **kw)
     _warm(engine)
     if args.speculative_config:
         import engine.llm_engine as llm_engine
@@ -632,8 +640,9 @@ def timeline_main(argv=None) -> None:
         engine.spec = SpecController()
     per_step = 1 + (args.speculative_config or {}).get("num_speculative_tokens", 0)
     new = (args.warm_steps + args.steps) * per_step + 8  # still decoding when the trace ends
-    engine.add_request(_prompt(engine, 128, 7),
-                       SamplingParams(temperature=0, max_tokens=new, ignore_eos=True))
+    for i in range(args.batch):
+        engine.add_request(_prompt(engine, args.prompt_len, 7 + i),
+                           SamplingParams(temperature=0, max_tokens=new, ignore_eos=True))
     for _ in range(args.warm_steps):
         engine.step()
     torch.cuda.synchronize()
@@ -753,7 +762,59 @@ def ablate_main(argv=None) -> None:
     engine_bench.main()
 
 
-TOOLS = {"decode": decode_main, "prefill": prefill_main, "host": host_main, "ttft": ttft_main,
+# -- steady ------------------------------------------------------------------------------
+def steady_main(argv=None) -> None:
+    """A steady decode step of many rows: the engine's wall time a step against the device's
+    kernel time (the difference is where the device waits for the host), by kind, and the
+    step's memory floor (weights and the rows' KV read once at the copy rate)."""
+    from benchmarks.engine_bench import _engine, _prompt, model_bytes
+    from benchmarks.lib import ceilings
+
+    ap = argparse.ArgumentParser(prog="profiler steady")
+    ap.add_argument("--model", default="dummy:Qwen3-0.6B")
+    ap.add_argument("--quantization", choices=["fp8"], default=None)
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--prompt-len", type=int, default=700)
+    ap.add_argument("--steps", type=int, default=20)
+    args = ap.parse_args(argv)
+    copy_gbs = ceilings()["copy_GBps"]
+    engine = _engine(args.model, max_num_seqs=args.batch, quantization=args.quantization)
+    for i in range(args.batch):
+        engine.add_request(_prompt(engine, args.prompt_len, i),
+                           SamplingParams(temperature=0, max_tokens=4 * args.steps + 200,
+                                          ignore_eos=True))
+    while any(s.num_computed_tokens < args.prompt_len for s in engine.scheduler.running) \
+            or engine.scheduler.waiting:
+        engine.step()  # every prompt prefilled
+    for _ in range(args.steps):
+        engine.step()
+    torch.cuda.synchronize()
+    rows = len(engine.scheduler.running)
+    context = sum(s.num_computed_tokens for s in engine.scheduler.running)
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        engine.step()
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) / args.steps * 1e3
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(args.steps):
+            engine.step()
+        torch.cuda.synchronize()
+    by_kind = defaultdict(float)
+    for ev in prof.key_averages():
+        if ev.device_time_total > 0:
+            by_kind[kind_of(ev.key)] += ev.device_time_total / args.steps / 1e3
+    weights, kv_tok = model_bytes(engine)
+    kv = kv_tok * (context + 1.5 * args.steps * rows)  # the profiled steps' mean context
+    print(json.dumps({"model": args.model, "weights": engine.weights_name, "rows": rows,
+                      "mean_context": round(context / max(rows, 1) + 1.5 * args.steps),
+                      "wall_ms": round(wall, 3), "gpu_ms": round(sum(by_kind.values()), 3),
+                      "floor_ms": round((weights + kv) / copy_gbs / 1e6, 3),
+                      "by_kind_ms": {k: round(v, 3) for k, v in
+                                     sorted(by_kind.items(), key=lambda kv: -kv[1])}}))
+
+
+TOOLS = {"decode": decode_main, "steady": steady_main, "prefill": prefill_main, "host": host_main, "ttft": ttft_main,
          "timeline": timeline_main, "attention": attention_main, "ablate": ablate_main}
 
 

@@ -29,9 +29,9 @@ Runs on CPU with the ``tiny`` model's engine; the forward pass is replaced by fi
 every figure is host time. Absolute numbers depend on the CPU; compare runs on one machine.
 
 ``timeline``: the GPU's timeline over a few engine steps of ``--batch`` sequences decoding (one
-by default; ``--prompt-len`` tokens of prompt each), from the torch profiler's trace: wall time a step, the GPU's busy time and its idle gaps, the
-largest gaps by the operations on either side (where the device waits for the host), and the
-device time by kernel. With ``--speculative-config`` (vLLM's JSON) and ``--kept`` (the share
+by default; ``--prompt-len`` tokens of prompt each), from the torch profiler's trace: wall time
+a step, the GPU's busy time and its idle gaps, the largest gaps by the operations on either
+side (where the device waits for the host), and the device time by kernel. With ``--speculative-config`` (vLLM's JSON) and ``--kept`` (the share
 of proposals kept, forced as ``engine_bench``'s timing points do), a step is a speculating one.
 
     python -m benchmarks.profiler timeline --model dummy:Qwen3-8B --quantization fp8 \
@@ -814,7 +814,8 @@ def steady_main(argv=None) -> None:
                                      sorted(by_kind.items(), key=lambda kv: -kv[1])}}))
 
 
-TOOLS = {"decode": decode_main, "steady": steady_main, "prefill": prefill_main, "host": host_main, "ttft": ttft_main,
+TOOLS = {"decode": decode_main, "steady": steady_main, "prefill": prefill_main,
+         "host": host_main, "ttft": ttft_main,
          "timeline": timeline_main, "attention": attention_main, "ablate": ablate_main}
 
 

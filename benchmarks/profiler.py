@@ -31,8 +31,9 @@ every figure is host time. Absolute numbers depend on the CPU; compare runs on o
 ``timeline``: the GPU's timeline over a few engine steps of ``--batch`` sequences decoding (one
 by default; ``--prompt-len`` tokens of prompt each), from the torch profiler's trace: wall time
 a step, the GPU's busy time and its idle gaps, the largest gaps by the operations on either
-side (where the device waits for the host), and the device time by kernel. With ``--speculative-config`` (vLLM's JSON) and ``--kept`` (the share
-of proposals kept, forced as ``engine_bench``'s timing points do), a step is a speculating one.
+side (where the device waits for the host), and the device time by kernel. With
+``--speculative-config`` (vLLM's JSON) and ``--kept`` (the share of proposals kept, forced as
+``engine_bench``'s timing points do), a step is a speculating one.
 
     python -m benchmarks.profiler timeline --model dummy:Qwen3-8B --quantization fp8 \
         [--speculative-config '{"method": "draft_model", "model": "dummy:Qwen3-0.6B",

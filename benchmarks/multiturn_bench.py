@@ -23,19 +23,22 @@ reuse, where the tier can only cost (its copies out run beside every step).
 ``--served``: the same conversations (token-id prompts, greedy, streamed) over HTTP against an
 app of the benchmark's own on a local Ray, HAProxy in front: ``colo`` (one colocated replica) or
 ``1p1d`` (a prefill and a decode replica, every prompt handed over, half a GPU each on one GPU,
-or a GPU each with ``--gpus-per-role 1``);
+or a GPU each with ``--gpus-per-role 1``; ``--disaggregation-mode auto``: the app's default
+placement instead, where a prompt whose uncached part, after the decode replica's GPU cache and
+host tier, is at most ``--max-local-prefill-length`` tokens is prefilled on the decode replica);
 the tier on every engine. Each conversation is a client thread. Also reported: the KV blocks the
 hand-overs moved (``1p1d``: a returning turn whose history the decode replica holds, on its GPU
 or in its tier, moves only the rest), each role's tier counters, and ``returning_hops_ms``: the
 median of each hop to the returning turns' first tokens (the timings the app returns, as
 ``serving_bench`` reports them) and how many returning turns found no room on the decode replica
 and had their first token made by the prefill replica (``--first-token-while-queued off``: they
-wait for the room).
+wait for the room), and where the returning turns were prefilled (``returning_prefilled``).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import statistics
 import time
@@ -203,7 +206,9 @@ def run_served(args, host_gb: float) -> dict:
                                          "request_timeout_s": 600}}
     if disagg:
         config |= {"prefill": role, "disaggregation": {
-            "mode": "always", "first_token_while_queued": args.first_token_while_queued == "on"}}
+            "mode": args.disaggregation_mode,
+            "max_local_prefill_length": args.max_local_prefill_length,
+            "first_token_while_queued": args.first_token_while_queued == "on"}}
     g = torch.Generator().manual_seed(0)
     vocab = min(resolve_model(args.model).config.vocab_size, 150000)
 
@@ -229,7 +234,7 @@ def run_served(args, host_gb: float) -> dict:
             elif turn:
                 time.sleep(args.think_s)
             t0, first, answer, blocks = time.perf_counter(), None, [], 0
-            rec = {"sent": time.time(), "first": None, "timing": None}
+            rec = {"sent": time.time(), "first": None, "timing": None, "where": None}
             try:
                 with session.post(f"{url}/v1/completions", stream=True, timeout=600, json={
                         "prompt": history, "max_tokens": args.output, "temperature": 0,
@@ -248,6 +253,8 @@ def run_served(args, host_gb: float) -> dict:
                             answer += choice.get("token_ids") or []
                         usage = event.get("usage") or {}
                         rec["timing"] = usage.get("timing", rec["timing"])
+                        if isinstance(usage.get("prefilled"), dict):
+                            rec["where"] = usage["prefilled"].get("where")
                         transfer = usage.get("kv_transfer") or {}
                         blocks += transfer.get("blocks_sent", 0) if isinstance(transfer, dict) \
                             else 0
@@ -292,6 +299,8 @@ def run_served(args, host_gb: float) -> dict:
                 bool(((r["timing"] or {}).get("decode") or {}).get("first_token_by_prefill"))
                 for r in timed),
             "returning_turns": len(timed),
+            # where the returning turns were prefilled (the app's answer: "local", "remote")
+            "returning_prefilled": dict(collections.Counter(str(r["where"]) for r in timed)),
             "returning_hops_ms": {k: round(v, 1) for k, v in breakdown(timed).items()}}
 
 
@@ -322,6 +331,13 @@ def main(argv=None) -> None:
                    help="--served 1p1d: a returning turn that finds no room on the decode "
                         "replica has its first token made by the prefill replica meanwhile "
                         "(disaggregation.first_token_while_queued)")
+    p.add_argument("--disaggregation-mode", choices=["always", "auto"], default="always",
+                   help="--served 1p1d: every prompt handed over, or the app's default "
+                        "placement (auto: prefilled on the decode replica when the part its "
+                        "GPU cache and host tier lack is short)")
+    p.add_argument("--max-local-prefill-length", type=int, default=1000,
+                   help="--disaggregation-mode auto: the longest uncached part prefilled on "
+                        "the decode replica (disaggregation.max_local_prefill_length)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     out = {"args": vars(args), "pinned_copy_GBps": pinned_copy_gbps(),

@@ -38,6 +38,7 @@ from flashinfer.page import get_seq_lens
 
 from engine.attention.base import AttentionBackend, default_decode_tensor_cores
 from engine.forward_context import AttentionMetadata
+from engine.uploads import host_tensor, upload
 from kernels import decode_attention
 
 WORKSPACE_BYTES = 256 * 2**20
@@ -80,8 +81,8 @@ class FlashInferBackend(AttentionBackend):
         indptr, last = _pinned(meta.kv_indptr), _pinned(meta.kv_last_page_len)
         with _plan_fence(self.prefill_wrapper):
             self.prefill_wrapper.plan(
-                _pinned(torch.tensor(meta.query_start_loc, dtype=torch.int32)), indptr,
-                self._uploaded(meta.kv_indices), last, self.num_heads, self.num_kv_heads,
+                _pinned(host_tensor(meta.query_start_loc, torch.int32)), indptr,
+                self._page_ids(meta), last, self.num_heads, self.num_kv_heads,
                 self.head_dim, self.block_size, causal=True, sm_scale=self.scale,
                 q_data_type=self.dtype, kv_data_type=self.kv_dtype,
                 seq_lens=_pinned(get_seq_lens(indptr, last, self.block_size)))
@@ -119,17 +120,17 @@ class FlashInferBackend(AttentionBackend):
                                                       non_blocking=True)
             return
         with _plan_fence(wrapper):
-            wrapper.plan(_pinned(meta.kv_indptr), self._uploaded(meta.kv_indices),
+            wrapper.plan(_pinned(meta.kv_indptr), self._page_ids(meta),
                          _pinned(meta.kv_last_page_len), self.num_heads, self.num_kv_heads,
                          self.head_dim, self.block_size, sm_scale=self.scale,
                          q_data_type=self.dtype, kv_data_type=self.kv_dtype)
         wrapper._baton_indptr = meta.kv_indptr
 
-    def _uploaded(self, indices: torch.Tensor) -> torch.Tensor:
-        """The page ids on the device, their copy queued: FlashInfer copies host page ids into
-        a graph wrapper's buffer with a blocking copy, which waits for the running step (0.4 ms
-        of idle device a step at 256 rows of 0.6B)."""
-        return _pinned(indices).to(self.device, non_blocking=True)
+    def _page_ids(self, meta: AttentionMetadata) -> torch.Tensor:
+        """The step's page ids on the device, their copy queued: FlashInfer copies host page ids
+        into a graph wrapper's buffer with a blocking copy, which waits for the running step
+        (0.4 ms of idle device a step at 256 rows of 0.6B)."""
+        return upload(meta.kv_indices, torch.int32, self.device)
 
     def long_context(self, meta: AttentionMetadata) -> bool:
         """Whether a decode step of few rows is too long for the few-row kernel (its longest

@@ -54,6 +54,17 @@ if triton is not None:
         page = (slot // block_size) * c_stride_b + (slot % block_size) * c_stride_s
         return (slot >= 0)[:, None], page[:, None]
 
+    @triton.jit
+    def _as_cached(x, cache_ptr, inv_scale, FP8_CACHE: tl.constexpr):
+        """``x`` as the cache stores it: in an FP8 cache, over the layer's scale, saturated, as
+        e4m3."""
+        if FP8_CACHE:
+            y = tl.clamp(x.to(tl.float32) * inv_scale, -448.0, 448.0)
+            y = y.to(cache_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+        else:
+            y = x.to(cache_ptr.dtype.element_ty)
+        return y
+
     # One compiled kernel for every step's token count (a count Triton specialised on, as it
     # does an int divisible by 16, would compile a second one in the middle of serving).
     @triton.jit(do_not_specialize=["num_tokens"])
@@ -100,28 +111,17 @@ if triton is not None:
             else:
                 stored, page = _slots(slot_ptr, t, valid, block_size, c_stride_b, c_stride_s)
                 k_dst = cache_ptr + page + (h - NUM_HEADS) * c_stride_h
-                if FP8_CACHE:  # the value over the layer's scale, saturated, as e4m3
-                    k1 = tl.clamp(o1.to(tl.float32) * inv_k_scale, -448.0, 448.0)
-                    k2 = tl.clamp(o2.to(tl.float32) * inv_k_scale, -448.0, 448.0)
-                    tl.store(k_dst + i, k1.to(cache_ptr.dtype.element_ty,
-                                              fp_downcast_rounding="rtne"), mask=stored)
-                    tl.store(k_dst + HALF + i, k2.to(cache_ptr.dtype.element_ty,
-                                                     fp_downcast_rounding="rtne"), mask=stored)
-                else:
-                    tl.store(k_dst + i, o1.to(cache_ptr.dtype.element_ty), mask=stored)
-                    tl.store(k_dst + HALF + i, o2.to(cache_ptr.dtype.element_ty), mask=stored)
+                tl.store(k_dst + i, _as_cached(o1, cache_ptr, inv_k_scale, FP8_CACHE),
+                         mask=stored)
+                tl.store(k_dst + HALF + i, _as_cached(o2, cache_ptr, inv_k_scale, FP8_CACHE),
+                         mask=stored)
         else:
             d = tl.arange(0, HEAD_DIM)[None, :]
             stored, page = _slots(slot_ptr, t, valid, block_size, c_stride_b, c_stride_s)
             v_dst = cache_ptr + page + c_stride_kv \
                 + (h - NUM_HEADS - NUM_KV_HEADS) * c_stride_h
             v = tl.load(src + d, mask=stored)
-            if FP8_CACHE:
-                v = tl.clamp(v.to(tl.float32) * inv_v_scale, -448.0, 448.0)
-                tl.store(v_dst + d, v.to(cache_ptr.dtype.element_ty,
-                                         fp_downcast_rounding="rtne"), mask=stored)
-            else:
-                tl.store(v_dst + d, v.to(cache_ptr.dtype.element_ty), mask=stored)
+            tl.store(v_dst + d, _as_cached(v, cache_ptr, inv_v_scale, FP8_CACHE), mask=stored)
 
 
 def tile_for(num_tokens: int) -> tuple[int, int]:

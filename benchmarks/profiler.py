@@ -777,9 +777,13 @@ def steady_main(argv=None) -> None:
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--prompt-len", type=int, default=700)
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
+    ap.add_argument("--decode-tensor-cores", choices=["auto", "on", "off"], default="auto")
     args = ap.parse_args(argv)
     copy_gbs = ceilings()["copy_GBps"]
-    engine = _engine(args.model, max_num_seqs=args.batch, quantization=args.quantization)
+    engine = _engine(args.model, max_num_seqs=args.batch, quantization=args.quantization,
+                     kv_cache_dtype=args.kv_cache_dtype,
+                     decode_tensor_cores={"on": True, "off": False}.get(args.decode_tensor_cores))
     for i in range(args.batch):
         engine.add_request(_prompt(engine, args.prompt_len, i),
                            SamplingParams(temperature=0, max_tokens=4 * args.steps + 200,

@@ -172,8 +172,9 @@ class EngineConfig(BaseModel):
     # 512, or 2048 with FP8 weights, whose eager projections cost the host more than a step
     # of 1-2k tokens takes on the GPU (engine.cuda_graph.graph_max_tokens).
     cuda_graph_max_tokens: int | None = Field(None, ge=0)
-    # FlashInfer decode on tensor cores; None: where it pays (GQA ratio of 4 or more, an FP8 KV
-    # cache) or where the CUDA-core kernel has no build for the ratio (Qwen3-14B's 5).
+    # FlashInfer decode on tensor cores, for the decode steps FlashInfer runs (the long ones of
+    # up to 8 rows; Baton's kernel runs the others); None: where it pays (GQA ratio of 4 or
+    # more, an FP8 KV cache) or where the CUDA-core kernel has no build for the ratio (14B's 5).
     decode_tensor_cores: bool | None = None
     # FP8 weights: "fp8" quantizes a bf16 checkpoint at load (per-channel scales); an FP8
     # checkpoint (Qwen's or compressed-tensors) is detected from config.json with no flag.

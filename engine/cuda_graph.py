@@ -6,10 +6,11 @@ and writing float32 logits into a static buffer. A step of ``n`` sequences repla
 graph with ``size >= n``: rows past ``n`` are padding (token 0 at position 0, slot -1 so nothing
 is stored, one page of the null block). Graphs are captured largest first into one shared
 memory pool. Attention uses one decode wrapper with fixed index buffers per size (Baton's
-few-row kernel up to its rows, FlashInfer's above), re-planned on the host before each replay
-(the few-row kernel's page table copied in with the step's inputs, :class:`StagedInputs`); a
-size whose long steps run FlashInfer's kernel instead (``backend.long_context``) has a second
-graph, captured with that wrapper and replayed for them.
+kernel, or FlashInfer's where ``BATON_SMALL_DECODE`` says so), re-planned on the host before
+each replay (Baton's kernel's page table copied in with the step's inputs,
+:class:`StagedInputs`); a size whose long steps run FlashInfer's kernel instead
+(``backend.long_context``: up to 8 rows) has a second graph, captured with that wrapper and
+replayed for them.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ class DecodeGraphs:
         # (``backend.long_context``).
         self.long_wrappers = {s: w for s in self.sizes if (
             w := self.backend.graph_decode_wrapper(s, pages, long_context=True)) is not None}
-        # The sizes on the few-row kernel take their inputs and its page table in one copy.
+        # The sizes on Baton's decode kernel take their inputs and its page table in one copy.
         few_row = [s for s, w in self.wrappers.items() if isinstance(w, DecodeAttention)]
         self.staged = StagedInputs(few_row, per_seq, dev) if few_row else None
         self.rows = {s: (self.staged.rows(s) if s in few_row else self.inputs[:, :s])
@@ -117,7 +118,7 @@ class DecodeGraphs:
 
     def run(self, step, prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """Queue a replay for the ``n`` sequences of ``step`` (:class:`StepInputs`); returns
-        float32 logits ``[n, vocab]`` (valid once the replay has run). Sizes on the few-row
+        float32 logits ``[n, vocab]`` (valid once the replay has run). Sizes on Baton's decode
         kernel send inputs and page table in one copy (:class:`StagedInputs`); the others a
         freshly pinned buffer of inputs (the previous step's copy may still be queued behind
         the running step) and FlashInfer's plan."""
@@ -144,7 +145,7 @@ class DecodeGraphs:
     def written_size(self, rows: int, context_len: int) -> int | None:
         """The size whose graph takes a step of ``rows`` rows (the longest reading
         ``context_len`` tokens) with inputs written on the device into the staged buffer
-        (:meth:`replay_written`): one on the few-row kernel; None where there is none."""
+        (:meth:`replay_written`): one on Baton's decode kernel; None where there is none."""
         size = self.size_for(rows)
         if size is None or self.staged is None or size not in self.staged.words or (
                 size in self.long_graphs and self.backend.long_context_len(context_len)):
@@ -176,8 +177,8 @@ class DecodeGraphs:
 
 
 class StagedInputs:
-    """The inputs of the decode graphs on the few-row attention kernel, each size's in one
-    device buffer: ``[ids | positions | slots | pending rows]`` (int64, ``size`` each), then
+    """The inputs of the decode graphs on Baton's decode attention, each size's in one device
+    buffer: ``[ids | positions | slots | pending rows]`` (int64, ``size`` each), then
     the kernel's page table as int32 ``[indptr (size + 1) | last page lengths (size) |
     pages]``. A step's are written into pinned memory on the host and sent in one copy (four
     before: the rows from a freshly pinned tensor and the table's three parts from pageable
@@ -199,7 +200,7 @@ class StagedInputs:
         return self.buffer[:4 * size].view(4, size)
 
     def table(self, size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The few-row kernel's indptr, last page lengths and pages for ``size`` rows."""
+        """Baton's decode kernel's indptr, last page lengths and pages for ``size`` rows."""
         return self._table(self.buffer, size, self.pages[size])
 
     @staticmethod

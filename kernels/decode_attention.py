@@ -1,7 +1,8 @@
-"""Paged decode attention for a few rows in one launch (a small batch's decode step, a draft's
-step, the verification rows of speculative decoding): one query token a row over the engine's
-paged cache, the KV of each (row, KV head) split into chunks by the row's length, the partial
-results merged by the chunk's last program to finish, no second kernel.
+"""Paged decode attention in one launch, the engine's for every decode step (a batch's, a
+draft's, the verification rows of speculative decoding) but the long steps of a few rows: one
+query token a row over the engine's paged cache, the KV of each (row, KV head) split into chunks
+by the row's length where rows are few, the partial results merged by the chunk's last program
+to finish, no second kernel.
 
 Why not FlashInfer's decode kernel here: under CUDA graphs it always splits the KV into chunks
 of at least 128 tokens and merges them in a kernel of its own, and a chunk's loop takes a few
@@ -9,9 +10,13 @@ tokens a turn; at batch 1 a layer's attention cost ~9 us on an H100 (split + mer
 docs/benchmarks.md) for ~1 us of bytes. Here a chunk runs 64 tokens a turn on the tensor cores,
 a row short enough for one chunk writes its output directly, and under programmatic dependent
 launch (``kernels._triton``) each program reads its first page ids before it waits for the
-kernel before (the K/V store). Larger batches keep FlashInfer.
+kernel before (the K/V store). With more rows, no row is split, and the kernel read the KV
+as fast as FlashInfer's decode kernels or faster at 16-256 rows (bf16: even to 14% faster; an
+FP8 cache: 62-89% of the read rate against FlashInfer's 38-75%, the cache widened to float16 in
+one instruction where bf16 takes several: docs/benchmarks.md).
 
-Program ``(row, kv head, split)``: ``tiles`` = the row's tokens in 64-token tiles; a split takes
+Program ``(row, kv head, split)``: ``tiles`` = the row's tokens in tiles (64 tokens up to
+``MAX_ROWS`` rows; :func:`launch_config` beyond); a split takes
 ``chunk = max(MIN_CHUNK_TILES, ceil(tiles / max_splits))`` tiles (so the number of splits, and the
 order of every sum, depends only on the row's length and on ``max_splits``, fixed by the
 launch's padded row count: an eager step and the graph it would replay sum alike). Programs past
@@ -19,8 +24,9 @@ the row's splits return at once. With one split the program writes the output; o
 writes its normalised partial output and log-sum-exp, counts itself in the (row, head) counter,
 and the last to arrive merges the partials in split order, writes the output and sets the
 counter back to zero for the next launch (graph-safe). Softmax in base 2 and float32; an FP8
-cache's K and V are widened to the query's dtype (exact) with their scales folded into the
-scores and the output. The reference is the torch attention backend.
+cache's K and V are widened to float16 (exact), the query rounded to float16 (exact for a bf16
+query within float16's range; clamped to it), the scales folded into the scores and the
+output. The reference is the torch attention backend.
 """
 
 from __future__ import annotations
@@ -31,11 +37,16 @@ import torch
 
 from kernels._triton import pdl, tl, triton, wait_for_inputs
 
-MAX_ROWS = 8  # rows up to which the engine uses this kernel (graph sizes 1, 2, 4, 8)
+MAX_ROWS = 8  # graph sizes 1, 2, 4, 8: rows split over the KV; long rows go to FlashInfer
 TILE_TOKENS = 64  # tokens a loop turn
 MIN_CHUNK_TILES = 2  # a split takes at least this many tiles (128 tokens)
 TARGET_PROGRAMS = 256  # splits per (row, head) so that rows x heads x splits is about this
 NUM_WARPS, NUM_STAGES = 8, 2
+# Launches of more rows: (tile tokens, warps, stages) up to a row count, by cache, measured at
+# 16:8 and 32:8 heads (40:8 and 64:8 for bf16 too), 768 and 2,048 tokens on an H100
+# (docs/benchmarks.md, "Baton's decode attention at every batch").
+MANY_ROWS = {"fp8": ((64, (128, 8, 2)), (1 << 30, (64, 4, 3))),
+             "bf16": ((32, (128, 8, 2)), (64, (128, 4, 3)), (1 << 30, (64, 4, 3)))}
 
 
 def max_splits(rows: int, kv_heads: int) -> int:
@@ -43,6 +54,14 @@ def max_splits(rows: int, kv_heads: int) -> int:
     power of two (the graph sizes), so an eager step of 3 rows splits as the 4-row graph."""
     padded = 1 << max(rows - 1, 0).bit_length()
     return max(1, 1 << int(math.log2(max(1, TARGET_PROGRAMS // (padded * kv_heads)))))
+
+
+def launch_config(rows: int, fp8: bool) -> tuple[int, int, int]:
+    """(tokens a loop turn, warps, stages) of a launch over ``rows`` rows of a cache (FP8 or
+    16-bit)."""
+    if rows <= MAX_ROWS:
+        return TILE_TOKENS, NUM_WARPS, NUM_STAGES
+    return next(config for top, config in MANY_ROWS["fp8" if fp8 else "bf16"] if rows <= top)
 
 
 if triton is not None:
@@ -60,7 +79,8 @@ if triton is not None:
             stride_head, stride_slot, qk_scale, v_scale,
             KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
             HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, TILE_PAGES: tl.constexpr,
-            MIN_CHUNK: tl.constexpr, MAX_SPLITS: tl.constexpr, PDL: tl.constexpr):
+            MIN_CHUNK: tl.constexpr, MAX_SPLITS: tl.constexpr, PDL: tl.constexpr,
+            F16: tl.constexpr):
         row = tl.program_id(0)
         h = tl.program_id(1)
         s = tl.program_id(2)
@@ -84,6 +104,8 @@ if triton is not None:
             wait_for_inputs(PDL)  # q and the newest K/V are the kernel before's
             q = tl.load(q_ptr + row * stride_qt + (h * GROUP + g)[:, None] * stride_qh
                         + d[None, :], mask=gmask[:, None], other=0.0)
+            if F16:  # an FP8 cache: e4m3 widens to float16 in one instruction
+                q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
             m = tl.full((GROUP_PAD,), float("-inf"), dtype=tl.float32)
             lsum = tl.zeros((GROUP_PAD,), dtype=tl.float32)
             acc = tl.zeros((GROUP_PAD, HEAD_DIM), dtype=tl.float32)
@@ -150,12 +172,16 @@ class DecodeAttention:
         self.qk_scale = scale * math.log2(math.e)
         self.indptr = torch.zeros(rows + 1, dtype=torch.int32, device=device)
         self.last = torch.zeros(rows, dtype=torch.int32, device=device)
-        # Room for the most partials any row count up to ``rows`` writes (row slots x splits).
-        parts = max(n * max_splits(n, num_kv_heads) for n in range(1, rows + 1))
+        # Room for the most partials any row count up to ``rows`` writes (row slots x splits;
+        # none where a row is never split: its program writes the output itself).
+        parts = max((n * s for n in range(1, rows + 1) if (s := max_splits(n, num_kv_heads)) > 1),
+                    default=1)
         parts *= num_kv_heads * self.group_pad
         self.partials = torch.empty(parts * head_dim, dtype=torch.float32, device=device)
         self.lse = torch.empty(parts, dtype=torch.float32, device=device)
         self.counters = torch.zeros(rows * num_kv_heads, dtype=torch.int32, device=device)
+        self.fp8_as_f16 = True  # an FP8 cache widened to float16 (False: to the query's dtype)
+        self.config: tuple[int, int, int] | None = None  # launch_config's, unless set (tools)
 
     def bind(self, indptr: torch.Tensor, last: torch.Tensor, pages: torch.Tensor) -> None:
         """Read the page table from these int32 buffers (``rows + 1``, ``rows`` and at least the
@@ -186,6 +212,7 @@ class DecodeAttention:
         out = torch.empty_like(q) if out is None else out
         fp8 = kv_cache.dtype.itemsize == 1
         splits = max_splits(n, self.num_kv_heads)
+        tile, warps, stages = self.config or launch_config(n, fp8)
         _decode_attention_kernel[(n, self.num_kv_heads, splits)](
             q, kv_cache, self.indptr, self.pages, self.last, out, self.partials, self.lse,
             self.counters, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -193,6 +220,7 @@ class DecodeAttention:
             self.qk_scale * (k_scale if fp8 else 1.0), v_scale if fp8 else 1.0,
             KV_HEADS=self.num_kv_heads, GROUP=self.group, GROUP_PAD=self.group_pad,
             HEAD_DIM=self.head_dim, PAGE=self.block_size,
-            TILE_PAGES=max(1, TILE_TOKENS // self.block_size), MIN_CHUNK=MIN_CHUNK_TILES,
-            MAX_SPLITS=splits, num_warps=NUM_WARPS, num_stages=NUM_STAGES, **pdl(q))
+            TILE_PAGES=max(1, tile // self.block_size), MIN_CHUNK=MIN_CHUNK_TILES,
+            MAX_SPLITS=splits, F16=fp8 and self.fp8_as_f16, num_warps=warps,
+            num_stages=stages, **pdl(q))
         return out

@@ -24,6 +24,10 @@ CASES = [
     ([1100], 16, 8, 16, 1, False),
     ([4000], 16, 8, 16, 1, False),  # 32 splits: merged 8 a load
     ([300, 700], 16, 8, 16, 2, True),
+    # more rows than MAX_ROWS (an FP8 cache's steps at every batch): 128-token tiles with rows
+    # in 2 splits, then 64-token tiles, a row a program (kernels.decode_attention.launch_config)
+    ([5 + 37 * i for i in range(12)], 32, 8, 16, 16, True),
+    ([1 + 2 * i for i in range(66)], 16, 8, 16, 72, True),
 ]
 
 
@@ -137,39 +141,72 @@ def test_kernel_replays_in_a_graph_on_new_page_tables():
 
 
 @pytest.mark.gpu
-def test_the_backend_runs_the_kernel_up_to_its_rows_and_flashinfer_above(monkeypatch):
-    """Decode steps of up to ``MAX_ROWS`` rows, graphed (a graph's wrapper) or eager (the
-    step's plan), take the kernel; larger ones FlashInfer's; ``BATON_SMALL_DECODE=0`` keeps
-    FlashInfer for all."""
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
+def test_the_backend_runs_the_kernel_at_every_batch_but_long_few_row_steps(monkeypatch, kv_dtype):
+    """Every decode step, graphed (a graph's wrapper) or eager (the step's plan), takes the
+    kernel, but a step of up to ``MAX_ROWS`` rows with a row past ``SMALL_DECODE_MAX_CONTEXT``
+    tokens: FlashInfer's, eager and through a second graph of the size (none for larger sizes,
+    whose long steps stay on the kernel). ``BATON_SMALL_DECODE=few`` keeps FlashInfer above
+    ``MAX_ROWS`` rows, ``0`` everywhere."""
     from engine.attention.flashinfer_backend import SMALL_DECODE_MAX_CONTEXT, FlashInferBackend
     from engine.forward_context import null_meta
     from kernels.decode_attention import MAX_ROWS, DecodeAttention
 
     def backend():
-        return FlashInferBackend(16, 8, 128, 128 ** -0.5, 16, torch.device("cuda"),
-                                 torch.bfloat16)
+        return FlashInferBackend(32, 8, 128, 128 ** -0.5, 16, torch.device("cuda"),
+                                 torch.bfloat16, kv_dtype=kv_dtype)
 
-    pages = torch.zeros(4096, dtype=torch.int32, device="cuda")
+    def meta(rows: int, long: bool = False):
+        m = null_meta(rows, 1, 16)
+        if long:
+            m.context_lens = [5] * (rows - 1) + [SMALL_DECODE_MAX_CONTEXT + 1]
+        return m
+
+    pages = torch.zeros(8192, dtype=torch.int32, device="cuda")
     on = backend()
-    assert isinstance(on.graph_decode_wrapper(MAX_ROWS, pages), DecodeAttention)
-    assert not isinstance(on.graph_decode_wrapper(MAX_ROWS + 8, pages), DecodeAttention)
-    for rows in (1, MAX_ROWS, MAX_ROWS + 1):
-        meta = null_meta(rows, 1, 16)
-        on.plan(meta)
-        assert isinstance(meta.extras["wrapper"], DecodeAttention) == (rows <= MAX_ROWS)
-    # Past SMALL_DECODE_MAX_CONTEXT tokens in a row: FlashInfer's kernel, eager and through a
-    # second graph of the size (none for the sizes above MAX_ROWS, FlashInfer's already).
-    long = null_meta(2, 1, 16)
-    long.context_lens = [5, SMALL_DECODE_MAX_CONTEXT + 1]
-    on.plan(long)
-    assert not isinstance(long.extras["wrapper"], DecodeAttention)
-    assert on.long_context(long) and not on.long_context(null_meta(2, 1, 16))
+    for size in (1, MAX_ROWS, MAX_ROWS + 8, 256):
+        assert isinstance(on.graph_decode_wrapper(size, pages), DecodeAttention), size
     assert not isinstance(on.graph_decode_wrapper(2, pages, long_context=True),
                           (DecodeAttention, type(None)))
     assert on.graph_decode_wrapper(MAX_ROWS + 8, pages, long_context=True) is None
+    for rows, long in ((1, False), (MAX_ROWS + 1, False), (100, False), (2, True),
+                       (MAX_ROWS + 1, True), (100, True)):
+        m = meta(rows, long)
+        on.plan(m)
+        kernel = isinstance(m.extras["wrapper"], DecodeAttention)
+        assert kernel == (not long or rows > MAX_ROWS), (rows, long)
+        assert on.long_context(m) == (long and rows <= MAX_ROWS)
+    monkeypatch.setenv("BATON_SMALL_DECODE", "few")
+    few = backend()
+    assert isinstance(few.graph_decode_wrapper(MAX_ROWS, pages), DecodeAttention)
+    assert not isinstance(few.graph_decode_wrapper(MAX_ROWS + 8, pages), DecodeAttention)
+    assert few.graph_decode_wrapper(MAX_ROWS + 8, pages, long_context=True) is None
+    m = meta(MAX_ROWS + 1)
+    few.plan(m)
+    assert not isinstance(m.extras["wrapper"], DecodeAttention)
     monkeypatch.setenv("BATON_SMALL_DECODE", "0")
-    off, meta = backend(), null_meta(1, 1, 16)
-    off.plan(meta)
+    off, m = backend(), meta(1)
+    off.plan(m)
     assert not isinstance(off.graph_decode_wrapper(1, pages), DecodeAttention)
     assert off.graph_decode_wrapper(1, pages, long_context=True) is None
-    assert not isinstance(meta.extras["wrapper"], DecodeAttention)
+    assert not isinstance(m.extras["wrapper"], DecodeAttention)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_many_rows_match_the_reference(fp8):
+    """The launches of more than ``MAX_ROWS`` rows (their own tiles, warps and stages: 24, 48
+    and 100 rows) over a bf16 and an FP8 cache, long rows too, against the torch reference."""
+    from kernels.decode_attention import DecodeAttention
+
+    g = torch.Generator().manual_seed(3)
+    for rows in (24, 48, 100):
+        ctxs = torch.randint(1, 5000, (rows,), generator=g).tolist()
+        cache, q, meta = paged_case(ctxs, 32, 8, 16, torch.bfloat16, "cuda", fp8=fp8, seed=rows)
+        pages = torch.zeros(len(meta.kv_indices), dtype=torch.int32, device="cuda")
+        dec = DecodeAttention(rows, pages, 32, 8, 128, 16, 128 ** -0.5)
+        dec.plan(meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len)
+        scales = (0.5, 1.5) if fp8 else (1.0, 1.0)
+        got = dec.run(q, cache, *scales)
+        want = reference(q, cache, meta, 32, 8, scales)
+        assert (got.float() - want.float()).abs().max().item() < 2e-2, rows

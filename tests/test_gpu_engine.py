@@ -419,7 +419,7 @@ def test_greedy_tokens_match_transformers_qwen3_06b_float32():
 
 
 @pytest.mark.parametrize("which", ["graph", "eager", "prefill"])
-def test_attention_plans_do_not_wait_for_the_running_step(which):
+def test_attention_plans_do_not_wait_for_the_running_step(which, monkeypatch):
     """The engine plans a step while the one before it runs: a FlashInfer plan made while the
     device is busy returns without waiting for it. Decode through a graph's wrapper (a changed
     work split, then the same one: page ids alone), through the eager wrapper, and a prompt
@@ -431,6 +431,7 @@ def test_attention_plans_do_not_wait_for_the_running_step(which):
     from engine.forward_context import null_meta
 
     dev, rows = torch.device("cuda"), 64
+    monkeypatch.setenv("BATON_SMALL_DECODE", "few")  # FlashInfer's graph wrapper at 64 rows
     backend = FlashInferBackend(16, 8, 128, 128 ** -0.5, 16, dev, torch.bfloat16)
 
     def decode(pages: int):

@@ -12,9 +12,10 @@ CUDA graphs: :meth:`graph_decode_wrapper` gives a decode wrapper over fixed inde
 one batch size; a graph captured with it replays whatever :meth:`plan_decode` later writes into
 those buffers.
 
-Decode steps of up to ``kernels.decode_attention.MAX_ROWS`` rows (graphed or eager) run Baton's
-one-launch Triton decode attention instead of FlashInfer's decode and merge kernels (measured
-faster at these rows: docs/benchmarks.md); ``BATON_SMALL_DECODE=0`` keeps FlashInfer there.
+Decode steps (graphed or eager) run Baton's one-launch Triton decode attention instead of
+FlashInfer's decode and merge kernels (measured faster at every batch: docs/benchmarks.md), but
+for the long steps of up to ``kernels.decode_attention.MAX_ROWS`` rows; ``BATON_SMALL_DECODE``
+chooses otherwise (:func:`triton_decode_rows`).
 
 Planning while the previous step runs: a plan's page ids are on the device before FlashInfer
 sees them (it copies host page ids into a graph wrapper's buffer with a blocking copy, which held
@@ -68,8 +69,7 @@ class FlashInferBackend(AttentionBackend):
             self.workspace, "HND")
         self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, "HND", use_tensor_cores=self.decode_tensor_cores)
-        self.small_decode_rows = (decode_attention.MAX_ROWS
-                                  if os.environ.get("BATON_SMALL_DECODE", "1") != "0" else 0)
+        self.small_decode_rows = triton_decode_rows()
         self._eager_small: decode_attention.DecodeAttention | None = None
 
     def plan(self, meta: AttentionMetadata) -> None:
@@ -91,13 +91,15 @@ class FlashInferBackend(AttentionBackend):
     def _eager_decode(self, meta: AttentionMetadata):
         """The eager decode step's wrapper: the small-batch kernel up to its rows (over page
         buffers grown as needed), else FlashInfer's."""
-        if meta.num_seqs > self.small_decode_rows or self.long_context(meta):
+        n = meta.num_seqs
+        if n > self.small_decode_rows or self.long_context(meta):
             return self.decode_wrapper
         small = self._eager_small
-        if small is None or len(small.pages) < len(meta.kv_indices):
+        if small is None or small.rows < n or len(small.pages) < len(meta.kv_indices):
             pages = torch.zeros(max(len(meta.kv_indices), 1024), dtype=torch.int32,
                                 device=self.device)
-            small = self._eager_small = self._small_decode(self.small_decode_rows, pages)
+            rows = max(decode_attention.MAX_ROWS, 1 << (n - 1).bit_length())
+            small = self._eager_small = self._small_decode(rows, pages)
         return small
 
     def _small_decode(self, rows: int, pages: torch.Tensor) -> decode_attention.DecodeAttention:
@@ -134,8 +136,10 @@ class FlashInferBackend(AttentionBackend):
 
     def long_context(self, meta: AttentionMetadata) -> bool:
         """Whether a decode step of few rows is too long for the few-row kernel (its longest
-        row past ``SMALL_DECODE_MAX_CONTEXT``): FlashInfer's kernel runs it."""
-        return self.long_context_len(max(meta.context_lens))
+        row past ``SMALL_DECODE_MAX_CONTEXT``): FlashInfer's kernel runs it. (A step of more
+        rows stays on Baton's kernel at every length: its rows are not split.)"""
+        return (meta.num_seqs <= decode_attention.MAX_ROWS
+                and self.long_context_len(max(meta.context_lens)))
 
     def long_context_len(self, context_len: int) -> bool:
         """:meth:`long_context` of a step whose longest row reads ``context_len`` tokens."""
@@ -150,6 +154,8 @@ class FlashInferBackend(AttentionBackend):
         if batch_size <= self.small_decode_rows:
             if not long_context:
                 return self._small_decode(batch_size, pages)
+            if batch_size > decode_attention.MAX_ROWS:  # Baton's kernel at every length
+                return None
         elif long_context:  # FlashInfer's wrapper takes this size's steps at every length
             return None
 
@@ -172,6 +178,22 @@ class FlashInferBackend(AttentionBackend):
         if kv_cache.dtype == self.dtype:
             return wrapper.run(q, kv_cache, out=out)
         return wrapper.run(q, kv_cache, k_scale=k_scale, v_scale=v_scale, out=out)
+
+
+def triton_decode_rows() -> int:
+    """The most rows a decode step runs on Baton's kernel (``kernels.decode_attention``); more go
+    to FlashInfer's. Every step by default (but the long ones of up to ``MAX_ROWS`` rows:
+    :meth:`FlashInferBackend.long_context`): over an FP8 cache FlashInfer's tensor-core kernel
+    read 38-75% of the device's read rate at 16-256 rows and Baton's 62-89%; over a bf16 cache
+    Baton's was even or faster at 16-256 rows (16:8 and 32:8 heads), and 8B's and 0.6B's 256
+    sequences decoded 1-5% faster (docs/benchmarks.md). ``BATON_SMALL_DECODE``: ``0`` FlashInfer everywhere, ``few``
+    Baton's up to ``MAX_ROWS`` rows only (before 2026-11-28; A/B runs)."""
+    choice = os.environ.get("BATON_SMALL_DECODE", "1")
+    if choice == "0":
+        return 0
+    if choice == "few":
+        return decode_attention.MAX_ROWS
+    return 1 << 30
 
 
 def _pinned(t: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,7 @@ import torch
 from tqdm import tqdm
 
 from engine.forward_context import AttentionMetadata, null_meta, set_forward_context
-from kernels.decode_attention import DecodeAttention
+from kernels.decode_attention import MAX_ROWS, DecodeAttention
 
 
 def capture_sizes(max_batch: int, step_rows: int = 1) -> list[int]:
@@ -145,10 +145,13 @@ class DecodeGraphs:
     def written_size(self, rows: int, context_len: int) -> int | None:
         """The size whose graph takes a step of ``rows`` rows (the longest reading
         ``context_len`` tokens) with inputs written on the device into the staged buffer
-        (:meth:`replay_written`): one on Baton's decode kernel; None where there is none."""
+        (:meth:`replay_written`): one on Baton's decode kernel of at most ``MAX_ROWS`` rows
+        (the writer, ``kernels.ahead_inputs``, is one program over the rows, built for a few);
+        None where there is none."""
         size = self.size_for(rows)
-        if size is None or self.staged is None or size not in self.staged.words or (
-                size in self.long_graphs and self.backend.long_context_len(context_len)):
+        if size is None or size > MAX_ROWS or self.staged is None or \
+                size not in self.staged.words or (
+                    size in self.long_graphs and self.backend.long_context_len(context_len)):
             return None
         return size
 

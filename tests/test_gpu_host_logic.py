@@ -112,3 +112,23 @@ def test_every_qwen3_size_gets_a_decode_kernel_flashinfer_builds():
     assert chosen == {"Qwen3-0.6B": False, "Qwen3-1.7B": False, "Qwen3-4B": True,
                       "Qwen3-8B": True, "Qwen3-14B": True, "Qwen3-32B": True}
     assert default_decode_tensor_cores(32, 8, fp8_kv=True)  # FP8 cache: measured faster
+
+
+def test_only_a_few_row_graph_takes_inputs_written_on_the_device():
+    """Every size runs Baton's decode attention and takes its inputs staged, but the draft's
+    step ahead (``kernels.ahead_inputs``: one program over the rows, built for a few) writes
+    only a graph of at most ``MAX_ROWS`` rows; a long step of those goes to FlashInfer's graph,
+    which the writer does not feed."""
+    from types import SimpleNamespace
+
+    from kernels.decode_attention import MAX_ROWS
+
+    graphs = object.__new__(DecodeGraphs)
+    graphs.sizes = capture_sizes(64)
+    graphs.staged = SimpleNamespace(words={s: 1 for s in graphs.sizes})
+    graphs.long_graphs = {s: None for s in graphs.sizes if s <= MAX_ROWS}
+    graphs.backend = SimpleNamespace(long_context_len=lambda n: n > 3072)
+    assert [graphs.written_size(n, 100) for n in (1, 3, MAX_ROWS)] == [1, 4, MAX_ROWS]
+    assert graphs.written_size(MAX_ROWS + 1, 100) is None
+    assert graphs.written_size(40, 100) is None
+    assert graphs.written_size(2, 4000) is None

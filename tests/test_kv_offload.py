@@ -288,9 +288,12 @@ def test_a_prompt_the_decode_replicas_host_tier_holds_moves_no_kv():
 def test_the_multiturn_benchmark_runs_served_1p1d(tmp_path):
     """``multiturn_bench --served 1p1d`` (its own Ray and app, in a process of its own): four
     conversations whose histories outgrow the decode replica's 16 device blocks, with the tier
-    on both roles and without; the decode replica's tier serves returning turns (how many
-    blocks the hand-overs then move depends on how the turns interleave: the deterministic
-    case is the role-server test above)."""
+    on both roles and without, under the app's default placement (``auto``) with a threshold
+    below a first turn's 112 tokens and above a returning turn's 52 new ones: the first turns
+    are handed over, and a returning turn whose history the decode replica holds (on its GPU or
+    in its tier) is prefilled there. The decode replica's tier serves returning turns (how many
+    blocks the hand-overs then move, and how many turns stay, depends on how the turns
+    interleave: the deterministic case is the role-server test above)."""
     import json
     import subprocess
     import sys
@@ -302,7 +305,8 @@ def test_the_multiturn_benchmark_runs_served_1p1d(tmp_path):
         [sys.executable, "-m", "benchmarks.multiturn_bench", "--served", "1p1d",
          "--conversations", "4", "--turns", "3", "--system", "64", "--turn-tokens", "48",
          "--output", "4", "--num-blocks", "16", "--host-gb", str(64 * BLOCK_BYTES / 2**30),
-         "--think-s", "0.05", "--stagger-s", "0.05", "--json", str(out)],
+         "--think-s", "0.05", "--stagger-s", "0.05", "--disaggregation-mode", "auto",
+         "--max-local-prefill-length", "80", "--json", str(out)],
         cwd=root, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     with_tier, without = json.loads(out.read_text())["rows"]
@@ -311,3 +315,8 @@ def test_the_multiturn_benchmark_runs_served_1p1d(tmp_path):
     assert with_tier["tiers"]["DecodeServer"]["host_hit_blocks"] > 0
     assert without["tiers"]["DecodeServer"]["host_hit_blocks"] == 0
     assert with_tier["returning_ttft_ms"]["p50"] > 0
+    for row in (with_tier, without):  # every returning turn placed, somewhere
+        assert row["returning_turns"] == 8
+        assert sum(row["returning_prefilled"].values()) == 8
+        assert set(row["returning_prefilled"]) <= {"local", "remote"}
+    assert with_tier["returning_prefilled"].get("local", 0) > 0

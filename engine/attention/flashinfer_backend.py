@@ -186,8 +186,9 @@ def triton_decode_rows() -> int:
     :meth:`FlashInferBackend.long_context`): over an FP8 cache FlashInfer's tensor-core kernel
     read 38-75% of the device's read rate at 16-256 rows and Baton's 62-89%; over a bf16 cache
     Baton's was even or faster at 16-256 rows (16:8 and 32:8 heads), and 8B's and 0.6B's 256
-    sequences decoded 1-5% faster (docs/benchmarks.md). ``BATON_SMALL_DECODE``: ``0`` FlashInfer everywhere, ``few``
-    Baton's up to ``MAX_ROWS`` rows only (before 2026-11-28; A/B runs)."""
+    sequences decoded 1-5% faster (docs/benchmarks.md). ``BATON_SMALL_DECODE``: ``0``
+    FlashInfer everywhere, ``few`` Baton's up to ``MAX_ROWS`` rows only (before 2026-11-28;
+    A/B runs)."""
     choice = os.environ.get("BATON_SMALL_DECODE", "1")
     if choice == "0":
         return 0

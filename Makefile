@@ -19,7 +19,7 @@ $(VENV)/.installed: pyproject.toml Makefile deploy/torch_install.py
 	touch $@
 
 test: install
-	RAY_USAGE_STATS_ENABLED=0 $(BIN)/python -m pytest -q -m "not gpu"
+	RAY_USAGE_STATS_ENABLED=0 $(BIN)/python -m pytest -q -m "not gpu" --durations=25
 
 # The inner loop: no Ray, no GPU, nothing slow (tests/conftest.py marks them `unit`).
 test-unit: install

@@ -25,6 +25,13 @@ def host_tensor(values, dtype: torch.dtype) -> torch.Tensor:
     return torch.frombuffer(array(code, values), dtype=dtype)
 
 
+def pinned(t: torch.Tensor) -> torch.Tensor:
+    """A host tensor in page-locked memory (itself if it is already, or on a device): a copy to
+    the device from it is queued and the host goes on (from pageable memory CUDA may copy
+    synchronously). For arrays a library copies up itself (FlashInfer's plans)."""
+    return t if t.device.type != "cpu" or t.is_pinned() else t.pin_memory()
+
+
 def upload(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """``values`` (a flat list or a CPU tensor) on ``device``, without a host sync."""
     host = values if isinstance(values, torch.Tensor) else host_tensor(values, dtype)

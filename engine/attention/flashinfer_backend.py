@@ -39,7 +39,7 @@ from flashinfer.page import get_seq_lens
 
 from engine.attention.base import AttentionBackend, default_decode_tensor_cores
 from engine.forward_context import AttentionMetadata
-from engine.uploads import host_tensor, upload
+from engine.uploads import host_tensor, pinned, upload
 from kernels import decode_attention
 
 WORKSPACE_BYTES = 256 * 2**20
@@ -78,14 +78,14 @@ class FlashInferBackend(AttentionBackend):
         if meta.is_decode_only:
             self.plan_decode(self._eager_decode(meta), meta)
             return
-        indptr, last = _pinned(meta.kv_indptr), _pinned(meta.kv_last_page_len)
+        indptr, last = pinned(meta.kv_indptr), pinned(meta.kv_last_page_len)
         with _plan_fence(self.prefill_wrapper):
             self.prefill_wrapper.plan(
-                _pinned(host_tensor(meta.query_start_loc, torch.int32)), indptr,
+                pinned(host_tensor(meta.query_start_loc, torch.int32)), indptr,
                 self._page_ids(meta), last, self.num_heads, self.num_kv_heads,
                 self.head_dim, self.block_size, causal=True, sm_scale=self.scale,
                 q_data_type=self.dtype, kv_data_type=self.kv_dtype,
-                seq_lens=_pinned(get_seq_lens(indptr, last, self.block_size)))
+                seq_lens=pinned(get_seq_lens(indptr, last, self.block_size)))
         meta.extras["wrapper"] = self.prefill_wrapper
 
     def _eager_decode(self, meta: AttentionMetadata):
@@ -117,13 +117,13 @@ class FlashInferBackend(AttentionBackend):
             # the page ids and the last pages' fill change, and the kernel reads both from the
             # wrapper's fixed buffers at run time. Skips the host-side plan (~0.1 ms a step).
             wrapper._paged_kv_indices_buf[: len(meta.kv_indices)].copy_(
-                _pinned(meta.kv_indices), non_blocking=True)
-            wrapper._paged_kv_last_page_len_buf.copy_(_pinned(meta.kv_last_page_len),
+                pinned(meta.kv_indices), non_blocking=True)
+            wrapper._paged_kv_last_page_len_buf.copy_(pinned(meta.kv_last_page_len),
                                                       non_blocking=True)
             return
         with _plan_fence(wrapper):
-            wrapper.plan(_pinned(meta.kv_indptr), self._page_ids(meta),
-                         _pinned(meta.kv_last_page_len), self.num_heads, self.num_kv_heads,
+            wrapper.plan(pinned(meta.kv_indptr), self._page_ids(meta),
+                         pinned(meta.kv_last_page_len), self.num_heads, self.num_kv_heads,
                          self.head_dim, self.block_size, sm_scale=self.scale,
                          q_data_type=self.dtype, kv_data_type=self.kv_dtype)
         wrapper._baton_indptr = meta.kv_indptr
@@ -134,16 +134,22 @@ class FlashInferBackend(AttentionBackend):
         (0.4 ms of idle device a step at 256 rows of 0.6B)."""
         return upload(meta.kv_indices, torch.int32, self.device)
 
+    @property
+    def long_context_rows(self) -> int:
+        """The most rows a step may have for its long rows to send it to FlashInfer's kernel:
+        Baton's kernel's split rows (``MAX_ROWS``), where it runs them. A step of more rows
+        runs one kernel at every length (Baton's: its rows are not split; or FlashInfer's)."""
+        return min(self.small_decode_rows, decode_attention.MAX_ROWS)
+
     def long_context(self, meta: AttentionMetadata) -> bool:
         """Whether a decode step of few rows is too long for the few-row kernel (its longest
-        row past ``SMALL_DECODE_MAX_CONTEXT``): FlashInfer's kernel runs it. (A step of more
-        rows stays on Baton's kernel at every length: its rows are not split.)"""
-        return (meta.num_seqs <= decode_attention.MAX_ROWS
+        row past ``SMALL_DECODE_MAX_CONTEXT``): FlashInfer's kernel runs it."""
+        return (meta.num_seqs <= self.long_context_rows
                 and self.long_context_len(max(meta.context_lens)))
 
     def long_context_len(self, context_len: int) -> bool:
         """:meth:`long_context` of a step whose longest row reads ``context_len`` tokens."""
-        return bool(self.small_decode_rows) and context_len > SMALL_DECODE_MAX_CONTEXT
+        return bool(self.long_context_rows) and context_len > SMALL_DECODE_MAX_CONTEXT
 
     def graph_decode_wrapper(self, batch_size: int, pages: torch.Tensor,
                              long_context: bool = False):
@@ -151,13 +157,10 @@ class FlashInferBackend(AttentionBackend):
         it may be shared by the wrappers of every size. ``long_context``: the wrapper of this
         size's steps that :meth:`long_context` sends to FlashInfer, or None where the one
         wrapper serves every length."""
-        if batch_size <= self.small_decode_rows:
-            if not long_context:
-                return self._small_decode(batch_size, pages)
-            if batch_size > decode_attention.MAX_ROWS:  # Baton's kernel at every length
-                return None
-        elif long_context:  # FlashInfer's wrapper takes this size's steps at every length
-            return None
+        if long_context and batch_size > self.long_context_rows:
+            return None  # one kernel takes this size's steps at every length
+        if batch_size <= self.small_decode_rows and not long_context:
+            return self._small_decode(batch_size, pages)
 
         def buf(n: int) -> torch.Tensor:
             return torch.zeros(n, dtype=torch.int32, device=self.device)
@@ -195,12 +198,6 @@ def triton_decode_rows() -> int:
     if choice == "few":
         return decode_attention.MAX_ROWS
     return 1 << 30
-
-
-def _pinned(t: torch.Tensor) -> torch.Tensor:
-    """A host tensor in page-locked memory: a copy to the device from it is queued and the host
-    goes on (from pageable memory CUDA may copy synchronously)."""
-    return t if t.device.type != "cpu" or t.is_pinned() else t.pin_memory()
 
 
 @contextmanager

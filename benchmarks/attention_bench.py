@@ -27,10 +27,8 @@ from kernels import decode_attention as da
 # name -> (use_tensor_cores, backend) of FlashInfer's wrapper, or Baton's kernel's launch
 # (tile tokens, warps, stages; None: the engine's for the row count, ``da.launch_config``)
 KERNELS = {"cuda-cores": (False, "auto"), "tc-fa2": (True, "fa2"), "tc-fa3": (True, "fa3"),
-           "triton": None, "triton-bf16": None,
-           "triton-few": (da.TILE_TOKENS, da.NUM_WARPS, da.NUM_STAGES),
+           "triton": None, "triton-few": (da.TILE_TOKENS, da.NUM_WARPS, da.NUM_STAGES),
            "triton-w4s3": (64, 4, 3), "triton-t128": (128, 8, 2), "triton-t128w4s3": (128, 4, 3)}
-# triton-bf16: an FP8 cache widened to bf16 (the query's dtype) instead of float16
 
 
 def read_GBps() -> float:
@@ -53,27 +51,25 @@ def bench(hq: int, hk: int, batch: int, ctx: int, kernel: str, graph: bool, d: i
     scales = {} if kv_dtype == torch.bfloat16 else {"k_scale": 1.0, "v_scale": 1.0}
     if kernel.startswith("triton"):
         buf = torch.zeros(len(indices), dtype=torch.int32, device="cuda")
-        k = da.DecodeAttention(batch, buf, hq, hk, d, page, d ** -0.5)
-        k.plan(indptr, indices, last)
-        k.config, k.fp8_as_f16 = KERNELS[kernel], kernel != "triton-bf16"
+        w = da.DecodeAttention(batch, buf, hq, hk, d, page, d ** -0.5)
+        w.plan(indptr, indices, last)
+        w.config = KERNELS[kernel]
+    else:
+        tensor_cores, backend = KERNELS[kernel]
+        ws = torch.zeros(256 * 2**20, dtype=torch.uint8, device="cuda")
+        extra = {}
         if graph:
-            return graph_us(lambda _: k.run(q, cache, out=out, **scales), [None] * 8)
-        return cuda_ms(lambda: k.run(q, cache, out=out, **scales), reps=20) * 1e3
-    tensor_cores, backend = KERNELS[kernel]
-    ws = torch.zeros(256 * 2**20, dtype=torch.uint8, device="cuda")
-    extra = {}
-    if graph:
-        extra = dict(use_cuda_graph=True,
-                     paged_kv_indptr_buffer=torch.zeros(batch + 1, dtype=torch.int32,
-                                                        device="cuda"),
-                     paged_kv_indices_buffer=torch.zeros(len(indices), dtype=torch.int32,
-                                                         device="cuda"),
-                     paged_kv_last_page_len_buffer=torch.zeros(batch, dtype=torch.int32,
-                                                               device="cuda"))
-    w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "HND", use_tensor_cores=tensor_cores,
-                                                      backend=backend, **extra)
-    w.plan(indptr, indices, last, hq, hk, d, page, q_data_type=torch.bfloat16,
-           kv_data_type=kv_dtype)
+            extra = dict(use_cuda_graph=True,
+                         paged_kv_indptr_buffer=torch.zeros(batch + 1, dtype=torch.int32,
+                                                            device="cuda"),
+                         paged_kv_indices_buffer=torch.zeros(len(indices), dtype=torch.int32,
+                                                             device="cuda"),
+                         paged_kv_last_page_len_buffer=torch.zeros(batch, dtype=torch.int32,
+                                                                   device="cuda"))
+        w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            ws, "HND", use_tensor_cores=tensor_cores, backend=backend, **extra)
+        w.plan(indptr, indices, last, hq, hk, d, page, q_data_type=torch.bfloat16,
+               kv_data_type=kv_dtype)
     if graph:
         return graph_us(lambda _: w.run(q, cache, out=out, **scales), [None] * 8)
     return cuda_ms(lambda: w.run(q, cache, out=out, **scales), reps=20) * 1e3

@@ -54,7 +54,7 @@ from dataclasses import replace
 
 import torch
 
-from benchmarks.lib import ceilings, cuda_ms
+from benchmarks.lib import TENSOR_CORES, ceilings, cuda_ms
 from engine import EngineConfig, SamplingParams
 from engine.llm_engine import LLMEngine
 
@@ -607,7 +607,7 @@ def main() -> None:
                     help="prompt tokens of the batch-1 decode task (8192: decode at 8k context)")
     ap.add_argument("--quantization", choices=["fp8"], default=None)
     ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
-    ap.add_argument("--decode-tensor-cores", choices=["auto", "on", "off"], default="auto")
+    ap.add_argument("--decode-tensor-cores", choices=list(TENSOR_CORES), default="auto")
     ap.add_argument("--tensor-parallel-size", type=int, default=1)
     ap.add_argument("--fp8-lm-head", action="store_true", help="the engine's fp8_lm_head")
     ap.add_argument("--cuda-graph-max-tokens", type=int, default=None,
@@ -618,8 +618,7 @@ def main() -> None:
     args = ap.parse_args()
     ENGINE_OPTIONS.update(quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
                           tensor_parallel_size=args.tensor_parallel_size,
-                          decode_tensor_cores={"auto": None, "on": True,
-                                               "off": False}[args.decode_tensor_cores])
+                          decode_tensor_cores=TENSOR_CORES[args.decode_tensor_cores])
     if args.cuda_graph_max_tokens is not None:
         ENGINE_OPTIONS["cuda_graph_max_tokens"] = args.cuda_graph_max_tokens
     if args.fp8_lm_head:

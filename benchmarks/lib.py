@@ -11,6 +11,10 @@ from dataclasses import dataclass
 
 
 
+# ``--decode-tensor-cores auto|on|off`` as the engine's ``decode_tensor_cores`` (auto: None)
+TENSOR_CORES = {"auto": None, "on": True, "off": False}
+
+
 def dispatch(tool: str, tools: dict, argv: list[str] | None = None) -> None:
     """``python -m benchmarks.<tool> NAME [options]``: run ``tools[NAME](options)``."""
     import sys

@@ -99,7 +99,7 @@ from collections import defaultdict
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from benchmarks.lib import dispatch
+from benchmarks.lib import TENSOR_CORES, dispatch
 from engine import EngineConfig, SamplingParams
 from engine.async_engine import AsyncEngine
 from engine.llm_engine import LLMEngine
@@ -112,12 +112,12 @@ def decode_main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--prompt-len", type=int, default=128)
-    ap.add_argument("--decode-tensor-cores", choices=["auto", "on", "off"], default="auto")
+    ap.add_argument("--decode-tensor-cores", choices=list(TENSOR_CORES), default="auto")
     ap.add_argument("--replay-only", action="store_true", help="stop after the graph's GPU time")
     ap.add_argument("--quantization", choices=["fp8"], default=None)
     ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
     args = ap.parse_args(argv)
-    tc = {"auto": None, "on": True, "off": False}[args.decode_tensor_cores]
+    tc = TENSOR_CORES[args.decode_tensor_cores]
     engine = LLMEngine(EngineConfig(model=args.model, device="cuda",
                                     max_num_seqs=max(8, args.batch), decode_tensor_cores=tc,
                                     quantization=args.quantization,
@@ -778,12 +778,12 @@ def steady_main(argv=None) -> None:
     ap.add_argument("--prompt-len", type=int, default=700)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
-    ap.add_argument("--decode-tensor-cores", choices=["auto", "on", "off"], default="auto")
+    ap.add_argument("--decode-tensor-cores", choices=list(TENSOR_CORES), default="auto")
     args = ap.parse_args(argv)
     copy_gbs = ceilings()["copy_GBps"]
     engine = _engine(args.model, max_num_seqs=args.batch, quantization=args.quantization,
                      kv_cache_dtype=args.kv_cache_dtype,
-                     decode_tensor_cores={"on": True, "off": False}.get(args.decode_tensor_cores))
+                     decode_tensor_cores=TENSOR_CORES[args.decode_tensor_cores])
     for i in range(args.batch):
         engine.add_request(_prompt(engine, args.prompt_len, i),
                            SamplingParams(temperature=0, max_tokens=4 * args.steps + 200,

@@ -180,7 +180,6 @@ class DecodeAttention:
         self.partials = torch.empty(parts * head_dim, dtype=torch.float32, device=device)
         self.lse = torch.empty(parts, dtype=torch.float32, device=device)
         self.counters = torch.zeros(rows * num_kv_heads, dtype=torch.int32, device=device)
-        self.fp8_as_f16 = True  # an FP8 cache widened to float16 (False: to the query's dtype)
         self.config: tuple[int, int, int] | None = None  # launch_config's, unless set (tools)
 
     def bind(self, indptr: torch.Tensor, last: torch.Tensor, pages: torch.Tensor) -> None:
@@ -221,6 +220,6 @@ class DecodeAttention:
             KV_HEADS=self.num_kv_heads, GROUP=self.group, GROUP_PAD=self.group_pad,
             HEAD_DIM=self.head_dim, PAGE=self.block_size,
             TILE_PAGES=max(1, tile // self.block_size), MIN_CHUNK=MIN_CHUNK_TILES,
-            MAX_SPLITS=splits, F16=fp8 and self.fp8_as_f16, num_warps=warps,
+            MAX_SPLITS=splits, F16=fp8, num_warps=warps,
             num_stages=stages, **pdl(q))
         return out

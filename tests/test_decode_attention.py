@@ -194,12 +194,13 @@ def test_the_backend_runs_the_kernel_at_every_batch_but_long_few_row_steps(monke
 @pytest.mark.gpu
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 def test_many_rows_match_the_reference(fp8):
-    """The launches of more than ``MAX_ROWS`` rows (their own tiles, warps and stages: 24, 48
-    and 100 rows) over a bf16 and an FP8 cache, long rows too, against the torch reference."""
+    """The launches of more than ``MAX_ROWS`` rows (their own tiles, warps and stages: 12 rows,
+    whose KV is split, 24, 48 and 100) over a bf16 and an FP8 cache, long rows too, against the
+    torch reference."""
     from kernels.decode_attention import DecodeAttention
 
     g = torch.Generator().manual_seed(3)
-    for rows in (24, 48, 100):
+    for rows in (12, 24, 48, 100):
         ctxs = torch.randint(1, 5000, (rows,), generator=g).tolist()
         cache, q, meta = paged_case(ctxs, 32, 8, 16, torch.bfloat16, "cuda", fp8=fp8, seed=rows)
         pages = torch.zeros(len(meta.kv_indices), dtype=torch.int32, device="cuda")

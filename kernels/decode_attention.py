@@ -10,10 +10,11 @@ tokens a turn; at batch 1 a layer's attention cost ~9 us on an H100 (split + mer
 docs/benchmarks.md) for ~1 us of bytes. Here a chunk runs 64 tokens a turn on the tensor cores,
 a row short enough for one chunk writes its output directly, and under programmatic dependent
 launch (``kernels._triton``) each program reads its first page ids before it waits for the
-kernel before (the K/V store). With more rows, no row is split, and the kernel read the KV
-as fast as FlashInfer's decode kernels or faster at 16-256 rows (bf16: even to 14% faster; an
-FP8 cache: 62-89% of the read rate against FlashInfer's 38-75%, the cache widened to float16 in
-one instruction where bf16 takes several: docs/benchmarks.md).
+kernel before (the K/V store). With more rows, fewer splits (none past 16 rows at 8 KV heads:
+:func:`max_splits`), and the kernel read the KV as fast as FlashInfer's decode kernels or
+faster at 16-256 rows (bf16: even to 14% faster; an FP8 cache: 62-89% of the read rate against
+FlashInfer's 38-75%, the cache widened to float16 in one instruction where bf16 takes several:
+docs/benchmarks.md).
 
 Program ``(row, kv head, split)``: ``tiles`` = the row's tokens in tiles (64 tokens up to
 ``MAX_ROWS`` rows; :func:`launch_config` beyond); a split takes
@@ -37,7 +38,7 @@ import torch
 
 from kernels._triton import pdl, tl, triton, wait_for_inputs
 
-MAX_ROWS = 8  # graph sizes 1, 2, 4, 8: rows split over the KV; long rows go to FlashInfer
+MAX_ROWS = 8  # the few-row launch (graph sizes 1, 2, 4, 8); long steps of these: FlashInfer
 TILE_TOKENS = 64  # tokens a loop turn
 MIN_CHUNK_TILES = 2  # a split takes at least this many tiles (128 tokens)
 TARGET_PROGRAMS = 256  # splits per (row, head) so that rows x heads x splits is about this

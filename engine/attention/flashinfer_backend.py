@@ -137,8 +137,8 @@ class FlashInferBackend(AttentionBackend):
     @property
     def long_context_rows(self) -> int:
         """The most rows a step may have for its long rows to send it to FlashInfer's kernel:
-        Baton's kernel's split rows (``MAX_ROWS``), where it runs them. A step of more rows
-        runs one kernel at every length (Baton's: its rows are not split; or FlashInfer's)."""
+        Baton's few-row launch (``MAX_ROWS``), where it runs them. A step of more rows runs one
+        kernel at every length (Baton's, or FlashInfer's where ``BATON_SMALL_DECODE`` says)."""
         return min(self.small_decode_rows, decode_attention.MAX_ROWS)
 
     def long_context(self, meta: AttentionMetadata) -> bool:

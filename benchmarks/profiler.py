@@ -36,8 +36,8 @@ side (where the device waits for the host), and the device time by kernel. With
 ``engine_bench``'s timing points do), a step is a speculating one.
 
     python -m benchmarks.profiler timeline --model dummy:Qwen3-8B --quantization fp8 \
-        [--speculative-config '{"method": "draft_model", "model": "dummy:Qwen3-0.6B",
-        "num_speculative_tokens": 4}' --kept 70]
+        [--fp8-lm-head] [--speculative-config '{"method": "draft_model",
+        "model": "dummy:Qwen3-0.6B", "num_speculative_tokens": 4}' --kept 70]
 
 ``attention``: the decode graph's device time at several contexts and row counts with
 FlashInfer's decode attention and with the few-row kernel (``kernels.decode_attention``), and
@@ -627,8 +627,11 @@ def timeline_main(argv=None) -> None:
     ap.add_argument("--warm-steps", type=int, default=60)
     ap.add_argument("--batch", type=int, default=1, help="sequences decoding at once")
     ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--fp8-lm-head", action="store_true", help="the engine's fp8_lm_head")
     args = ap.parse_args(argv)
     kw = {"quantization": args.quantization} if args.quantization else {}
+    if args.fp8_lm_head:
+        kw["fp8_lm_head"] = True
     if args.speculative_config:
         kw["speculative_config"] = args.speculative_config
     engine = _engine(args.model, max_num_seqs=max(8, args.batch), **kw)

@@ -1,6 +1,6 @@
 """engine_bench's timing points for speculative decoding, on the CPU: the forced verification
 (``forced``/``kept70``) called as the engine calls ``verify``, keeping its share of the
-proposals."""
+proposals; and the engine the profiler's tools build from their options."""
 
 import pytest
 
@@ -81,3 +81,24 @@ def test_served_engine_options_reach_the_served_engines_alone():
                       "speculative_config": {"method": "ngram", "num_speculative_tokens": 4}}
     assert offline == {"model": "tiny", "dtype": "float32"}
     assert served_config(offline, []) == offline
+
+
+@pytest.mark.parametrize("flags,wanted", [([], {}), (["--fp8-lm-head"], {"fp8_lm_head": True}),
+                                          (["--quantization", "fp8", "--fp8-lm-head"],
+                                           {"quantization": "fp8", "fp8_lm_head": True})])
+def test_profiler_timeline_builds_the_engine_it_is_asked_for(monkeypatch, flags, wanted):
+    """``profiler timeline``'s engine options (the timeline itself needs a GPU): the engine is
+    built with the quantization and the FP8 head asked for, and nothing else."""
+    import benchmarks.engine_bench as engine_bench
+    from benchmarks.profiler import timeline_main
+
+    class Built(Exception):
+        pass
+
+    def engine(model, **kw):
+        raise Built(model, kw)
+
+    monkeypatch.setattr(engine_bench, "_engine", engine)
+    with pytest.raises(Built) as built:
+        timeline_main(["--model", "tiny", *flags])
+    assert built.value.args == ("tiny", {"max_num_seqs": 8, **wanted})

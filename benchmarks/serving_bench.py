@@ -463,7 +463,8 @@ def layout_config(layout: str, engine: dict, args) -> dict:
                               transfer={"backend": args.backend,
                                         "push_at_step_end": args.push_at_step_end},
                               router={"num_replicas": args.routers,
-                                      "request_timeout_s": args.timeout})
+                                      "request_timeout_s": args.timeout,
+                                      "early_start": not args.no_early_start})
     for role in ("prefill", "decode"):
         if role in config:
             config[role].update(max_ongoing_requests=4096, max_queued_requests=-1)
@@ -703,6 +704,8 @@ def main(argv=None) -> None:
     p.add_argument("--routers", type=int, default=None, help="ingress replicas")
     p.add_argument("--clients", type=int, default=None, help="client processes")
     p.add_argument("--zero-load", type=int, default=8, help="single requests for zero-load TTFT")
+    p.add_argument("--no-early-start", action="store_true",
+                   help="router.early_start off: requests start when their Serve calls arrive")
     p.add_argument("--stub-forward", action="store_true")
     p.add_argument("--cpu", action="store_true",
                    help="on a GPU host, the CPU configuration: every engine on the CPU")

@@ -220,6 +220,21 @@ class PlacementMetrics:
             self.placements.inc(1, tags={"where": where, "reason": reason})
 
 
+class EarlyStartMetrics:
+    """Requests a replica started ahead of their Serve calls (``router.early_start``) by
+    ``outcome``: ``claimed`` by their call, or ``dropped`` (the call went elsewhere or never
+    came)."""
+
+    def __init__(self):
+        self.starts = _serve_metrics().Counter(
+            "baton_early_starts", "Requests started ahead of their Serve calls, by outcome",
+            tag_keys=("outcome",))
+
+    def record(self, outcome: str) -> None:
+        with never_raises():
+            self.starts.inc(1, tags={"outcome": outcome})
+
+
 @contextlib.contextmanager
 def never_raises():
     """A metric that cannot be recorded is logged, never raised into a request."""

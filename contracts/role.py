@@ -81,6 +81,11 @@ class RoleDeployment:
         latest step."""
         return asdict(self.server.aengine.feed.latest.stats)
 
+    async def early_starts(self) -> dict:
+        """Requests started ahead of their Serve calls (``router.early_start``): how many their
+        calls claimed, how many were dropped."""
+        return dict(getattr(self.server, "whole", self.server).early_starts)
+
     async def record_autoscaling_stats(self) -> dict:
         """Serve's autoscaler asks every replica for these (read by the policies in
         ``deploy.autoscaling``); from the engine's published snapshot only."""

@@ -9,23 +9,37 @@ that step's tokens, one frame per connection, on the engine thread → once the 
 ended, its :class:`GenerateResult` follows its last tokens on the same connection (the Serve
 call returns nothing). Bad input only a replica can check (:class:`BadRequest`) is answered the
 same way; any other failure aborts the request here and raises.
+
+Early starts (:mod:`contracts.token_channel`): a request the ingress sent ahead of its Serve call
+over the token channel starts at once, its frames held by the publisher; its Serve call claims
+it (the frames go out, the call then follows the running request as if it had started it). One
+never claimed within ``EARLY_CLAIM_S``, or withdrawn by the ingress (its call went to another
+replica), is cancelled like a call that went away: aborted, its blocks freed, nothing of it
+sent. A request id is started once: an early start that comes after its call is ignored.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from contracts.messages import (TIMELINE, DecodeTiming, GenerateRequest, GenerateResult,
                                 PrefillResult, TransferSummary, serve_logger, timeline)
+from contracts.metrics import EarlyStartMetrics
 from contracts.token_channel import TokenPublisher
 from engine.errors import BadRequest
 from engine.outputs import RequestOutput
 
 log = serve_logger(__name__)
 LOCAL, REMOTE = "local", "remote"
+# An early start whose Serve call has not come by then is cancelled (the call comes within
+# milliseconds unless Serve routed it elsewhere; the ingress then withdraws it sooner).
+EARLY_CLAIM_S = 5.0
+RECENT_IDS = 4096  # request ids remembered, so a late early start never runs one twice
 
 
 @dataclass(frozen=True)
@@ -45,15 +59,71 @@ class StreamedRequests:
                  replica: str | None = None, placements=None):
         self.aengine, self.publisher = aengine, publisher
         self.placement, self.replica, self.placements = placement, replica, placements
+        self._unclaimed: dict[str, tuple[asyncio.Task, asyncio.TimerHandle]] = {}
+        self._recent: OrderedDict[str, None] = OrderedDict()
+        self.early_starts = {"claimed": 0, "dropped": 0}
+        self._early_metrics = EarlyStartMetrics() if replica else None
+        publisher.on_submit, publisher.on_withdraw = self._start_early, self._withdraw
 
     async def generate(self, req: GenerateRequest) -> GenerateResult:
         """Run the request to its end; its tokens, then its :class:`GenerateResult`, go to
         ``req.reply_to``. A request refused as bad input (:class:`BadRequest`: a grammar that
         does not compile, a prompt the KV cache cannot hold) gets its refusal there too; any
-        other failure raises."""
+        other failure raises. A request started early is claimed and followed instead."""
+        rid = req.request_id
+        early = self._unclaimed.pop(rid, None)
+        if early is not None:
+            task, timer = early
+            timer.cancel()
+            self._count_early("claimed")
+            self.publisher.claim(rid)
+            return await task  # cancelling this call cancels the request, as below
+        self._remember(rid)
         timing = DecodeTiming(received=time.time(), replica=self.replica)
-        rid, prompt = req.request_id, list(req.prompt_token_ids)
         route = self.publisher.route(rid, await self.publisher.connect(req.reply_to))
+        return await self._run(req, route, timing)
+
+    def _start_early(self, conn, req: GenerateRequest) -> None:
+        """A request sent ahead of its Serve call over ``conn`` (event loop): run it, its
+        frames held until the call claims it."""
+        rid = req.request_id
+        if rid in self._recent or req.reply_to.sink_id != conn.address.sink_id:
+            return  # its call came first (or the request names another sink)
+        self._remember(rid)
+        timing = DecodeTiming(received=time.time(), replica=self.replica)
+        route = self.publisher.route(rid, conn, held=True)
+        # A context of its own: the connection's reader runs in the context of the call that
+        # dialled it, whose Serve request id the role's own calls (to a prefill replica) would
+        # otherwise share, and concurrent calls under one id collide in Serve's bookkeeping.
+        task = asyncio.get_running_loop().create_task(self._run(req, route, timing),
+                                                      context=contextvars.Context())
+        task.add_done_callback(_retrieved)  # a dropped one's outcome is nobody's
+        timer = asyncio.get_running_loop().call_later(EARLY_CLAIM_S, self._withdraw, rid)
+        self._unclaimed[rid] = (task, timer)
+
+    def _withdraw(self, rid: str) -> None:
+        """An early start whose call went elsewhere, or never came: cancelled, nothing sent."""
+        early = self._unclaimed.pop(rid, None)
+        if early is None:
+            return
+        task, timer = early
+        timer.cancel()
+        self._count_early("dropped")
+        self.publisher.drop(rid)
+        task.cancel()
+
+    def _count_early(self, outcome: str) -> None:
+        self.early_starts[outcome] += 1
+        if self._early_metrics is not None:
+            self._early_metrics.record(outcome)
+
+    def _remember(self, rid: str) -> None:
+        self._recent[rid] = None
+        if len(self._recent) > RECENT_IDS:
+            self._recent.popitem(last=False)
+
+    async def _run(self, req: GenerateRequest, route, timing: DecodeTiming) -> GenerateResult:
+        rid, prompt = req.request_id, list(req.prompt_token_ids)
         # An empty first delta: the ingress's word that a replica has taken the request (its
         # queue-time bound then stops, router.queue_timeout_s).
         self.publisher.publish([RequestOutput(rid, [])])
@@ -78,7 +148,7 @@ class StreamedRequests:
                 log.info("request %s refused: %s", rid, exc)
                 result = GenerateResult(rid, len(prompt), 0, 0, None, timing=timing,
                                         error=str(exc))
-                self.publisher.end(route.conn, rid, result.to_wire())
+                self.publisher.end(route, rid, result.to_wire())
                 return result
             outcome = "cancelled" if isinstance(exc, asyncio.CancelledError) else \
                 f"error {type(exc).__name__}"
@@ -98,7 +168,7 @@ class StreamedRequests:
             transfer=TransferSummary.of(prefilled.stats) if prefilled is not None else None,
             prefill_seconds=prefilled.prefill_seconds if prefilled is not None else 0.0,
             timing=timing, prefilled_where=placement.where, prefilled_why=placement.reason)
-        self.publisher.end(route.conn, rid, result.to_wire())
+        self.publisher.end(route, rid, result.to_wire())
         return result
 
     async def _prefill_elsewhere(self, req: GenerateRequest, prompt: list[int],
@@ -113,6 +183,11 @@ class StreamedRequests:
     def abort(self, request_id: str) -> None:
         """Stop the request wherever it is; harmless twice."""
         self.aengine.abort(request_id)
+
+
+def _retrieved(task: asyncio.Task) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 def log_timeline(rid: str, outcome: str | None, timing: DecodeTiming,

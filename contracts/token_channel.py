@@ -21,13 +21,26 @@ prompt_logprobs], ...]]`` (``top_logprobs``: per token, ``[[id, logprob], ...]``
 ``prompt_logprobs``: nil but in a first delta that asked for them), ``produced_at``
 being the ``time.time()`` at which the engine step's tokens were known; an end frame is
 ``[produced_at, [], [[request_id, result], ...]]``.
+
+Early starts (the other way, sink to publisher): ``["submit", pickled GenerateRequest]`` and
+``["withdraw", request_id]``. The ingress's replica choice (``router.replica_choice``) sends a
+request over the connection of the replica it ranks first as Serve's call to that replica
+leaves (:meth:`TokenSink.submit`), so the engine starts on it while the call travels; the
+publisher holds everything such a request publishes (:meth:`TokenPublisher.route` with
+``held``) until the Serve call for it arrives and claims it (:meth:`TokenPublisher.claim`), or
+drops it (:meth:`TokenPublisher.drop`: the call went to another replica, or never came). The
+Serve call stays the request's one authority (its replica, its failure, its cancellation, the
+counts autoscaling reads); the early start only moves the engine's work ahead of it. A
+publisher's id is its Serve replica's id, which the replica choice knows the replica by.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import pickle
 import secrets
+import weakref
 import struct
 import time
 import uuid
@@ -39,7 +52,7 @@ from contracts.messages import StreamAddress, TokenDelta
 from engine.outputs import RequestOutput
 
 log = logging.getLogger(__name__)
-PROTOCOL = 3
+PROTOCOL = 4
 HELLO_TIMEOUT_S = 5.0
 MAX_FRAME_BYTES = 64 << 20
 _LEN = struct.Struct(">I")
@@ -47,6 +60,14 @@ _LEN = struct.Struct(">I")
 DeltaHandler = Callable[[TokenDelta, float], None]
 EndHandler = Callable[[dict], None]
 LostHandler = Callable[[], None]
+# Sinks that take early starts (``TokenSink(early_start=True)``), by sink id: the replica
+# choice of the same process finds a request's sink here from its ``reply_to``.
+_EARLY_SINKS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def early_sink(address: StreamAddress | None) -> TokenSink | None:
+    """The sink at ``address`` if it lives in this process and takes early starts."""
+    return _EARLY_SINKS.get(address.sink_id) if address is not None else None
 
 
 class TokenChannelLost(ConnectionError):
@@ -86,11 +107,15 @@ class TokenSink:
     """The ingress side: accepts publishers and hands each delta to its request's handler (on
     the event loop that started the sink)."""
 
-    def __init__(self, host: str = "127.0.0.1"):
+    def __init__(self, host: str = "127.0.0.1", early_start: bool = False):
+        """``early_start``: requests may be sent ahead of their Serve calls (:meth:`submit`)."""
         self.host = host
         self.key = secrets.token_hex(16)
         self.sink_id = uuid.uuid4().hex
         self.address: StreamAddress | None = None
+        self.early_start = early_start
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._publishers: dict[str, asyncio.StreamWriter] = {}  # publisher id -> its connection
         self._handlers: dict[str, DeltaHandler] = {}
         self._on_end: dict[str, EndHandler] = {}
         self._on_lost: dict[str, LostHandler] = {}
@@ -104,9 +129,37 @@ class TokenSink:
         async with self._lock:
             if self._server is None:
                 self._server = await asyncio.start_server(self._serve, self.host, 0)
+                self._loop = asyncio.get_running_loop()
                 port = self._server.sockets[0].getsockname()[1]
                 self.address = StreamAddress(self.host, port, self.key, self.sink_id)
+                if self.early_start:
+                    _EARLY_SINKS[self.sink_id] = self
         return self.address
+
+    def submit(self, publisher_id: str, request) -> bool:
+        """Send ``request`` (a ``GenerateRequest`` naming this sink) to the publisher
+        ``publisher_id`` ahead of its Serve call, if that publisher is connected (any thread);
+        whether it was sent."""
+        return self._send(publisher_id, ["submit", pickle.dumps(request)])
+
+    def withdraw(self, publisher_id: str, request_id: str) -> None:
+        """Take back an early start whose Serve call went elsewhere (any thread)."""
+        self._send(publisher_id, ["withdraw", request_id])
+
+    def _send(self, publisher_id: str, message: list) -> bool:
+        writer = self._publishers.get(publisher_id)
+        if writer is None or writer.is_closing() or self._loop is None:
+            return False
+        data = _frame(message)
+        try:
+            on_loop = asyncio.get_running_loop() is self._loop
+        except RuntimeError:
+            on_loop = False
+        if on_loop:
+            writer.write(data)
+        else:
+            self._loop.call_soon_threadsafe(_write, writer, data)
+        return True
 
     def register(self, request_id: str, handler: DeltaHandler, on_end: EndHandler | None = None,
                  on_lost: LostHandler | None = None) -> None:
@@ -132,6 +185,8 @@ class TokenSink:
                     and secrets.compare_digest(str(hello[1]), self.key)):
                 log.warning("token sink: refused a publisher from %s (bad hello)", peer)
                 return
+            publisher_id = str(hello[2])
+            self._publishers[publisher_id] = writer
             while True:
                 produced_at, deltas, ends = decode_step(await _read_frame(reader))
                 self.num_frames += 1
@@ -151,6 +206,7 @@ class TokenSink:
             log.exception("token sink: dropped the connection from %s", peer)
         finally:
             self._writers.discard(writer)
+            self._publishers = {k: w for k, w in self._publishers.items() if w is not writer}
             self._tasks.discard(asyncio.current_task())
             writer.close()
             for rid in seen:
@@ -163,6 +219,7 @@ class TokenSink:
         connections' tasks end by themselves once their transports close; they are awaited
         (bounded), so none is left to be cancelled when the loop stops (asyncio of Python 3.11
         then prints a spurious CancelledError traceback)."""
+        _EARLY_SINKS.pop(self.sink_id, None)
         if self._server is not None:
             self._server.close()
         for writer in list(self._writers):
@@ -185,14 +242,15 @@ class _Connection:
 
 class _Route:
     """A request routed over a connection: ``done`` gets its last output; ``first_at`` is when
-    its first tokens were published."""
+    its first tokens were published (or made, while ``held``)."""
 
-    __slots__ = ("conn", "done", "first_at")
+    __slots__ = ("conn", "done", "first_at", "held")
 
-    def __init__(self, conn: _Connection, done: asyncio.Future):
+    def __init__(self, conn: _Connection, done: asyncio.Future, held: bool = False):
         self.conn = conn
         self.done = done
         self.first_at = 0.0
+        self.held = held  # started early: its frames wait for its Serve call (claim)
 
 
 class TokenPublisher:
@@ -200,11 +258,17 @@ class TokenPublisher:
     ``connect``/``route``/``unroute`` run on the event loop (one loop: the replica's, where every
     connection lives), ``publish`` on the engine thread, ``fail_all`` on any thread."""
 
-    def __init__(self):
-        self.publisher_id = uuid.uuid4().hex
+    def __init__(self, publisher_id: str | None = None):
+        """``publisher_id``: its Serve replica's id (a fresh one outside Serve)."""
+        self.publisher_id = publisher_id or uuid.uuid4().hex
         self._conns: dict[str, _Connection] = {}
         self._dialing: dict[str, asyncio.Future] = {}
         self._routes: dict[str, _Route] = {}
+        # Early starts' routes and frames until their Serve calls claim them (event loop only).
+        self._held: dict[str, tuple[_Route, list[bytes]]] = {}
+        # Called on the event loop with (connection, GenerateRequest) / (request id).
+        self.on_submit: Callable[[_Connection, object], None] | None = None
+        self.on_withdraw: Callable[[str], None] | None = None
 
     @property
     def num_routes(self) -> int:
@@ -232,11 +296,24 @@ class TokenPublisher:
         return conn
 
     async def _watch(self, conn: _Connection, reader: asyncio.StreamReader) -> None:
-        """A sink never writes: EOF (or an error) means the connection is gone."""
+        """The sink's early starts and withdrawals; EOF (or an error) means the connection is
+        gone."""
         try:
-            await reader.read(1)
-        except Exception:  # noqa: BLE001
+            while True:
+                kind, body = msgpack.unpackb(await _read_frame(reader), raw=False)
+                handler = self.on_submit if kind == "submit" else \
+                    self.on_withdraw if kind == "withdraw" else None
+                if handler is None:
+                    continue
+                try:
+                    handler(conn, pickle.loads(body)) if kind == "submit" else handler(body)
+                except Exception:  # noqa: BLE001 - its Serve call will start it as usual
+                    log.exception("token channel: an early %s failed", kind)
+        except (asyncio.IncompleteReadError, ConnectionError):
             pass
+        except Exception:  # noqa: BLE001 - a malformed frame ends the connection
+            log.exception("token channel: dropped the connection to %s:%s", conn.address.host,
+                          conn.address.port)
         conn.alive = False
         if self._conns.get(conn.address.sink_id) is conn:
             del self._conns[conn.address.sink_id]
@@ -249,16 +326,37 @@ class TokenPublisher:
         conn.routes.clear()
         conn.writer.close()
 
-    def route(self, request_id: str, conn: _Connection) -> _Route:
-        """Send ``request_id``'s outputs over ``conn``; ``route.done`` gets its last output."""
+    def route(self, request_id: str, conn: _Connection, held: bool = False) -> _Route:
+        """Send ``request_id``'s outputs over ``conn``; ``route.done`` gets its last output.
+        ``held`` (an early start, event loop): keep its frames, and its end, until
+        :meth:`claim` sends them or :meth:`drop` forgets them."""
         if not conn.alive:
             raise TokenChannelLost(f"token channel to {conn.address.host}:{conn.address.port} "
                                    "closed")
-        if request_id in self._routes:
+        if request_id in self._routes or request_id in self._held:
             raise ValueError(f"request_id: {request_id!r} is already in use")
-        route = self._routes[request_id] = _Route(conn, conn.loop.create_future())
+        route = self._routes[request_id] = _Route(conn, conn.loop.create_future(), held)
         conn.routes.add(request_id)
+        if held:
+            self._held[request_id] = (route, [])
         return route
+
+    def claim(self, request_id: str) -> None:
+        """An early start's Serve call has come: send what it held, in order, and what it
+        publishes from now on at once (event loop)."""
+        route, frames = self._held.pop(request_id, (None, ()))
+        if route is None:
+            return
+        route.held = False
+        for data in frames:
+            if route.conn.alive:
+                route.conn.writer.write(data)
+
+    def drop(self, request_id: str) -> None:
+        """Forget an early start that was never claimed: nothing it held or makes later is sent
+        (event loop)."""
+        self._held.pop(request_id, None)
+        self.unroute(request_id)
 
     def unroute(self, request_id: str) -> None:
         route = self._routes.pop(request_id, None)
@@ -269,26 +367,35 @@ class TokenPublisher:
         """Pack the outputs of one engine step into one frame per connection (engine thread)."""
         at = time.time() if produced_at is None else produced_at
         by_conn: dict[_Connection, list[RequestOutput]] = {}
+        held: list[tuple[_Route, str, bytes]] = []  # early starts' own frames
         finished: list[tuple[_Route, RequestOutput]] = []
+        loop = None
         for out in outputs:
             route = self._routes.get(out.request_id)
             if route is None:
                 continue
-            by_conn.setdefault(route.conn, []).append(out)
+            loop = route.conn.loop
+            if route.held:  # claimed meanwhile: _flush sends it at once
+                held.append((route, out.request_id, encode_step(at, [out])))
+            else:
+                by_conn.setdefault(route.conn, []).append(out)
             if not route.first_at and out.new_token_ids:
                 route.first_at = at
             if out.finished:
                 finished.append((route, out))
-        if not by_conn:
+        if loop is None:
             return
         frames = [(conn, encode_step(at, outs)) for conn, outs in by_conn.items()]
-        next(iter(by_conn)).loop.call_soon_threadsafe(self._flush, frames, finished)
+        loop.call_soon_threadsafe(self._flush, frames, finished, held)
 
     def _flush(self, frames: list[tuple[_Connection, bytes]],
-               finished: list[tuple[_Route, RequestOutput]]) -> None:
+               finished: list[tuple[_Route, RequestOutput]],
+               held: list[tuple[_Route, str, bytes]] = ()) -> None:
         for conn, data in frames:
             if conn.alive:
                 conn.writer.write(data)
+        for route, rid, data in held:
+            self._send_or_hold(route, rid, data)
         for route, out in finished:
             if self._routes.get(out.request_id) is route:
                 del self._routes[out.request_id]
@@ -296,10 +403,17 @@ class TokenPublisher:
             if not route.done.done():
                 route.done.set_result(out)
 
-    def end(self, conn: _Connection, request_id: str, result: dict) -> None:
+    def end(self, route: _Route, request_id: str, result: dict) -> None:
         """Send a request's result behind its last delta (event loop; after ``route.done``)."""
-        if conn.alive:
-            conn.writer.write(encode_end(request_id, result))
+        self._send_or_hold(route, request_id, encode_end(request_id, result))
+
+    def _send_or_hold(self, route: _Route, request_id: str, data: bytes) -> None:
+        if route.held:  # not claimed yet, or dropped: then nothing of it is sent
+            held = self._held.get(request_id)
+            if held is not None and held[0] is route:
+                held[1].append(data)
+        elif route.conn.alive:
+            route.conn.writer.write(data)
 
     def fail_all(self, exc: BaseException) -> None:
         """Fail every routed request (any thread): the engine behind them is gone."""
@@ -310,6 +424,11 @@ class TokenPublisher:
         for conn in list(self._conns.values()):
             conn.writer.close()
         self._conns.clear()
+
+
+def _write(writer: asyncio.StreamWriter, data: bytes) -> None:
+    if not writer.is_closing():
+        writer.write(data)
 
 
 def _fail(fut: asyncio.Future, exc: BaseException) -> None:

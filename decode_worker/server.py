@@ -96,7 +96,7 @@ class DecodeServer(StreamedRequests):
         """``directory``: where this replica's KV endpoint is listed, so prefill replicas open
         their links to it before the first request (``kvtransfer.directory``);
         ``disaggregation``: where each request is prefilled (``decode_worker.placement``)."""
-        publisher = TokenPublisher()
+        publisher = TokenPublisher(replica_id() or None)
         super().__init__(AsyncEngine(config, on_outputs=publisher.publish,
                                      on_error=publisher.fail_all), publisher, COLOCATED,
                          replica_id())

@@ -41,7 +41,7 @@ class PrefillServer:
         """``directory``: where decode replicas list their KV endpoints; the links to them are
         warmed as they appear (``kvtransfer.directory``). ``push_at_step_end``: see the
         module's docstring."""
-        self.publisher = TokenPublisher()
+        self.publisher = TokenPublisher(replica_id() or None)
         self.aengine = AsyncEngine(config, on_outputs=self._outputs,
                                    on_error=self.publisher.fail_all)
         self.endpoint = endpoint_for(self.aengine.engine.kv_cache_spec(), backend, polled=True,

@@ -10,6 +10,13 @@ rendezvous order of the prompt's first block, so ingress replicas without a reco
 prompts behind one system prompt meet on one replica until its load outweighs what it holds).
 Every replica is ranked, so a full one never blocks a request; a request without prompt tokens
 ranks by load alone.
+
+Early start: a ``generate`` call whose token sink lives in this process and takes early starts
+(``router.early_start``, ``contracts.token_channel``) is sent to the replica ranked first over
+that replica's token channel as soon as it is chosen, unless the replica is known to be full
+(Serve's queue-length cache); the engine there starts on it while Serve's call travels, and the
+call claims it. Should Serve's call land elsewhere (the first replica refused it), that replica
+is told to withdraw it.
 """
 
 from __future__ import annotations
@@ -20,7 +27,10 @@ from dataclasses import dataclass, field
 import xxhash
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
+from contracts.token_channel import early_sink
 from engine.block_pool import hash_blocks
+
+EARLY_KEPT = 4096  # early starts remembered until Serve says where their calls went
 
 
 def rendezvous_order(key: int, replicas: list[RunningReplica]) -> list[RunningReplica]:
@@ -67,6 +77,7 @@ class KVAwareRouter(RequestRouter):
         self.active: dict = {}  # replica unique id -> blocks of the requests in flight there
         self.ended: dict = {}  # requests Serve said had completed before it said where it sent them
         self.hashed: dict = {}  # internal request id -> its prompt's block hashes, until routed
+        self.early: dict = {}  # internal request id -> (replica unique id, sink, request id)
 
     def _state(self):
         if not hasattr(self, "held"):  # tests build the policy without Serve's wiring
@@ -83,7 +94,30 @@ class KVAwareRouter(RequestRouter):
         order = (rendezvous_order(hashes[0], candidate_replicas) if hashes else
                  random.sample(candidate_replicas, len(candidate_replicas)))
         ranked = sorted(order, key=lambda r: self.cost(r, hashes))
+        if ranked:
+            self._start_early(ranked[0], pending_request)
         return [[r] for r in ranked]
+
+    def _start_early(self, replica: RunningReplica, pending_request) -> None:
+        """Send a ``generate`` call's request to ``replica`` over its token channel, once a
+        request, unless the replica is known to be full."""
+        internal = _request_id(pending_request)
+        if internal is None or internal in self.early \
+                or getattr(pending_request.metadata, "call_method", None) != "generate":
+            return
+        req = pending_request.args[0] if pending_request.args else None
+        sink = early_sink(getattr(req, "reply_to", None))
+        if sink is None:
+            return
+        cache = getattr(self, "_replica_queue_len_cache", None)  # Serve's wiring only
+        queued = cache.get(replica.replica_id) if cache is not None else None
+        if queued is not None and queued >= replica.max_ongoing_requests:
+            return  # it would refuse the call: no early start there
+        uid = replica.replica_id.unique_id
+        if sink.submit(uid, req):
+            self.early[internal] = (uid, sink, req.request_id)
+            while len(self.early) > EARLY_KEPT:  # calls never routed (cancelled first)
+                self.early.pop(next(iter(self.early)))
 
     def cost(self, replica: RunningReplica, hashes: list[int]) -> float:
         """Blocks ``replica`` would compute or receive for the prompt, host-tier hits at
@@ -106,6 +140,7 @@ class KVAwareRouter(RequestRouter):
 
     def on_request_routed(self, pending_request, replica_id, result) -> None:
         self._state()
+        self._routed_early(_request_id(pending_request), replica_id.unique_id)
         hashes = self._hashes(pending_request, keep=False)
         if hashes is None:
             return
@@ -120,6 +155,12 @@ class KVAwareRouter(RequestRouter):
         self.active[rid] = self.active.get(rid, 0) + blocks
         if request_id is not None:
             self.sent[request_id] = (rid, blocks)
+
+    def _routed_early(self, internal: str | None, replica: str) -> None:
+        early = self.early.pop(internal, None)
+        if early is not None and early[0] != replica:  # the call went elsewhere
+            uid, sink, request_id = early
+            sink.withdraw(uid, request_id)
 
     def _hashes(self, pending_request, keep: bool) -> list[int] | None:
         """The chained hashes of the prompt's full blocks, as the engines' prefix caches key

@@ -609,3 +609,114 @@ def test_a_request_cancelled_while_its_first_token_is_made_elsewhere_leaves_noth
         assert decode.aengine.engine.scheduler.find("b") is None
 
     _run_placed(main, ALWAYS, decode_config=ONE_SLOT)
+
+
+# -- early starts: the request sent ahead of its Serve call over the token channel -----------
+async def _early(decode, prompt, rid, params, sink=None):
+    """An early-start sink connected to ``decode``'s publisher (as once a first call has run),
+    the request sent over it as the ingress's replica choice sends it: ``(sink, request)``, once
+    the replica has started it."""
+    sink = sink or TokenSink(early_start=True)
+    address = await sink.start()
+    await decode.publisher.connect(address)
+    while decode.publisher.publisher_id not in sink._publishers:
+        await asyncio.sleep(0.01)
+    req = GenerateRequest(tuple(prompt), params, rid, address)
+    assert sink.submit(decode.publisher.publisher_id, req)
+    while rid not in decode._unclaimed:
+        await asyncio.sleep(0.005)
+    return sink, req
+
+
+@pytest.mark.parametrize("disaggregated", [False, True], ids=["colocated", "disaggregated"])
+def test_an_early_start_claimed_by_its_call_gives_the_offline_tokens(roles, offline,
+                                                                    disaggregated):
+    """The engine starts the request before its call comes (handed over or prefilled here, as
+    the call would have had it); nothing reaches the ingress until the call claims it; then
+    the ingress gets the offline tokens and the result, once, and both roles end idle."""
+    prefill, _, decode = roles(disaggregated=disaggregated)
+
+    async def main():
+        sink, _ = await _early(decode, PROMPTS[1], "r1", GREEDY)
+        got = []
+        sink.register("early", lambda d, _at: got.append(d))  # nothing for "r1" yet
+        while not decode.aengine.engine.stats.output_tokens:  # it runs before its call
+            await asyncio.sleep(0.01)
+        assert sink.num_frames == 0
+        tokens, result = await generate(decode, sink, PROMPTS[1], "r1", GREEDY)
+        assert tokens == offline[1] and result.num_output_tokens == len(tokens)
+        assert (result.transfer is not None) == disaggregated
+        assert decode.early_starts == {"claimed": 1, "dropped": 0}
+        await until_idle(*(s for s in (prefill, decode) if s is not None))
+        await sink.close()
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("how", ["never claimed", "withdrawn"])
+def test_an_early_start_that_is_not_claimed_stops_and_sends_nothing(roles, monkeypatch, how):
+    """Its call never came (or went to another replica, which the ingress says): cancelled like
+    a call that went away, every block and lease back, no frame sent."""
+    import contracts.streamed as streamed
+
+    monkeypatch.setattr(streamed, "EARLY_CLAIM_S", 0.3)
+    prefill, handle, decode = roles({"delay": 0.1})
+    params = SamplingParams(temperature=0, max_tokens=2000, ignore_eos=True)
+
+    async def main():
+        sink, _ = await _early(decode, PROMPTS[1], "r", params)
+        got = []
+        sink.register("r", lambda d, _at: got.append(d), lambda rec: got.append(rec))
+        if how == "withdrawn":
+            while not handle.calls:
+                await asyncio.sleep(0.01)
+            sink.withdraw(decode.publisher.publisher_id, "r")
+        while not decode.early_starts["dropped"]:
+            await asyncio.sleep(0.01)
+        await until_idle(prefill, decode)
+        made = decode.aengine.engine.stats.output_tokens
+        await asyncio.sleep(0.3)
+        assert decode.aengine.engine.stats.output_tokens == made and got == []
+        assert sink.num_frames == 0 and decode.publisher.num_routes == 0
+        await sink.close()
+
+    asyncio.run(main())
+
+
+def test_a_claimed_early_start_whose_call_is_cancelled_stops(roles):
+    prefill, _, decode = roles()
+    params = SamplingParams(temperature=0, max_tokens=2000, ignore_eos=True)
+
+    async def main():
+        sink, req = await _early(decode, PROMPTS[0], "r", params)
+        got = []
+        sink.register("r", lambda d, _at: got.extend(d.token_ids))
+        call = asyncio.ensure_future(decode.generate(req))
+        while len(got) < 3:
+            await asyncio.sleep(0.01)
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        await until_idle(prefill, decode)
+        assert len(got) < 2000 and decode.early_starts["claimed"] == 1
+        await sink.close()
+
+    asyncio.run(main())
+
+
+def test_an_early_start_that_comes_after_its_call_is_ignored(roles, offline):
+    """The call came first (the two travel apart): the request runs once, from its call."""
+    _, _, decode = roles(disaggregated=False)
+
+    async def main():
+        sink = TokenSink(early_start=True)
+        address = await sink.start()
+        tokens, _ = await generate(decode, sink, PROMPTS[0], "r0", GREEDY)
+        assert sink.submit(decode.publisher.publisher_id,
+                           GenerateRequest(tuple(PROMPTS[0]), GREEDY, "r0", address))
+        await asyncio.sleep(0.3)
+        assert tokens == offline[0] and not decode._unclaimed
+        assert not decode.aengine.engine.has_unfinished_requests()
+        await sink.close()
+
+    asyncio.run(main())

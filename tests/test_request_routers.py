@@ -140,3 +140,60 @@ def test_both_roles_report_what_the_router_reads():
                                                "kv_host_blocks": 400}
     finally:
         role.server = None  # nothing to close
+
+
+# -- early starts: the request sent to the first-ranked replica ahead of Serve's call ---------
+class _EarlySink:
+    """Stands in for an early-start token sink of this process (what it was asked to send)."""
+
+    def __init__(self, monkeypatch):
+        self.sent, self.withdrawn = [], []
+        # the router's own module globals (an earlier test may have imported the module anew)
+        monkeypatch.setitem(KVAwareRouter._start_early.__globals__, "early_sink",
+                            lambda address: self if address == "sink" else None)
+
+    def submit(self, uid, req):
+        self.sent.append((uid, req.request_id))
+        return True
+
+    def withdraw(self, uid, request_id):
+        self.withdrawn.append((uid, request_id))
+
+
+def _generate_call(internal_id, tokens=range(40), method="generate", reply_to="sink"):
+    req = SimpleNamespace(prompt_token_ids=tuple(tokens), request_id=f"call-{internal_id}",
+                          reply_to=reply_to)
+    return SimpleNamespace(args=[req], metadata=SimpleNamespace(
+        internal_request_id=internal_id, call_method=method))
+
+
+def test_a_generate_call_starts_early_on_its_first_replica_once(monkeypatch):
+    """Sent to the replica ranked first, once however often Serve asks again; a call routed
+    there claims it (no withdrawal); one routed elsewhere withdraws it from the first."""
+    sink = _EarlySink(monkeypatch)
+    replicas = [_replica("busy", 0.9), _replica("idle", 0.1)]
+    router = KVAwareRouter.__new__(KVAwareRouter)
+    router.initialize_state()
+    router._replicas = {r.replica_id: r for r in replicas}
+    for internal, routed_to in (("q0", replicas[1]), ("q1", replicas[0])):
+        pending = _generate_call(internal)
+        for _ in range(2):  # Serve asks again after a refusal: still one early start
+            asyncio.run(router.choose_replicas(replicas, pending))
+        router.on_request_routed(pending, routed_to.replica_id, None)
+    assert sink.sent == [("idle", "call-q0"), ("idle", "call-q1")]
+    assert sink.withdrawn == [("idle", "call-q1")] and router.early == {}
+
+
+@pytest.mark.parametrize("case", ["other method", "no early-start sink", "first replica full"])
+def test_no_early_start_where_it_cannot_be_claimed(monkeypatch, case):
+    sink = _EarlySink(monkeypatch)
+    replica = _replica("only")
+    replica.max_ongoing_requests = 4
+    router = KVAwareRouter.__new__(KVAwareRouter)
+    router.initialize_state()
+    router._replica_queue_len_cache = SimpleNamespace(
+        get=lambda rid: 4 if case == "first replica full" else 1)
+    pending = _generate_call("q", method="prefill" if case == "other method" else "generate",
+                             reply_to=None if case == "no early-start sink" else "sink")
+    asyncio.run(router.choose_replicas([replica], pending))
+    assert sink.sent == []

@@ -80,6 +80,24 @@ def test_completions_match_offline_engine(server, offline):
     assert body["choices"][0]["token_ids"] == offline.generate([ids], SamplingParams(**GREEDY))[0].token_ids
 
 
+def test_requests_start_on_the_decode_replica_ahead_of_their_calls(server, offline):
+    """Once a first request has opened the decode replica's token channel, the ingress sends
+    each request over it as Serve's call leaves (``router.early_start``); the call claims the
+    running request: the offline engine's tokens, nothing dropped, no block left held. (A call
+    that overtakes its early start runs as before, so the count is at least one, not exact.)"""
+    _, url, _ = server
+    early = driver_handle("DecodeServer").early_starts
+    _post(f"{url}/v1/completions", {"prompt": PROMPTS[2], **GREEDY})  # opens the channel
+    before = early.remote().result(timeout_s=30)
+    expected = offline.generate(PROMPTS, SamplingParams(**GREEDY))
+    for prompt, want in zip(PROMPTS, expected):
+        body = _post(f"{url}/v1/completions", {"prompt": prompt, **GREEDY}).json()
+        assert body["choices"][0]["token_ids"] == want.token_ids
+    after = early.remote().result(timeout_s=30)
+    assert after["claimed"] > before["claimed"] and after["dropped"] == before["dropped"]
+    _wait_idle(url)
+
+
 def _usage(stream: bool) -> dict:
     """A usage chunk at the end of a stream, which OpenAI (and vLLM) send only when asked."""
     return {"stream_options": {"include_usage": True}} if stream else {}

@@ -153,7 +153,7 @@ def test_a_result_follows_its_last_delta_on_the_same_connection():
         _publish_from_thread(pub, [RequestOutput("r", [4], num_output_tokens=1)])
         _publish_from_thread(pub, [RequestOutput("r", [5], None, True, "stop", None, 2)])
         await route.done
-        pub.end(conn, "r", {"usage": 2})
+        pub.end(route, "r", {"usage": 2})
         while len(order) < 3:
             await asyncio.sleep(0.01)
         assert order == [("delta", [4]), ("delta", [5]), ("end", {"usage": 2})]
@@ -173,12 +173,11 @@ def test_a_dropped_connection_tells_the_requests_that_had_frames_on_it():
             sink.register(rid, lambda d, at: None, lambda rec: None,
                           lambda rid=rid: lost.append(rid))
         conn = await pub.connect(await sink.start())
-        for rid in ("mid", "ended"):
-            pub.route(rid, conn)
+        routes = {rid: pub.route(rid, conn) for rid in ("mid", "ended")}
         _publish_from_thread(pub, [RequestOutput("mid", [1]),
                                    RequestOutput("ended", [2], None, True, "stop", None, 1)])
         await asyncio.sleep(0.1)
-        pub.end(conn, "ended", {})
+        pub.end(routes["ended"], "ended", {})
         await asyncio.sleep(0.1)
         await pub.close()  # the decode replica's side closes
         while not lost:
@@ -186,5 +185,115 @@ def test_a_dropped_connection_tells_the_requests_that_had_frames_on_it():
         await asyncio.sleep(0.1)
         assert lost == ["mid"]
         await sink.close()
+
+    _run(main())
+
+
+# -- early starts: a request sent ahead of its Serve call --------------------------------------
+def _early_pair():
+    """An early-start sink and a publisher that records what the sink sends it."""
+    sink, pub = TokenSink(early_start=True), TokenPublisher("replica-a")
+    got = {"submit": [], "withdraw": []}
+    pub.on_submit = lambda conn, req: got["submit"].append((conn, req))
+    pub.on_withdraw = got["withdraw"].append
+    return sink, pub, got
+
+
+async def _until(cond, timeout=5.0):
+    end = asyncio.get_running_loop().time() + timeout
+    while not cond():
+        assert asyncio.get_running_loop().time() < end, "timed out"
+        await asyncio.sleep(0.01)
+
+
+def test_an_early_start_reaches_its_publisher_and_its_frames_wait_for_the_claim():
+    """The sink sends the request over the connection of the publisher named (by its replica
+    id); what the held request publishes, its result included, reaches the ingress only once
+    the claim comes, in order, and what follows the claim goes out at once."""
+    from contracts.messages import GenerateRequest
+    from contracts.token_channel import early_sink
+    from engine.sampling_params import SamplingParams
+
+    async def main():
+        sink, pub, got = _early_pair()
+        address = await sink.start()
+        assert early_sink(address) is sink
+        order = []
+        sink.register("r", lambda d, at: order.append(("delta", d.token_ids)),
+                      lambda rec: order.append(("end", rec)))
+        req = GenerateRequest((1, 2, 3), SamplingParams(max_tokens=3), "r", address)
+        assert not sink.submit("replica-a", req)  # not connected yet: no early start
+        conn = await pub.connect(address)
+        await _until(lambda: "replica-a" in sink._publishers)
+        assert not sink.submit("replica-b", req)  # another replica: not connected
+        assert sink.submit("replica-a", req)
+        await _until(lambda: got["submit"])
+        (on, sent), = got["submit"]
+        assert on is conn and sent == req
+        route = pub.route("r", conn, held=True)
+        pub.publish([RequestOutput("r", [])])
+        _publish_from_thread(pub, [RequestOutput("r", [4], num_output_tokens=1)], 7.0)
+        await asyncio.sleep(0.2)
+        assert order == [] and sink.num_frames == 0 and route.first_at == 7.0
+        pub.claim("r")
+        _publish_from_thread(pub, [RequestOutput("r", [5], None, True, "stop", None, 2)])
+        await route.done
+        pub.end(route, "r", {"usage": 2})
+        await _until(lambda: len(order) == 4)
+        assert order == [("delta", []), ("delta", [4]), ("delta", [5]), ("end", {"usage": 2})]
+        sink.withdraw("replica-a", "other")
+        await _until(lambda: got["withdraw"] == ["other"])
+        await pub.close()
+        await sink.close()
+        assert early_sink(address) is None
+
+    _run(main())
+
+
+def test_a_dropped_early_start_sends_nothing_not_even_what_it_makes_later():
+    """The request's call went to another replica: neither what it held nor what the engine
+    publishes after the drop (its result included) reaches the ingress, which now follows the
+    other replica's frames under the same id."""
+    async def main():
+        sink, pub, _ = _early_pair()
+        seen = []
+        sink.register("r", lambda d, at: seen.append(d.token_ids), lambda rec: seen.append(rec))
+        conn = await pub.connect(await sink.start())
+        route = pub.route("r", conn, held=True)
+        _publish_from_thread(pub, [RequestOutput("r", [1])])
+        await asyncio.sleep(0.05)
+        pub.drop("r")
+        pub.end(route, "r", {"late": True})
+        pub.route("kept", conn)  # an ordinary request on the same connection still flows
+        sink.register("kept", lambda d, at: seen.append(("kept", d.token_ids)))
+        _publish_from_thread(pub, [RequestOutput("r", [2]), RequestOutput("kept", [3])])
+        await _until(lambda: seen)
+        await asyncio.sleep(0.1)
+        assert seen == [("kept", [3])] and pub.num_routes == 1
+        await pub.close()
+        await sink.close()
+
+    _run(main())
+
+
+def test_only_a_sink_that_takes_early_starts_is_found_and_submits_from_any_thread():
+    from contracts.token_channel import early_sink
+
+    async def main():
+        plain = TokenSink()
+        assert early_sink(await plain.start()) is None
+        sink, pub, got = _early_pair()
+        address = await sink.start()
+        await pub.connect(address)
+        await _until(lambda: sink._publishers)
+        sent = []
+        t = threading.Thread(target=lambda: sent.append(sink.submit("replica-a", "x")))
+        t.start()
+        t.join()
+        await _until(lambda: got["submit"])
+        assert sent == [True] and got["submit"][0][1] == "x"
+        await pub.close()
+        await sink.close()
+        await plain.close()
 
     _run(main())

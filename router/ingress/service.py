@@ -208,7 +208,8 @@ class RequestService:
         self.client = DecodeClient(decode, self.tokenizer, ray.util.get_node_ip_address(),
                                    fallback=fallback, queue_timeout_s=cfg.queue_timeout_s,
                                    retry_after_s=cfg.retry_after_s,
-                                   decode_max_ongoing=cfg.decode_max_ongoing)
+                                   decode_max_ongoing=cfg.decode_max_ongoing,
+                                   early_start=cfg.early_start)
         self.vocab_size = source.config.vocab_size
         self.max_model_len = min(max_model_len or source.config.max_position_embeddings,
                                  source.config.max_position_embeddings)

@@ -229,17 +229,18 @@ class DecodeClient:
 
     def __init__(self, decode_handle, tokenizer, host: str = "127.0.0.1", fallback=None,
                  queue_timeout_s: float | None = None, retry_after_s: float = 1.0,
-                 decode_max_ongoing: int | None = None):
+                 decode_max_ongoing: int | None = None, early_start: bool = False):
         """``fallback``: where whole requests go while no decode replica answers (the prefill
         deployment of a disaggregated app; None: nowhere, requests wait for a decode replica).
         ``queue_timeout_s``: a request no decode replica has taken by then is refused
         (:class:`AtCapacity`) while every live one holds ``decode_max_ongoing`` requests, unless
-        it goes to the fallback (no decode replica alive)."""
+        it goes to the fallback (no decode replica alive). ``early_start``: requests may go
+        to their replica over its token channel ahead of their calls (``router.early_start``)."""
         self.decode = decode_handle
         self.fallback = fallback
         self.queue_timeout_s, self.retry_after_s = queue_timeout_s, retry_after_s
         self.tokenizer = tokenizer
-        self.sink = TokenSink(host)
+        self.sink = TokenSink(host, early_start)
         self.decode_down = False
         self._streams: dict[str, RequestStream] = {}  # by request id, until the writer closes
         # A silent or lost call's question, one at a time: is any decode replica alive?

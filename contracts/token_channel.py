@@ -23,9 +23,10 @@ being the ``time.time()`` at which the engine step's tokens were known; an end f
 ``[produced_at, [], [[request_id, result], ...]]``.
 
 Early starts (the other way, sink to publisher): ``["submit", pickled GenerateRequest]`` and
-``["withdraw", request_id]``. The ingress's replica choice (``router.replica_choice``) sends a
-request over the connection of the replica it ranks first as Serve's call to that replica
-leaves (:meth:`TokenSink.submit`), so the engine starts on it while the call travels; the
+``["withdraw", request_id]``. Just before the ingress calls a decode replica, its replica
+choice (``router.replica_choice``) sends the request over the connection of the replica it ranks
+first, where the call then goes (:meth:`TokenSink.submit`), so the engine starts on it while the
+call travels; the
 publisher holds everything such a request publishes (:meth:`TokenPublisher.route` with
 ``held``) until the Serve call for it arrives and claims it (:meth:`TokenPublisher.claim`), or
 drops it (:meth:`TokenPublisher.drop`: the call went to another replica, or never came). The
@@ -65,9 +66,24 @@ LostHandler = Callable[[], None]
 _EARLY_SINKS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
+# This process's replica choice of each deployment (``router.replica_choice.KVAwareRouter``), by
+# the deployment's name: the ingress asks it to start a request early. (Here, not in the
+# router's module: Serve pickles the router class by value, with the globals it names.)
+_EARLY_ROUTERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
 def early_sink(address: StreamAddress | None) -> TokenSink | None:
     """The sink at ``address`` if it lives in this process and takes early starts."""
     return _EARLY_SINKS.get(address.sink_id) if address is not None else None
+
+
+def register_early_router(deployment_name: str, router) -> None:
+    _EARLY_ROUTERS[deployment_name] = router
+
+
+def early_router(deployment_name: str | None):
+    """This process's replica choice of the deployment (None until Serve has made it)."""
+    return _EARLY_ROUTERS.get(deployment_name) if deployment_name else None
 
 
 class TokenChannelLost(ConnectionError):

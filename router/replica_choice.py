@@ -11,12 +11,13 @@ prompts behind one system prompt meet on one replica until its load outweighs wh
 Every replica is ranked, so a full one never blocks a request; a request without prompt tokens
 ranks by load alone.
 
-Early start: a ``generate`` call whose token sink lives in this process and takes early starts
-(``router.early_start``, ``contracts.token_channel``) is sent to the replica ranked first over
-that replica's token channel as soon as it is chosen, unless the replica is known to be full
-(Serve's queue-length cache); the engine there starts on it while Serve's call travels, and the
-call claims it. Should Serve's call land elsewhere (the first replica refused it), that replica
-is told to withdraw it.
+Early start (``router.early_start``, ``contracts.token_channel``): just before the ingress makes
+a ``generate`` call, it asks this process's router of that deployment (``early_router``) to
+rank the replicas for the request now and send it to the first over that replica's token
+channel (:meth:`KVAwareRouter.start_early`), unless the replica is known to be full (Serve's
+queue-length cache); the engine there starts on it while Serve's call travels, and when Serve
+asks, that replica is ranked first, so the call goes there and claims it. Should the call land
+elsewhere (the replica refused it), the replica is told to withdraw it.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from dataclasses import dataclass, field
 import xxhash
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-from contracts.token_channel import early_sink
+from contracts.token_channel import early_sink, register_early_router
 from engine.block_pool import hash_blocks
 
 EARLY_KEPT = 4096  # early starts remembered until Serve says where their calls went
@@ -77,7 +78,10 @@ class KVAwareRouter(RequestRouter):
         self.active: dict = {}  # replica unique id -> blocks of the requests in flight there
         self.ended: dict = {}  # requests Serve said had completed before it said where it sent them
         self.hashed: dict = {}  # internal request id -> its prompt's block hashes, until routed
-        self.early: dict = {}  # internal request id -> (replica unique id, sink, request id)
+        self.early: dict = {}  # call's request id -> (replica unique id, sink, block hashes)
+        deployment = getattr(self, "_deployment_id", None)  # Serve's wiring only
+        if deployment is not None:
+            register_early_router(deployment.name, self)
 
     def _state(self):
         if not hasattr(self, "held"):  # tests build the policy without Serve's wiring
@@ -87,37 +91,43 @@ class KVAwareRouter(RequestRouter):
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None):
         self._state()
-        hashes = self._hashes(pending_request, keep=True) or []
+        ranked = self._ranked(candidate_replicas, self._hashes(pending_request, keep=True) or [])
+        early = self.early.get(_call_id(pending_request))
+        if early is not None:  # started there (start_early): the call goes there first
+            ranked.sort(key=lambda r: r.replica_id.unique_id != early[0])
+        return [[r] for r in ranked]
+
+    def _ranked(self, replicas: list[RunningReplica], hashes: list[int]) -> list[RunningReplica]:
         # Ties in rendezvous order of the first block: every ingress replica (each keeps its own
         # record) then sends a conversation nobody has a record of to the same replica.
         # Without a full block, ties are broken at random.
-        order = (rendezvous_order(hashes[0], candidate_replicas) if hashes else
-                 random.sample(candidate_replicas, len(candidate_replicas)))
-        ranked = sorted(order, key=lambda r: self.cost(r, hashes))
-        if ranked:
-            self._start_early(ranked[0], pending_request)
-        return [[r] for r in ranked]
+        order = (rendezvous_order(hashes[0], replicas) if hashes else
+                 random.sample(replicas, len(replicas)))
+        return sorted(order, key=lambda r: self.cost(r, hashes))
 
-    def _start_early(self, replica: RunningReplica, pending_request) -> None:
-        """Send a ``generate`` call's request to ``replica`` over its token channel, once a
-        request, unless the replica is known to be full."""
-        internal = _request_id(pending_request)
-        if internal is None or internal in self.early \
-                or getattr(pending_request.metadata, "call_method", None) != "generate":
-            return
-        req = pending_request.args[0] if pending_request.args else None
+    def start_early(self, req) -> bool:
+        """Just before the ingress calls ``generate`` with ``req`` (on the loop this router
+        runs on): rank the replicas now and send ``req`` to the first over its token channel,
+        unless it is known to be full or its sink takes no early starts; that replica is then
+        ranked first for the call. Whether it was sent."""
+        self._state()
         sink = early_sink(getattr(req, "reply_to", None))
-        if sink is None:
-            return
+        replicas = list(getattr(self, "_replicas", {}).values())
+        if sink is None or not replicas or req.request_id in self.early:
+            return False
+        hashes = hash_blocks(req.prompt_token_ids, self.block_size)
+        first = self._ranked(replicas, hashes)[0]
         cache = getattr(self, "_replica_queue_len_cache", None)  # Serve's wiring only
-        queued = cache.get(replica.replica_id) if cache is not None else None
-        if queued is not None and queued >= replica.max_ongoing_requests:
-            return  # it would refuse the call: no early start there
-        uid = replica.replica_id.unique_id
-        if sink.submit(uid, req):
-            self.early[internal] = (uid, sink, req.request_id)
-            while len(self.early) > EARLY_KEPT:  # calls never routed (cancelled first)
-                self.early.pop(next(iter(self.early)))
+        queued = cache.get(first.replica_id) if cache is not None else None
+        if queued is not None and queued >= first.max_ongoing_requests:
+            return False  # it would refuse the call: no early start there
+        uid = first.replica_id.unique_id
+        if not sink.submit(uid, req):
+            return False  # not connected yet (its first request from this ingress)
+        self.early[req.request_id] = (uid, sink, hashes)
+        while len(self.early) > EARLY_KEPT:  # calls never routed (cancelled first)
+            self.early.pop(next(iter(self.early)))
+        return True
 
     def cost(self, replica: RunningReplica, hashes: list[int]) -> float:
         """Blocks ``replica`` would compute or receive for the prompt, host-tier hits at
@@ -140,7 +150,7 @@ class KVAwareRouter(RequestRouter):
 
     def on_request_routed(self, pending_request, replica_id, result) -> None:
         self._state()
-        self._routed_early(_request_id(pending_request), replica_id.unique_id)
+        self._routed_early(_call_id(pending_request), replica_id.unique_id)
         hashes = self._hashes(pending_request, keep=False)
         if hashes is None:
             return
@@ -156,11 +166,10 @@ class KVAwareRouter(RequestRouter):
         if request_id is not None:
             self.sent[request_id] = (rid, blocks)
 
-    def _routed_early(self, internal: str | None, replica: str) -> None:
-        early = self.early.pop(internal, None)
+    def _routed_early(self, call_id: str | None, replica: str) -> None:
+        early = self.early.pop(call_id, None)
         if early is not None and early[0] != replica:  # the call went elsewhere
-            uid, sink, request_id = early
-            sink.withdraw(uid, request_id)
+            early[1].withdraw(early[0], call_id)
 
     def _hashes(self, pending_request, keep: bool) -> list[int] | None:
         """The chained hashes of the prompt's full blocks, as the engines' prefix caches key
@@ -170,7 +179,9 @@ class KVAwareRouter(RequestRouter):
         if request_id in self.hashed:
             return self.hashed[request_id] if keep else self.hashed.pop(request_id)
         tokens = _prompt_tokens(pending_request)
-        hashes = None if tokens is None else hash_blocks(tokens, self.block_size)
+        early = self.early.get(_call_id(pending_request))
+        hashes = early[2] if early is not None else \
+            None if tokens is None else hash_blocks(tokens, self.block_size)
         if keep and request_id is not None:
             self.hashed[request_id] = hashes
             while len(self.hashed) > 4096:  # requests chosen for but never routed
@@ -207,6 +218,13 @@ def kv_load(replica: RunningReplica) -> float:
 
 def _request_id(pending_request: PendingRequest | None) -> str | None:
     return getattr(getattr(pending_request, "metadata", None), "internal_request_id", None)
+
+
+def _call_id(pending_request: PendingRequest | None) -> str | None:
+    """The ``generate`` call's own request id (``GenerateRequest.request_id``), if it is one."""
+    if pending_request is None or not pending_request.args:
+        return None
+    return getattr(pending_request.args[0], "request_id", None)
 
 
 def _prompt_tokens(pending_request: PendingRequest | None):

@@ -144,56 +144,67 @@ def test_both_roles_report_what_the_router_reads():
 
 # -- early starts: the request sent to the first-ranked replica ahead of Serve's call ---------
 class _EarlySink:
-    """Stands in for an early-start token sink of this process (what it was asked to send)."""
+    """Stands in for an early-start token sink of this process (what it was asked to send;
+    ``connected``: the replicas whose token channels are open)."""
 
-    def __init__(self, monkeypatch):
-        self.sent, self.withdrawn = [], []
+    def __init__(self, monkeypatch, connected=("busy", "idle")):
+        self.sent, self.withdrawn, self.connected = [], [], connected
         # the router's own module globals (an earlier test may have imported the module anew)
-        monkeypatch.setitem(KVAwareRouter._start_early.__globals__, "early_sink",
+        monkeypatch.setitem(KVAwareRouter.start_early.__globals__, "early_sink",
                             lambda address: self if address == "sink" else None)
 
     def submit(self, uid, req):
         self.sent.append((uid, req.request_id))
-        return True
+        return uid in self.connected
 
     def withdraw(self, uid, request_id):
         self.withdrawn.append((uid, request_id))
 
 
-def _generate_call(internal_id, tokens=range(40), method="generate", reply_to="sink"):
-    req = SimpleNamespace(prompt_token_ids=tuple(tokens), request_id=f"call-{internal_id}",
-                          reply_to=reply_to)
-    return SimpleNamespace(args=[req], metadata=SimpleNamespace(
-        internal_request_id=internal_id, call_method=method))
+def _call(call_id, tokens=range(40), reply_to="sink"):
+    """A ``generate`` call's request and the pending request Serve makes of it."""
+    req = SimpleNamespace(prompt_token_ids=tuple(tokens), request_id=call_id, reply_to=reply_to)
+    return req, SimpleNamespace(args=[req], metadata=SimpleNamespace(
+        internal_request_id=f"internal-{call_id}"))
 
 
-def test_a_generate_call_starts_early_on_its_first_replica_once(monkeypatch):
-    """Sent to the replica ranked first, once however often Serve asks again; a call routed
-    there claims it (no withdrawal); one routed elsewhere withdraws it from the first."""
-    sink = _EarlySink(monkeypatch)
-    replicas = [_replica("busy", 0.9), _replica("idle", 0.1)]
+def _early_router(replicas):
     router = KVAwareRouter.__new__(KVAwareRouter)
     router.initialize_state()
     router._replicas = {r.replica_id: r for r in replicas}
-    for internal, routed_to in (("q0", replicas[1]), ("q1", replicas[0])):
-        pending = _generate_call(internal)
-        for _ in range(2):  # Serve asks again after a refusal: still one early start
-            asyncio.run(router.choose_replicas(replicas, pending))
-        router.on_request_routed(pending, routed_to.replica_id, None)
-    assert sink.sent == [("idle", "call-q0"), ("idle", "call-q1")]
-    assert sink.withdrawn == [("idle", "call-q1")] and router.early == {}
+    return router
 
 
-@pytest.mark.parametrize("case", ["other method", "no early-start sink", "first replica full"])
-def test_no_early_start_where_it_cannot_be_claimed(monkeypatch, case):
+def test_an_early_start_goes_to_the_first_replica_and_its_call_follows_it(monkeypatch):
+    """The ingress's early start goes to the replica ranked first, once a call; Serve's call is
+    then ranked to that replica first even if the ranking has changed meanwhile; a call routed
+    there claims it (no withdrawal), one routed elsewhere withdraws it."""
     sink = _EarlySink(monkeypatch)
+    replicas = [_replica("busy", 0.9), _replica("idle", 0.1)]
+    router = _early_router(replicas)
+    for call_id, routed_to in (("c0", replicas[1]), ("c1", replicas[0])):
+        req, pending = _call(call_id)
+        assert router.start_early(req) and not router.start_early(req)  # once a call
+        replicas[1].routing_stats["kv_used_fraction"] = 0.95  # "idle" got busy meanwhile
+        ranked = asyncio.run(router.choose_replicas(replicas, pending))
+        assert ranked[0][0].replica_id.unique_id == "idle"
+        router.on_request_routed(pending, routed_to.replica_id, None)
+        replicas[1].routing_stats["kv_used_fraction"] = 0.1
+    assert sink.sent == [("idle", "c0"), ("idle", "c1")]
+    assert sink.withdrawn == [("idle", "c1")] and router.early == {}
+    _, pending = _call("c2")  # no early start: ranked as ever
+    assert asyncio.run(router.choose_replicas(replicas, pending))[0][0].replica_id.unique_id \
+        == "idle"
+
+
+@pytest.mark.parametrize("case", ["no early-start sink", "first replica full", "not connected"])
+def test_no_early_start_where_it_cannot_be_claimed(monkeypatch, case):
+    sink = _EarlySink(monkeypatch, connected=() if case == "not connected" else ("only",))
     replica = _replica("only")
     replica.max_ongoing_requests = 4
-    router = KVAwareRouter.__new__(KVAwareRouter)
-    router.initialize_state()
+    router = _early_router([replica])
     router._replica_queue_len_cache = SimpleNamespace(
         get=lambda rid: 4 if case == "first replica full" else 1)
-    pending = _generate_call("q", method="prefill" if case == "other method" else "generate",
-                             reply_to=None if case == "no early-start sink" else "sink")
-    asyncio.run(router.choose_replicas([replica], pending))
-    assert sink.sent == []
+    req, _ = _call("c", reply_to=None if case == "no early-start sink" else "sink")
+    assert not router.start_early(req) and router.early == {}
+    assert sink.sent == ([("only", "c")] if case == "not connected" else [])

@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 
 from contracts.messages import GenerateRequest, GenerateResult, TokenDelta, serve_logger
 from contracts.role import SharedAnswer, any_replica_answers, role_full
-from contracts.token_channel import TokenChannelLost, TokenSink
+from contracts.token_channel import TokenChannelLost, TokenSink, early_router
 from engine.sampling_params import SamplingParams
 from engine.errors import BadRequest
 from engine.detokenizer import IncrementalDetokenizer
@@ -241,6 +241,7 @@ class DecodeClient:
         self.queue_timeout_s, self.retry_after_s = queue_timeout_s, retry_after_s
         self.tokenizer = tokenizer
         self.sink = TokenSink(host, early_start)
+        self.early_start = early_start
         self.decode_down = False
         self._streams: dict[str, RequestStream] = {}  # by request id, until the writer closes
         # A silent or lost call's question, one at a time: is any decode replica alive?
@@ -282,6 +283,10 @@ class DecodeClient:
         req = GenerateRequest(stream.prompt_token_ids + tuple(have), params, rid,
                               self.sink.address)
         stream.pool = self.fallback if self.decode_down else self.decode
+        if self.early_start:  # the replica's engine starts while the call travels
+            router = early_router(getattr(stream.pool, "deployment_name", None))
+            if router is not None:
+                router.start_early(req)
         if stream.own_serve_id or own_id:
             # Serve tags a handle call with the calling request's internal id; concurrent calls
             # under one id collide in its bookkeeping (measured: the second and third of a

@@ -518,6 +518,17 @@ def engine_stats(role: str = "DecodeServer") -> dict:
     return driver_handle(role).engine_stats.remote().result()
 
 
+def early_starts(role: str = "DecodeServer") -> dict:
+    """The role's (one) replica's early starts so far: claimed, dropped (``router.early_start``)."""
+    from deploy.ray_env import driver_handle
+
+    return driver_handle(role).early_starts.remote().result()
+
+
+def early_since(before: dict, role: str = "DecodeServer") -> dict:
+    return {k: v - before.get(k, 0) for k, v in early_starts(role).items()}
+
+
 def reset_prefix_caches(layout: str) -> None:
     """Every point starts with cold prefix caches (the layouts run one replica per role): the
     points replay the same prompts, and a warm cache would prefill the second protocol's for
@@ -560,13 +571,15 @@ def serve_protocol(layout, protocol, address, args, pool, prompts, offline_token
         run_point(pool, protocol, address, prompts, n, 8, args.clients, args.timeout)
     reset_prefix_caches(layout)
     jobs = list(enumerate(fresh_prompts(args.zero_load + 1)))  # no prefix-cache hit
+    early = early_starts()
     zero = pool.submit(client_process, protocol, address, jobs, 0.0, 2, args.timeout,
                        True).result(timeout=args.timeout + 60)
     ok = [r for r in zero if not r["error"]]
     out.setdefault("zero_load", {})[f"{layout}/{protocol}"] = {
         "ttft_ms": statistics.median([(r["first"] - r["sent"]) * 1e3 for r in ok])
         if ok else float("nan"),
-        "errors": len(zero) - len(ok), "hops_ms": breakdown(ok)}
+        "errors": len(zero) - len(ok), "hops_ms": breakdown(ok),
+        "early_starts": early_since(early)}
     for n in args.streams:
         out["marks"].append((time.time(), f"{layout} {protocol} {n}"))
         meter = CpuMeter()
@@ -575,6 +588,7 @@ def serve_protocol(layout, protocol, address, args, pool, prompts, offline_token
         reset_prefix_caches(layout)
         roles = ("DecodeServer",) + (("PrefillServer",) if not colocated(layout) else ())
         before = {role: engine_stats(role) for role in roles}
+        early = early_starts()
         records, wall = run_point(pool, protocol, address, prompts, n, args.output_len,
                                   args.clients, args.timeout, args.offsets)
         rates = {role: engine_rates(before[role], engine_stats(role), wall)
@@ -585,12 +599,13 @@ def serve_protocol(layout, protocol, address, args, pool, prompts, offline_token
         row = {"layout": layout, "protocol": protocol, "streams": n,
                **summarize(records, offline_tokens[n], wall), "cpu": meter.stop(),
                "decode_engine": engine_row, "hops_ms": breakdown(records),
-               "prefill_engine": rates.get("PrefillServer")}
+               "prefill_engine": rates.get("PrefillServer"), "early_starts": early_since(early)}
         out["served"].append(row)
         print(f"  {layout} {protocol} {n:4d} streams: {row['tok_s']:9.0f} tok/s, TTFT p50 "
               f"{row['ttft_p50_ms']:.0f} ms, ITL p99 {row['itl_p99_ms']:.1f} ms, "
               f"delay p99 {row['delay_p99_ms']:.1f} ms, "
-              f"{row['tokens_per_chunk']:.2f} tok/chunk, errors {row['errors']}",
+              f"{row['tokens_per_chunk']:.2f} tok/chunk, errors {row['errors']}, early starts "
+              f"{row['early_starts']}",
               flush=True)
 
 
@@ -652,8 +667,10 @@ def report(out: dict) -> None:
     for key, z in out.get("zero_load", {}).items():
         engine_ttft = offline_of(out, key.split("/")[0])[1]
         hops = ", ".join(f"{k} {v:.2f}" for k, v in z["hops_ms"].items())
+        early = z.get("early_starts") or {}
         print(f"  {key:12} TTFT {z['ttft_ms']:.1f} ms, added "
-              f"{z['ttft_ms'] - engine_ttft:.1f} ms  [{hops}]")
+              f"{z['ttft_ms'] - engine_ttft:.1f} ms, early starts claimed "
+              f"{early.get('claimed', 0)} dropped {early.get('dropped', 0)}  [{hops}]")
 
 
 def main(argv=None) -> None:

@@ -14,8 +14,8 @@ ranks by load alone.
 Early start (``router.early_start``, ``contracts.token_channel``): just before the ingress makes
 a ``generate`` call, it asks this process's router of that deployment (``early_router``) to
 rank the replicas for the request now and send it to the first over that replica's token
-channel (:meth:`KVAwareRouter.start_early`), unless the replica is known to be full (Serve's
-queue-length cache); the engine there starts on it while Serve's call travels, and when Serve
+channel (:meth:`KVAwareRouter.start_early`), unless the replica is busy
+(``EARLY_START_MAX_ONGOING``); the engine there starts on it while Serve's call travels, and when Serve
 asks, that replica is ranked first, so the call goes there and claims it. Should the call land
 elsewhere (the replica refused it), the replica is told to withdraw it.
 """
@@ -32,6 +32,11 @@ from contracts.token_channel import early_sink, register_early_router
 from engine.block_pool import hash_blocks
 
 EARLY_KEPT = 4096  # early starts remembered until Serve says where their calls went
+# Early starts go only to a replica with fewer requests of this ingress in flight (and, where
+# Serve's queue-length cache knows, fewer ongoing requests): under load the start would add work
+# to the replica's event loop and engine while the calls queue, and the call's latency is a
+# small part of the wait (a burst on the 2-core CPU host had its first tokens 50% later).
+EARLY_START_MAX_ONGOING = 4
 
 
 def rendezvous_order(key: int, replicas: list[RunningReplica]) -> list[RunningReplica]:
@@ -76,6 +81,7 @@ class KVAwareRouter(RequestRouter):
         self.held: dict = {}  # replica unique id -> HeldBlocks
         self.sent: dict = {}  # internal request id -> (replica unique id, blocks it holds)
         self.active: dict = {}  # replica unique id -> blocks of the requests in flight there
+        self.requests: dict = {}  # replica unique id -> requests in flight there
         self.ended: dict = {}  # requests Serve said had completed before it said where it sent them
         self.hashed: dict = {}  # internal request id -> its prompt's block hashes, until routed
         self.early: dict = {}  # call's request id -> (replica unique id, sink, block hashes)
@@ -108,8 +114,8 @@ class KVAwareRouter(RequestRouter):
     def start_early(self, req) -> bool:
         """Just before the ingress calls ``generate`` with ``req`` (on the loop this router
         runs on): rank the replicas now and send ``req`` to the first over its token channel,
-        unless it is known to be full or its sink takes no early starts; that replica is then
-        ranked first for the call. Whether it was sent."""
+        unless it is busy (``EARLY_START_MAX_ONGOING``) or its sink takes no early starts; that
+        replica is then ranked first for the call. Whether it was sent."""
         self._state()
         sink = early_sink(getattr(req, "reply_to", None))
         replicas = list(getattr(self, "_replicas", {}).values())
@@ -117,11 +123,12 @@ class KVAwareRouter(RequestRouter):
             return False
         hashes = hash_blocks(req.prompt_token_ids, self.block_size)
         first = self._ranked(replicas, hashes)[0]
+        uid = first.replica_id.unique_id
         cache = getattr(self, "_replica_queue_len_cache", None)  # Serve's wiring only
         queued = cache.get(first.replica_id) if cache is not None else None
-        if queued is not None and queued >= first.max_ongoing_requests:
-            return False  # it would refuse the call: no early start there
-        uid = first.replica_id.unique_id
+        starting = sum(1 for e in self.early.values() if e[0] == uid)
+        if max(queued or 0, self.requests.get(uid, 0) + starting) >= EARLY_START_MAX_ONGOING:
+            return False  # a busy replica: the call starts it, as without early starts
         if not sink.submit(uid, req):
             return False  # not connected yet (its first request from this ingress)
         self.early[req.request_id] = (uid, sink, hashes)
@@ -164,6 +171,7 @@ class KVAwareRouter(RequestRouter):
         blocks = len(_prompt_tokens(pending_request)) // self.block_size + 1
         self.active[rid] = self.active.get(rid, 0) + blocks
         if request_id is not None:
+            self.requests[rid] = self.requests.get(rid, 0) + 1
             self.sent[request_id] = (rid, blocks)
 
     def _routed_early(self, call_id: str | None, replica: str) -> None:
@@ -193,6 +201,7 @@ class KVAwareRouter(RequestRouter):
         rid, blocks = self.sent.pop(internal_request_id, (None, 0))
         if rid is not None:
             self.active[rid] = max(0, self.active.get(rid, 0) - blocks)
+            self.requests[rid] = max(0, self.requests.get(rid, 0) - 1)
         else:
             self.ended[internal_request_id] = True
             while len(self.ended) > 4096:  # ends of requests never routed with tokens
@@ -202,6 +211,7 @@ class KVAwareRouter(RequestRouter):
         self._state()
         self.held.pop(replica_id.unique_id, None)
         self.active.pop(replica_id.unique_id, None)
+        self.requests.pop(replica_id.unique_id, None)
         super().on_replica_actor_died(replica_id)
 
 

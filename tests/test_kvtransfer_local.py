@@ -3,6 +3,7 @@ ship, a fake slow transport, the state machine, the layout handshake and lease r
 path."""
 
 import asyncio
+import os
 import time
 
 import pytest
@@ -399,3 +400,43 @@ def test_a_split_replica_counts_its_leased_blocks_once_and_lands_only_whole():
     for rank, ep in enumerate(receiver.ranks):  # each rank holds its head of the sent blocks
         assert torch.equal(ep.kv_cache[:, [1, 2, 3]],
                            sender.kv_cache[:, [4, 5, 6], :, rank:rank + 1])
+
+
+@pytest.mark.parametrize("on_gpu", [False, True], ids=["dram", "vram"])
+def test_nixl_backend_sets_its_ucx_defaults_before_ucx_loads(monkeypatch, on_gpu):
+    """On a GPU, UCX's memory-type cache is off (it takes a CUDA mapping opened after UCX
+    started for host memory, and registering such a cache fails); on CPU, shared memory. Both
+    are set before NIXL (and with it UCX) is imported, and a user's own setting is kept."""
+    import kvtransfer.backends.nixl as nixl_backend
+
+    for var in ("UCX_MEMTYPE_CACHE", "UCX_TLS"):
+        monkeypatch.delenv(var, raising=False)
+    seen = {}
+
+    class Agent:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def create_backend(self, name, params):
+            seen["params"] = params
+
+        def register_memory(self, regions, mem_type):
+            seen["mem_type"] = mem_type
+
+    def fake_import():
+        seen["env"] = {v: os.environ.get(v) for v in ("UCX_MEMTYPE_CACHE", "UCX_TLS")}
+        return Agent, lambda **kw: kw
+
+    monkeypatch.setattr(nixl_backend, "_import_nixl", fake_import)
+    cache = torch.zeros(2, 4, 8)
+    if on_gpu:  # a CPU tensor that says it is on a GPU is all the constructor looks at
+        cache = type("CudaLike", (), {"is_cuda": True, "device": torch.device("cpu"),
+                                      "numel": cache.numel, "element_size": cache.element_size,
+                                      "data_ptr": cache.data_ptr})()
+    nixl_backend.NixlBackend("ep", cache, layout=None)
+    assert seen["env"] == ({"UCX_MEMTYPE_CACHE": "n", "UCX_TLS": None} if on_gpu else
+                           {"UCX_MEMTYPE_CACHE": None, "UCX_TLS": "sm,self"})
+    assert seen["mem_type"] == ("VRAM" if on_gpu else "DRAM")
+    monkeypatch.setenv("UCX_MEMTYPE_CACHE", "y")  # the user's own setting wins
+    nixl_backend.NixlBackend("ep2", cache, layout=None)
+    assert seen["env"]["UCX_MEMTYPE_CACHE"] == "y"

@@ -197,14 +197,25 @@ def test_an_early_start_goes_to_the_first_replica_and_its_call_follows_it(monkey
         == "idle"
 
 
-@pytest.mark.parametrize("case", ["no early-start sink", "first replica full", "not connected"])
-def test_no_early_start_where_it_cannot_be_claimed(monkeypatch, case):
+@pytest.mark.parametrize("case", ["no early-start sink", "busy by Serve's count",
+                                  "busy by this router's count", "not connected"])
+def test_no_early_start_where_it_cannot_be_claimed_or_would_add_to_a_busy_replica(monkeypatch,
+                                                                                  case):
+    from router.replica_choice import EARLY_START_MAX_ONGOING
+
     sink = _EarlySink(monkeypatch, connected=() if case == "not connected" else ("only",))
     replica = _replica("only")
-    replica.max_ongoing_requests = 4
     router = _early_router([replica])
     router._replica_queue_len_cache = SimpleNamespace(
-        get=lambda rid: 4 if case == "first replica full" else 1)
+        get=lambda rid: EARLY_START_MAX_ONGOING if case == "busy by Serve's count" else None)
+    for i in range(EARLY_START_MAX_ONGOING - 1):  # requests in flight there, one short of busy
+        req, pending = _call(f"before{i}")
+        router.on_request_routed(pending, replica.replica_id, None)
+    if case == "busy by this router's count":  # one more, started early, its call not routed
+        assert router.start_early(_call("last")[0])
     req, _ = _call("c", reply_to=None if case == "no early-start sink" else "sink")
-    assert not router.start_early(req) and router.early == {}
-    assert sink.sent == ([("only", "c")] if case == "not connected" else [])
+    assert not router.start_early(req) and "c" not in router.early
+    assert ("only", "c") in sink.sent if case == "not connected" else ("only", "c") not in sink.sent
+    router.on_request_completed(None, "internal-before0")  # one ends: room again
+    if case == "busy by this router's count":
+        assert router.start_early(req)

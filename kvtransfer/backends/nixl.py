@@ -6,6 +6,7 @@ each push as one descriptor list (a region per run of consecutive blocks, every 
 for part of a tensor-parallel rank's heads, a region per block, layer and K/V:
 ``KVLayout.regions``). On CPU the UCX backend runs with shared memory (``UCX_TLS=sm,self`` unless
 set) and no peer error handling, the configuration that works without network devices.
+On GPUs UCX's memory-type cache is off (``UCX_MEMTYPE_CACHE=n`` unless set; see ``__init__``).
 ``progress_thread`` is NIXL's own (on by default): it moves transfers on by itself but spins a
 core. An owner that polls both sides whenever a transfer is in flight (the serving roles' engine
 threads) can do without it.
@@ -51,6 +52,12 @@ class NixlBackend(TransportBackend):
         on_gpu = kv_cache.is_cuda
         if not on_gpu:
             os.environ.setdefault("UCX_TLS", "sm,self")
+        else:
+            # UCX's memory-type cache misses CUDA mappings a process opens after UCX started (a
+            # split cache's rank held through a CUDA IPC handle) and takes them for host memory:
+            # registering them then fails ("VRAM memory is detected as host by UCX"). Without
+            # the cache UCX asks the driver. Read when UCX loads: the process's first backend.
+            os.environ.setdefault("UCX_MEMTYPE_CACHE", "n")
         nixl_agent, nixl_agent_config = _import_nixl()
         self.agent = nixl_agent(endpoint_id, nixl_agent_config(enable_prog_thread=progress_thread,
                                                                backends=[]))

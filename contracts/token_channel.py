@@ -26,10 +26,10 @@ Early starts (the other way, sink to publisher): ``["submit", pickled GenerateRe
 ``["withdraw", request_id]``. Just before the ingress calls a decode replica, its replica
 choice (``router.replica_choice``) sends the request over the connection of the replica it ranks
 first, where the call then goes (:meth:`TokenSink.submit`), so the engine starts on it while the
-call travels; the
-publisher holds everything such a request publishes (:meth:`TokenPublisher.route` with
-``held``) until the Serve call for it arrives and claims it (:meth:`TokenPublisher.claim`), or
-drops it (:meth:`TokenPublisher.drop`: the call went to another replica, or never came). The
+call travels; the publisher holds everything such a request publishes
+(:meth:`TokenPublisher.route` with ``held``) until the Serve call for it arrives and claims it
+(:meth:`TokenPublisher.claim`), or drops it (:meth:`TokenPublisher.drop`: the call went to
+another replica, or never came). The
 Serve call stays the request's one authority (its replica, its failure, its cancellation, the
 counts autoscaling reads); the early start only moves the engine's work ahead of it. A
 publisher's id is its Serve replica's id, which the replica choice knows the replica by.
@@ -41,10 +41,10 @@ import asyncio
 import logging
 import pickle
 import secrets
-import weakref
 import struct
 import time
 import uuid
+import weakref
 from collections.abc import Callable, Iterable
 
 import msgpack
@@ -64,8 +64,6 @@ LostHandler = Callable[[], None]
 # Sinks that take early starts (``TokenSink(early_start=True)``), by sink id: the replica
 # choice of the same process finds a request's sink here from its ``reply_to``.
 _EARLY_SINKS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-
-
 # This process's replica choice of each deployment (``router.replica_choice.KVAwareRouter``), by
 # the deployment's name: the ingress asks it to start a request early. (Here, not in the
 # router's module: Serve pickles the router class by value, with the globals it names.)

@@ -15,14 +15,15 @@ Early start (``router.early_start``, ``contracts.token_channel``): just before t
 a ``generate`` call, it asks this process's router of that deployment (``early_router``) to
 rank the replicas for the request now and send it to the first over that replica's token
 channel (:meth:`KVAwareRouter.start_early`), unless the replica is busy
-(``EARLY_START_MAX_ONGOING``); the engine there starts on it while Serve's call travels, and when Serve
-asks, that replica is ranked first, so the call goes there and claims it. Should the call land
-elsewhere (the replica refused it), the replica is told to withdraw it.
+(``EARLY_START_MAX_ONGOING``); the engine there starts on it while Serve's call travels, and
+when Serve asks, that replica is ranked first, so the call goes there and claims it. Should the
+call land elsewhere (the replica refused it), the replica is told to withdraw it.
 """
 
 from __future__ import annotations
 
 import random
+import time
 from dataclasses import dataclass, field
 
 import xxhash
@@ -37,6 +38,7 @@ EARLY_KEPT = 4096  # early starts remembered until Serve says where their calls 
 # to the replica's event loop and engine while the calls queue, and the call's latency is a
 # small part of the wait (a burst on the 2-core CPU host had its first tokens 50% later).
 EARLY_START_MAX_ONGOING = 4
+EARLY_FORGET_S = 5.0  # an early start not routed by then: its replica has dropped it
 
 
 def rendezvous_order(key: int, replicas: list[RunningReplica]) -> list[RunningReplica]:
@@ -84,7 +86,8 @@ class KVAwareRouter(RequestRouter):
         self.requests: dict = {}  # replica unique id -> requests in flight there
         self.ended: dict = {}  # requests Serve said had completed before it said where it sent them
         self.hashed: dict = {}  # internal request id -> its prompt's block hashes, until routed
-        self.early: dict = {}  # call's request id -> (replica unique id, sink, block hashes)
+        # call's request id -> (replica unique id, sink, block hashes, when it was sent)
+        self.early: dict = {}
         deployment = getattr(self, "_deployment_id", None)  # Serve's wiring only
         if deployment is not None:
             register_early_router(deployment.name, self)
@@ -126,14 +129,16 @@ class KVAwareRouter(RequestRouter):
         uid = first.replica_id.unique_id
         cache = getattr(self, "_replica_queue_len_cache", None)  # Serve's wiring only
         queued = cache.get(first.replica_id) if cache is not None else None
+        now = time.monotonic()
+        while self.early and (len(self.early) > EARLY_KEPT or  # calls cancelled before routing
+                              next(iter(self.early.values()))[3] < now - EARLY_FORGET_S):
+            self.early.pop(next(iter(self.early)))
         starting = sum(1 for e in self.early.values() if e[0] == uid)
         if max(queued or 0, self.requests.get(uid, 0) + starting) >= EARLY_START_MAX_ONGOING:
             return False  # a busy replica: the call starts it, as without early starts
         if not sink.submit(uid, req):
             return False  # not connected yet (its first request from this ingress)
-        self.early[req.request_id] = (uid, sink, hashes)
-        while len(self.early) > EARLY_KEPT:  # calls never routed (cancelled first)
-            self.early.pop(next(iter(self.early)))
+        self.early[req.request_id] = (uid, sink, hashes, now)
         return True
 
     def cost(self, replica: RunningReplica, hashes: list[int]) -> float:

@@ -720,3 +720,23 @@ def test_an_early_start_that_comes_after_its_call_is_ignored(roles, offline):
         await sink.close()
 
     asyncio.run(main())
+
+
+def test_bad_input_started_early_is_refused_once_its_call_claims_it(roles):
+    """A prompt the model cannot run, started early: its refusal waits, held, for the call,
+    then comes on the channel as the request's result; nothing raises, nothing is held."""
+    prefill, _, decode = roles()
+    too_long = list(range(1, 200)) * 25  # beyond the context
+
+    async def main():
+        sink, _ = await _early(decode, too_long, "bad", GREEDY)
+        while not decode._unclaimed["bad"][0].done():  # refused before its call came
+            await asyncio.sleep(0.01)
+        assert sink.num_frames == 0
+        tokens, result = await generate(decode, sink, too_long, "bad", GREEDY)
+        assert tokens == [] and "leave no room" in result.error
+        assert decode.early_starts == {"claimed": 1, "dropped": 0}
+        await until_idle(prefill, decode)
+        await sink.close()
+
+    asyncio.run(main())

@@ -345,6 +345,7 @@ def breakdown(records: list[dict]) -> dict[str, float]:
         rt, dt = t["router"], t["decode"]
         add("client -> ingress", r["sent"], rt["received"])
         add("ingress: validate, submit", rt["received"], rt["submitted"])
+        # the decode replica's first sight of the request: its early start, where there was one
         add("Serve call -> decode", rt["submitted"], dt["received"])
         if dt.get("first_token_by_prefill"):  # no room here: queued, its first token made there
             add("decode: no room, queue here", dt["received"], dt["queued"])

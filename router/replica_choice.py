@@ -32,7 +32,6 @@ from ray.serve.request_router import PendingRequest, RequestRouter, RunningRepli
 from contracts.token_channel import early_sink, register_early_router
 from engine.block_pool import hash_blocks
 
-EARLY_KEPT = 4096  # early starts remembered until Serve says where their calls went
 # Early starts go only to a replica with fewer requests of this ingress in flight (and, where
 # Serve's queue-length cache knows, fewer ongoing requests): under load the start would add work
 # to the replica's event loop and engine while the calls queue, and the call's latency is a
@@ -130,10 +129,14 @@ class KVAwareRouter(RequestRouter):
         cache = getattr(self, "_replica_queue_len_cache", None)  # Serve's wiring only
         queued = cache.get(first.replica_id) if cache is not None else None
         now = time.monotonic()
-        while self.early and (len(self.early) > EARLY_KEPT or  # calls cancelled before routing
-                              next(iter(self.early.values()))[3] < now - EARLY_FORGET_S):
-            self.early.pop(next(iter(self.early)))
-        starting = sum(1 for e in self.early.values() if e[0] == uid)
+        # One copy: where Serve runs the router on a loop of its own, on_request_routed may pop
+        # an entry meanwhile. Calls cancelled before routing leave theirs: forgotten here.
+        entries = list(self.early.items())
+        for call_id, (*_, sent_at) in entries:
+            if sent_at < now - EARLY_FORGET_S:
+                self.early.pop(call_id, None)
+        starting = sum(1 for _, (to, *_, sent_at) in entries
+                       if to == uid and sent_at >= now - EARLY_FORGET_S)
         if max(queued or 0, self.requests.get(uid, 0) + starting) >= EARLY_START_MAX_ONGOING:
             return False  # a busy replica: the call starts it, as without early starts
         if not sink.submit(uid, req):

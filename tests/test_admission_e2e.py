@@ -59,8 +59,26 @@ def _stream(url, prompt):
     return 200, answered, None, tokens
 
 
+def _until_haproxy_holds_the_bound(bound: int, timeout_s: float = 30.0) -> None:
+    """The ingress publishes the app's bound to this node's HAProxy once it has counted the
+    live decode replicas and HAProxy lists it (seconds after the app is up on a loaded host):
+    the burst must not come before."""
+    from router.ingress.haproxy import MAP_NAME, node_paths, read_map
+
+    bounds = node_paths()[1].with_name(MAP_NAME)
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        entries = read_map(bounds.read_text()) if bounds.exists() else {}
+        if any(v.split(":")[0] == str(bound) and int(v.split(":")[2]) > time.time()
+               for v in entries.values()):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"HAProxy never held the bound {bound}: {entries}")
+
+
 def test_a_burst_beyond_the_bounds_gets_fast_429s_and_the_rest_complete(app, offline):
     url, _ = app
+    _until_haproxy_holds_the_bound(4)  # 1 decode replica x (3 ongoing + 1 queued)
     with ThreadPoolExecutor(BURST) as pool:
         results = list(pool.map(lambda p: _stream(url, p), PROMPTS))
     refused = [r for r in results if r[0] == 429]

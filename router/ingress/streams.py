@@ -241,7 +241,6 @@ class DecodeClient:
         self.queue_timeout_s, self.retry_after_s = queue_timeout_s, retry_after_s
         self.tokenizer = tokenizer
         self.sink = TokenSink(host, early_start)
-        self.early_start = early_start
         self.decode_down = False
         self._streams: dict[str, RequestStream] = {}  # by request id, until the writer closes
         # A silent or lost call's question, one at a time: is any decode replica alive?
@@ -283,7 +282,7 @@ class DecodeClient:
         req = GenerateRequest(stream.prompt_token_ids + tuple(have), params, rid,
                               self.sink.address)
         stream.pool = self.fallback if self.decode_down else self.decode
-        if self.early_start:  # the replica's engine starts while the call travels
+        if self.sink.early_start:  # the replica's engine starts while the call travels
             router = early_router(getattr(stream.pool, "deployment_name", None))
             if router is not None:
                 router.start_early(req)

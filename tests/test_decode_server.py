@@ -740,3 +740,34 @@ def test_bad_input_started_early_is_refused_once_its_call_claims_it(roles):
         await sink.close()
 
     asyncio.run(main())
+
+
+def test_an_early_start_calls_the_prefill_replica_under_a_serve_request_id_of_its_own(roles):
+    """The connection's reader runs in the context of the call that dialled it; an early start
+    must not make its prefill call under that call's Serve request id (concurrent calls under
+    one id collide in Serve's bookkeeping): it runs in a context of its own."""
+    from dataclasses import replace
+
+    from ray.serve import context as serve_context
+
+    prefill, handle, decode = roles()
+    seen = []
+    remote = handle.remote
+
+    def recording(req):
+        seen.append(serve_context._get_serve_request_context()._internal_request_id)
+        return remote(req)
+
+    handle.remote = recording
+
+    async def main():
+        dialler = serve_context._get_serve_request_context()
+        serve_context._serve_request_context.set(replace(dialler,
+                                                         _internal_request_id="dialler"))
+        sink, _ = await _early(decode, PROMPTS[1], "r", GREEDY)  # dials in this context
+        await generate(decode, sink, PROMPTS[1], "r", GREEDY)
+        assert handle.calls == 1 and seen != ["dialler"]
+        await until_idle(prefill, decode)
+        await sink.close()
+
+    asyncio.run(main())

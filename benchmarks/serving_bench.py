@@ -344,9 +344,14 @@ def breakdown(records: list[dict]) -> dict[str, float]:
             continue
         rt, dt = t["router"], t["decode"]
         add("client -> ingress", r["sent"], rt["received"])
+        # HTTP: to the ingress's app (HAProxy, Serve's direct ingress), then its body's parse
+        add("(of which) client -> ingress app", r["sent"], rt.get("arrived"))
+        add("(of which) ingress: parse, check", rt.get("arrived"), rt["received"])
         add("ingress: validate, submit", rt["received"], rt["submitted"])
         # the decode replica's first sight of the request: its early start, where there was one
         add("Serve call -> decode", rt["submitted"], dt["received"])
+        # started early: its Serve call reached the replica this long after the start
+        add("(early start) -> its Serve call", dt["received"], dt.get("claimed"))
         if dt.get("first_token_by_prefill"):  # no room here: queued, its first token made there
             add("decode: no room, queue here", dt["received"], dt["queued"])
             add("first-token call to prefill", dt["prefill_called"], dt["prefill_returned"])

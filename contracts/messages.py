@@ -80,7 +80,8 @@ class DecodeTiming:
 
     replica: str = ""  # the replica's id
     prefill: PrefillTiming | None = None  # disaggregated: the prefill replica's own
-    received: float = 0.0  # the Serve call arrived
+    received: float = 0.0  # the Serve call arrived (started early: the early start did)
+    claimed: float = 0.0  # started early: its Serve call reached the replica (0.0: it had ended)
     queued: float = 0.0  # handed to the engine: its prefill queued here, or its KV landed
     prefill_called: float = 0.0  # disaggregated: the prefill replica was called
     prefill_returned: float = 0.0  # disaggregated: its result came back (KV pushed)

@@ -59,7 +59,7 @@ class StreamedRequests:
                  replica: str | None = None, placements=None):
         self.aengine, self.publisher = aengine, publisher
         self.placement, self.replica, self.placements = placement, replica, placements
-        self._unclaimed: dict[str, tuple[asyncio.Task, asyncio.TimerHandle]] = {}
+        self._unclaimed: dict[str, tuple[asyncio.Task, asyncio.TimerHandle, DecodeTiming]] = {}
         self._recent: OrderedDict[str, None] = OrderedDict()
         self.early_starts = {"claimed": 0, "dropped": 0}
         self._early_metrics = EarlyStartMetrics() if replica else None
@@ -73,7 +73,9 @@ class StreamedRequests:
         rid = req.request_id
         early = self._unclaimed.pop(rid, None)
         if early is not None:
-            task, timer = early
+            task, timer, timing = early
+            if not task.done():  # an ended one's result went out (held) without it
+                timing.claimed = time.time()
             timer.cancel()
             self._count_early("claimed")
             self.publisher.claim(rid)
@@ -99,14 +101,14 @@ class StreamedRequests:
                                                       context=contextvars.Context())
         task.add_done_callback(_retrieved)  # a dropped one's outcome is nobody's
         timer = asyncio.get_running_loop().call_later(EARLY_CLAIM_S, self._withdraw, rid)
-        self._unclaimed[rid] = (task, timer)
+        self._unclaimed[rid] = (task, timer, timing)
 
     def _withdraw(self, rid: str) -> None:
         """An early start whose call went elsewhere, or never came: cancelled, nothing sent."""
         early = self._unclaimed.pop(rid, None)
         if early is None:
             return
-        task, timer = early
+        task, timer, _ = early
         timer.cancel()
         self._count_early("dropped")
         self.publisher.drop(rid)
@@ -205,6 +207,7 @@ def log_timeline(rid: str, outcome: str | None, timing: DecodeTiming,
                  f"{st.backend} in {st.seconds * 1e3:.1f} ms")
     made = "" if tokens is None else f", {tokens} tokens"
     TIMELINE.info("request %s decode: %s%s, %s; %s", rid, outcome, made, where,
-                  timeline(received=timing.received, prefill_called=timing.prefill_called,
+                  timeline(received=timing.received, claimed=timing.claimed,
+                           prefill_called=timing.prefill_called,
                            prefill_returned=timing.prefill_returned, queued=timing.queued,
                            first_token=timing.first_token, finished=timing.finished))

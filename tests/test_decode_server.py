@@ -7,6 +7,7 @@ request stops and gives back every block and lease, wherever it was."""
 import asyncio
 import logging
 import random
+import time
 
 import pytest
 from ray.exceptions import ActorDiedError
@@ -678,6 +679,23 @@ def test_an_early_start_that_is_not_claimed_stops_and_sends_nothing(roles, monke
         await asyncio.sleep(0.3)
         assert decode.aengine.engine.stats.output_tokens == made and got == []
         assert sink.num_frames == 0 and decode.publisher.num_routes == 0
+        await sink.close()
+
+    asyncio.run(main())
+
+
+def test_a_claimed_early_start_times_its_claim(roles):
+    """Its timing: received at the early start, claimed when its call came (while it ran)."""
+    prefill, _, decode = roles()
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+
+    async def main():
+        sink, req = await _early(decode, PROMPTS[0], "r", params)
+        called = time.time()
+        _, result = await generate(decode, sink, PROMPTS[0], "r", params)
+        t = result.timing
+        assert t.received < called <= t.claimed <= t.finished and result.num_output_tokens == 200
+        await until_idle(prefill, decode)
         await sink.close()
 
     asyncio.run(main())

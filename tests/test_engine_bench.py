@@ -68,6 +68,32 @@ def test_serving_bench_stub_forward_runs_the_engine_without_its_model(monkeypatc
     assert [len(o.token_ids) for o in outs] == [6, 6] and not calls
 
 
+def test_serving_bench_hops_split_the_way_in_and_time_an_early_start_s_claim():
+    """The zero-load hops: the way to the ingress split at its HTTP app's door, and an early
+    start's claim timed from the start; a gRPC request (no door) and a request started by its
+    call (no claim) leave those parts out."""
+    from benchmarks.serving_bench import breakdown
+
+    decode = {"received": 10.0, "claimed": 10.002, "queued": 10.001, "first_token": 10.008,
+              "prefill_called": 0.0}
+    http = {"sent": 9.990, "first": 10.010, "timing": {
+        "router": {"arrived": 9.991, "received": 9.992, "submitted": 9.9925,
+                   "first_token": 10.009}, "decode": decode}}
+    grpc = {"sent": 9.990, "first": 10.010, "timing": {
+        "router": {"arrived": 0.0, "received": 9.992, "submitted": 9.9925, "first_token": 10.009},
+        "decode": dict(decode, claimed=0.0)}}
+    hops = breakdown([http])
+    assert hops["client -> ingress"] == pytest.approx(2.0)
+    assert hops["(of which) client -> ingress app"] == pytest.approx(1.0)
+    assert hops["(of which) ingress: parse, check"] == pytest.approx(1.0)
+    assert hops["(early start) -> its Serve call"] == pytest.approx(2.0)
+    assert hops["engine: to first token"] == pytest.approx(7.0)
+    plain = breakdown([grpc])
+    assert "(of which) client -> ingress app" not in plain
+    assert "(early start) -> its Serve call" not in plain
+    assert plain["client -> ingress"] == pytest.approx(2.0)
+
+
 def test_served_engine_options_reach_the_served_engines_alone():
     """``serving_bench --served-engine-option``: the served engines take the field over the
     offline reference's, which keeps its own (the served tokens with speculation against the

@@ -858,8 +858,11 @@ def test_timing_fields_when_asked(server):
     assert all(t0 <= c["produced_at"] <= time.time() for c in chunks)
     timing = usage["usage"]["timing"]
     router, decode = timing["router"], timing["decode"]
-    assert t0 <= router["received"] <= router["submitted"] <= decode["received"]
+    assert t0 <= router["arrived"] <= router["received"] <= router["submitted"] \
+        <= decode["received"]
     assert decode["received"] <= decode["queued"] <= decode["first_token"] <= decode["finished"]
+    # an early start's Serve call reaches the replica after the start (0.0: started by its call)
+    assert decode["claimed"] == 0.0 or decode["received"] <= decode["claimed"]
     assert decode["first_token"] <= router["first_token"] <= router["finished"]
     assert (decode["prefill_called"] > 0) == (mode == "disaggregated")
     plain = [e for e in _events(_post(f"{url}/v1/completions", {"prompt": PROMPTS[0],
@@ -879,7 +882,7 @@ def test_one_timeline_across_the_roles(server):
     measured = time.perf_counter() - t0
     timing = body["usage"]["timing"]
     names = [name for name, _ in timing["phases"]]
-    expected = ["received", "submitted", "decode_received"]
+    expected = ["arrived", "received", "submitted", "decode_received"]
     if mode == "disaggregated":
         expected += ["prefill_called", "prefill_received", "prefilled", "pushed",
                      "prefill_returned", "admitted"]

@@ -19,11 +19,17 @@ ingress replica fills in at start (``router.api_key`` / ``BATON_API_KEY``,
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import hmac
 import json
 import math
+import time
 
 DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
+# When the HTTP request now handled reached the ingress's app (``time.time()``; 0.0 outside an
+# HTTP request): set by the outermost middleware, read into the request's timing.
+ARRIVED: contextvars.ContextVar[float] = contextvars.ContextVar("baton_http_arrived",
+                                                               default=0.0)
 OPEN_PATHS = frozenset({"/health", "/livez", "/metrics"})  # probes and scrapers: no API key asked
 DRAIN_BYTES = 256 * 1024 * 1024  # a refused body read to its end up to this, to close cleanly
 DRAIN_S = 10.0
@@ -101,13 +107,16 @@ class OpenRequestsMiddleware:
 
 class StatusCountMiddleware:
     """Counts HTTP answers by status code (outermost, so refusals at the door count too). A
-    stream counts with the status it started with: an error after its first chunk is in-band."""
+    stream counts with the status it started with: an error after its first chunk is in-band.
+    Being first, it also stamps when the request arrived (:data:`ARRIVED`)."""
     count = None  # set by the ingress replica: a callable taking the status code
 
     def __init__(self, asgi_app):
         self.app = asgi_app
 
     async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            ARRIVED.set(time.time())  # this request's own task: no other request sees it
         if scope["type"] != "http" or self.count is None:
             await self.app(scope, receive, send)
             return

@@ -79,7 +79,7 @@ def phases(stream: RequestStream, result: GenerateResult | None) -> list[tuple[s
     replica's host: on several nodes, as far apart as their clocks)."""
     t, d = stream.timing, result.timing if result is not None else None
     p = d.prefill if d is not None else None
-    marks = [("received", t.received), ("submitted", t.submitted)]
+    marks = [("arrived", t.arrived), ("received", t.received), ("submitted", t.submitted)]
     if d is not None:
         marks += [("decode_received", d.received), ("prefill_called", d.prefill_called)]
     if p is not None:

@@ -50,6 +50,7 @@ from engine.sampling_params import SamplingParams
 from engine.errors import BadRequest
 from engine.detokenizer import IncrementalDetokenizer
 from engine.outputs import append_tokens
+from router.ingress.door import ARRIVED
 from router.ingress.errors import AtCapacity, NotStarted, RequestTimeout, replica_lost
 
 log = serve_logger(__name__)
@@ -82,7 +83,8 @@ class Chunk:
 class RouterTiming:
     """The ingress's own milestones for one request (``time.time()`` seconds)."""
 
-    received: float = 0.0
+    arrived: float = 0.0  # HTTP: its request reached the ingress's app (before the body's parse)
+    received: float = 0.0  # parsed and checked: the request service has it
     submitted: float = 0.0
     first_token: float = 0.0
     finished: float = 0.0
@@ -260,6 +262,7 @@ class DecodeClient:
         stream = RequestStream(request_id, len(ids), params, detok, on_token)
         stream.own_serve_id = own_serve_id
         stream.prompt_token_ids = tuple(ids)
+        stream.timing.arrived = ARRIVED.get()
         stream.timing.received = received or time.time()
         stream.timing.submitted = time.time()
         self._submit(stream)

@@ -470,7 +470,8 @@ def layout_config(layout: str, engine: dict, args) -> dict:
                                         "push_at_step_end": args.push_at_step_end},
                               router={"num_replicas": args.routers,
                                       "request_timeout_s": args.timeout,
-                                      "early_start": not args.no_early_start})
+                                      "early_start": not args.no_early_start,
+                                      "http_fast_path": not args.no_http_fast_path})
     for role in ("prefill", "decode"):
         if role in config:
             config[role].update(max_ongoing_requests=4096, max_queued_requests=-1)
@@ -729,6 +730,8 @@ def main(argv=None) -> None:
     p.add_argument("--zero-load", type=int, default=8, help="single requests for zero-load TTFT")
     p.add_argument("--no-early-start", action="store_true",
                    help="router.early_start off: requests start when their Serve calls arrive")
+    p.add_argument("--no-http-fast-path", action="store_true",
+                   help="router.http_fast_path off: generation requests through FastAPI's routing")
     p.add_argument("--stub-forward", action="store_true")
     p.add_argument("--cpu", action="store_true",
                    help="on a GPU host, the CPU configuration: every engine on the CPU")

@@ -54,6 +54,11 @@ class RouterConfig(BaseModel):
     # requests in flight. Colocated on H200s the app's share of a zero-load first token fell by
     # about 1 ms (5.7 to 4.7 ms); false: requests start when their calls arrive.
     early_start: bool = True
+    # POST /v1/completions and /v1/chat/completions whose JSON body parses and validates go
+    # from the door straight to the handler, past FastAPI's per-request routing and dependency
+    # solving (router/ingress/http.py GenerationFastPath); every other request, refusals of
+    # bad bodies included, is FastAPI's as before. false: all through FastAPI.
+    http_fast_path: bool = True
     # Sequences one request may run (prompts of a batch × n or best_of): more is a 400 at once,
     # not a request that holds every slot (or could never be admitted).
     max_sequences_per_request: int = Field(256, ge=1)

@@ -26,9 +26,85 @@ from router.ingress.protocol import (ChatCompletionRequest, CompletionRequest,
 from router.ingress.service import Merged, RequestService, timing_of, usage_of
 from router.ingress.streams import Chunk, RequestStream
 
+class GenerationFastPath:
+    """``POST /v1/completions`` and ``/v1/chat/completions`` straight to the adapter, past
+    FastAPI's per-request machinery (its routing, dependency solving and exception layers): the
+    body is read, parsed with ``json`` and validated with the route's pydantic model, as FastAPI
+    does, and the adapter's answer sent. Only a body that parses and validates takes this path;
+    any other (not JSON, no content type, a JSON or validation error) is handed to FastAPI with
+    its body replayed, so every refusal is FastAPI's own. The routes stay declared on the
+    deployment (OpenAPI; the path taken while no replica set ``adapter``). Innermost of the
+    middlewares: the door's run first. ``router.http_fast_path: false`` turns it off."""
+
+    adapter = None  # the replica's HttpAdapter, once it starts (and the path is on)
+    ROUTES = {"/v1/completions": (CompletionRequest, "completions"),
+              "/v1/chat/completions": (ChatCompletionRequest, "chat")}
+
+    def __init__(self, asgi_app):
+        self.app = asgi_app
+
+    async def __call__(self, scope, receive, send):
+        route = self.ROUTES.get(_route_path(scope)) if scope["type"] == "http" \
+            and scope["method"] == "POST" and self.adapter is not None else None
+        if route is None or not _json_content(scope):
+            await self.app(scope, receive, send)
+            return
+        body, more = [], True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return  # the client left before its body was whole
+            body.append(message.get("body", b""))
+            more = message.get("more_body", False)
+        raw = b"".join(body)
+        model, method = route
+        try:
+            request = model.model_validate(json.loads(raw))
+        except Exception:  # noqa: BLE001 - FastAPI answers it, as without this path
+            await self.app(scope, _replay(raw, receive), send)
+            return
+        response = await getattr(self.adapter, method)(request)
+        if not isinstance(response, Response):
+            response = JSONResponse(response)
+        await response(scope, receive, send)
+
+
+def _route_path(scope) -> str:
+    """The path below the app's root, as Starlette routes it."""
+    path, root = scope["path"], scope.get("root_path", "")
+    if root and path.startswith(root) and path[len(root):len(root) + 1] == "/":
+        return path[len(root):]
+    return path
+
+
+def _json_content(scope) -> bool:
+    """A JSON content type (``application/json`` or ``application/*+json``), as FastAPI reads
+    one; a body without a content type is left to FastAPI."""
+    for name, value in scope["headers"]:
+        if name == b"content-type":
+            kind = value.decode("latin-1").partition(";")[0].strip().lower()
+            main, _, sub = kind.partition("/")
+            return main == "application" and (sub == "json" or sub.endswith("+json"))
+    return False
+
+
+def _replay(body: bytes, receive):
+    """``receive`` with the body already read given back first."""
+    sent = False
+
+    async def replayed():
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+    return replayed
+
+
 app = FastAPI(title="Baton")
 TEXT, CHAT = "text_completion", "chat.completion"  # the two endpoints' answer objects
 # The last added runs first: the key is checked before any of the body is read.
+app.add_middleware(GenerationFastPath)
 app.add_middleware(OpenRequestsMiddleware)
 app.add_middleware(BodyLimitMiddleware)
 app.add_middleware(APIKeyMiddleware)
@@ -258,6 +334,7 @@ class HttpAdapter:
         StatusCountMiddleware.count = service.metrics.count_http
         OpenRequestsMiddleware.limit = service.open_limit
         OpenRequestsMiddleware.retry_after_s = service.retry_after_s
+        GenerationFastPath.adapter = self if service.http_fast_path else None
 
     async def health(self):
         """Ready: 200 once a decode replica answers (so the app can serve a request), else 503

@@ -201,6 +201,7 @@ class RequestService:
         cfg = RouterConfig(**(config or {}))
         self.api_key = cfg.api_key or os.environ.get(API_KEY_ENV) or None
         self.max_request_bytes = cfg.max_request_bytes
+        self.http_fast_path = cfg.http_fast_path
 
         source = resolve_model(model)
         self.tokenizer = load_tokenizer(source)

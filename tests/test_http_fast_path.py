@@ -163,3 +163,65 @@ def test_without_an_adapter_everything_is_fastapi_s(apps, monkeypatch):
     monkeypatch.setattr(http.GenerationFastPath, "adapter", None)
     assert call(fast, "/v1/completions", json.dumps({"prompt": "hi"}).encode())[0] == 200
     assert len(routed) == 1 == adapter.calls
+
+
+def _stream_request(events):
+    """A streamed answer of ``events`` through the ingress's response class, as uvicorn calls it
+    (ASGI spec 2.3): (a coroutine running it to its end, returning its task; what was sent)."""
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}}
+    sent = []
+
+    async def receive():
+        await asyncio.sleep(30)  # the client stays
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+
+    async def run():
+        response = http.DeferredStreamingResponse(events, media_type="text/event-stream")
+        await response(scope, receive, send)
+        return asyncio.current_task()
+    return run, sent
+
+
+def test_a_stream_runs_in_the_request_s_own_task_and_stops_with_it():
+    """The body's first step runs in the task that called the response (no task group, no wait
+    for a new task's turn); cancelling that task, as Serve does when the client leaves, stops
+    the stream and closes its body."""
+    seen, closed = [], []
+
+    async def events(streaming: asyncio.Event):
+        seen.append(asyncio.current_task())
+        try:
+            yield "data: 1\n\n"
+            streaming.set()
+            await asyncio.sleep(30)
+            yield "data: 2\n\n"
+        finally:
+            closed.append(True)
+
+    async def main():
+        streaming = asyncio.Event()
+        run, sent = _stream_request(events(streaming))
+        task = asyncio.ensure_future(run())
+        await asyncio.wait_for(streaming.wait(), 10)
+        assert seen == [task]
+        task.cancel()  # the client left: Serve cancels the request's task
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        bodies = [m.get("body") for m in sent if m["type"] == "http.response.body"]
+        assert closed == [True] and sent[0]["status"] == 200 and bodies == [b"data: 1\n\n"]
+    asyncio.run(main())
+
+
+def test_a_stream_s_error_is_raised_as_itself():
+    async def events():
+        yield "data: 1\n\n"
+        raise KeyError("boom")
+
+    async def main():
+        run, _ = _stream_request(events())
+        with pytest.raises(KeyError):
+            await asyncio.wait_for(run(), 10)
+    asyncio.run(main())

@@ -155,7 +155,19 @@ def error_for(exc: BaseException, request_id: str) -> JSONResponse:
 class DeferredStreamingResponse(StreamingResponse):
     """A stream whose status is decided with its first chunk: a body that raises
     :class:`Refused` before yielding anything is answered with that response instead (a 429 or
-    400 with its headers), not with a 200 and an in-band error."""
+    400 with its headers), not with a 200 and an in-band error.
+
+    It runs in the request's own task, with no listener for the client's disconnect beside it
+    (Starlette starts both, in a task group, where the server is of ASGI spec before 2.4, as
+    uvicorn's 2.3 is): Serve watches for the disconnect itself and cancels the request's task
+    (its direct ingress, or its proxy's call), which stops the stream. That saves a task group
+    and a task a stream (~55 us on the development machine, in a loop)."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or self.background is not None:
+            await super().__call__(scope, receive, send)
+            return
+        await self.stream_response(send)
 
     async def stream_response(self, send) -> None:
         try:

@@ -26,6 +26,7 @@ from router.ingress.protocol import (ChatCompletionRequest, CompletionRequest,
 from router.ingress.service import Merged, RequestService, timing_of, usage_of
 from router.ingress.streams import Chunk, RequestStream
 
+
 class GenerationFastPath:
     """``POST /v1/completions`` and ``/v1/chat/completions`` straight to the adapter, past
     FastAPI's per-request machinery (its routing, dependency solving and exception layers): the

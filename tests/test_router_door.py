@@ -154,6 +154,12 @@ def test_a_chunked_body_is_refused_once_it_passes_the_bound(limit):
     assert status == 413 and seen is None
 
 
+def test_a_chunked_body_within_the_bound_reaches_the_app_whole(limit):
+    """Read here to count it, then given to the app as one message."""
+    status, _, seen = _call(BodyLimitMiddleware, chunks=[b"x" * 300, b"y" * 300, b"z" * 300])
+    assert status == 200 and seen == b"x" * 300 + b"y" * 300 + b"z" * 300
+
+
 @pytest.mark.parametrize("headers", [[("Content-Length", "8000")], []])
 def test_a_refused_body_is_read_to_its_end_before_the_connection_closes(limit, headers):
     """So that a client still sending gets the 413 and not a reset (the kernel resets a

@@ -175,17 +175,21 @@ class BodyLimitMiddleware:
             messages.append(message)
             if not message.get("more_body", False):
                 break
-        body = b"".join(m.get("body", b"") for m in messages)
-        replayed = False
+        await self.app(scope, replay(b"".join(m.get("body", b"") for m in messages), receive),
+                       send)
 
-        async def replay():
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
 
-        await self.app(scope, replay, send)
+def replay(body: bytes, receive):
+    """``receive`` with a body already read given back first, whole."""
+    replayed = False
+
+    async def replayed_receive():
+        nonlocal replayed
+        if not replayed:
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+    return replayed_receive
 
 
 async def drain(receive, limit: int = DRAIN_BYTES, timeout_s: float = DRAIN_S) -> bool:

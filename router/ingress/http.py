@@ -19,7 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from engine.sampling_params import SamplingParams, best_indices
 from router.ingress.chat import StreamSplitter, split_message
 from router.ingress.door import (APIKeyMiddleware, BodyLimitMiddleware, OpenRequestsMiddleware,
-                                 StatusCountMiddleware)
+                                 StatusCountMiddleware, replay)
 from router.ingress.errors import UnknownModel, describe, log_failure, validation_message
 from router.ingress.protocol import (ChatCompletionRequest, CompletionRequest,
                                      DetokenizeRequest, TokenizeRequest)
@@ -62,7 +62,7 @@ class GenerationFastPath:
         try:
             request = model.model_validate(json.loads(raw))
         except Exception:  # noqa: BLE001 - FastAPI answers it, as without this path
-            await self.app(scope, _replay(raw, receive), send)
+            await self.app(scope, replay(raw, receive), send)
             return
         response = await getattr(self.adapter, method)(request)
         if not isinstance(response, Response):
@@ -87,19 +87,6 @@ def _json_content(scope) -> bool:
             main, _, sub = kind.partition("/")
             return main == "application" and (sub == "json" or sub.endswith("+json"))
     return False
-
-
-def _replay(body: bytes, receive):
-    """``receive`` with the body already read given back first."""
-    sent = False
-
-    async def replayed():
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        return await receive()
-    return replayed
 
 
 app = FastAPI(title="Baton")

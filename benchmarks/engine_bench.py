@@ -123,6 +123,8 @@ def _options(engine: LLMEngine) -> dict:
     return {"weights": engine.weights_name, "kv_cache": str(engine.runner.kv_dtype)[6:],
             "tensor_parallel_size": engine.config.tensor_parallel_size,
             "graph_max_tokens": mixed.max_tokens if mixed else 0,
+            "prompt_graph_max_tokens": mixed.prompt_sizes[-1] if mixed and mixed.prompt_sizes
+            else 0,
             "lm_head": "fp8" if engine.model.lm_head_fp8 is not None else "bf16"}
 
 
@@ -612,6 +614,9 @@ def main() -> None:
     ap.add_argument("--fp8-lm-head", action="store_true", help="the engine's fp8_lm_head")
     ap.add_argument("--cuda-graph-max-tokens", type=int, default=None,
                     help="the engine's cuda_graph_max_tokens (default: the engine's default)")
+    ap.add_argument("--cuda-graph-prompt-max-tokens", type=int, default=None,
+                    help="the engine's cuda_graph_prompt_max_tokens (0: no lone-prompt graphs; "
+                    "default: the engine's default)")
     ap.add_argument("--prefill-lengths", default="1024,2048,8192",
                     help="prompt lengths of the prefill task, comma-separated")
     ap.add_argument("--json", default=None)
@@ -619,8 +624,9 @@ def main() -> None:
     ENGINE_OPTIONS.update(quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
                           tensor_parallel_size=args.tensor_parallel_size,
                           decode_tensor_cores=TENSOR_CORES[args.decode_tensor_cores])
-    if args.cuda_graph_max_tokens is not None:
-        ENGINE_OPTIONS["cuda_graph_max_tokens"] = args.cuda_graph_max_tokens
+    for option in ("cuda_graph_max_tokens", "cuda_graph_prompt_max_tokens"):
+        if getattr(args, option) is not None:
+            ENGINE_OPTIONS[option] = getattr(args, option)
     if args.fp8_lm_head:
         ENGINE_OPTIONS["fp8_lm_head"] = True
     ceil = ceilings()

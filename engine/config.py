@@ -172,6 +172,12 @@ class EngineConfig(BaseModel):
     # 512, or 2048 with FP8 weights, whose eager projections cost the host more than a step
     # of 1-2k tokens takes on the GPU (engine.cuda_graph.graph_max_tokens).
     cuda_graph_max_tokens: int | None = Field(None, ge=0)
+    # A lone prompt with nothing before it in the cache (a request's first step at low load) of
+    # up to this many tokens replays one CUDA graph of the whole step, attention included, in
+    # place of the pieces (vLLM's FULL cudagraph mode, here for that one shape; its attention
+    # plan is the same for every prompt padded to a size, so it is made once, at capture).
+    # None: every piecewise size up to 512 tokens; 0: off.
+    cuda_graph_prompt_max_tokens: int | None = Field(None, ge=0)
     # FlashInfer decode on tensor cores, for the decode steps FlashInfer runs (the long ones of
     # up to 8 rows; Baton's kernel runs the others); None: where it pays (GQA ratio of 4 or
     # more, an FP8 KV cache) or where the CUDA-core kernel has no build for the ratio (14B's 5).

@@ -3,7 +3,8 @@
 One call of :meth:`ModelRunner.execute` is prepare inputs → forward context → forward → logits
 of the sequences due a token. Decode-only steps replay a captured CUDA graph when there is one;
 other steps of up to ``cuda_graph_max_tokens`` tokens (prefill chunks, prompts joining a decode
-batch) replay piecewise graphs with attention run eagerly between them (:mod:`engine.cuda_graph`);
+batch) replay piecewise graphs with attention run eagerly between them (:mod:`engine.cuda_graph`),
+but a lone prompt with nothing cached before it, which replays one graph of its whole step;
 larger steps run eagerly.
 """
 
@@ -17,7 +18,8 @@ import torch
 
 from engine.attention import get_backend
 from engine.config import EngineConfig
-from engine.cuda_graph import DecodeGraphs, MixedGraphs, graph_max_tokens
+from engine.cuda_graph import (DecodeGraphs, MixedGraphs, graph_max_tokens,
+                               prompt_graph_max_tokens)
 from engine.forward_context import AttentionMetadata, null_meta, set_forward_context
 from engine.models.qwen3 import Qwen3ForCausalLM
 from engine.scheduler import ScheduledBatch
@@ -101,7 +103,10 @@ class ModelRunner:
             self.rows_max = self.graphs.max_batch
             if max_tokens := graph_max_tokens(config.cuda_graph_max_tokens,
                                               model.quantization is not None):
-                self.mixed = MixedGraphs(self, min(max_tokens, config.max_num_batched_tokens))
+                max_tokens = min(max_tokens, config.max_num_batched_tokens)
+                prompt_max = prompt_graph_max_tokens(config.cuda_graph_prompt_max_tokens,
+                                                     max_tokens)
+                self.mixed = MixedGraphs(self, max_tokens, prompt_max_tokens=prompt_max)
         self.warm_up_s = 0.0
         self.gemv_choices: dict = {}  # projection name -> GemvConfig of its one-row kernel
         self.norm_fused: list[str] = []  # projections with the RMSNorm folded in (one row)
@@ -247,10 +252,11 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         self.warm_up_s = time.perf_counter() - t0
         log.info("warm-up %.1fs (%d decode graphs in %.1fs, mixed-step graphs for %d token "
-                 "counts in %.1fs)", self.warm_up_s,
+                 "counts and lone-prompt graphs for %d in %.1fs)", self.warm_up_s,
                  len(self.graphs.graphs) + len(self.graphs.long_graphs) if self.graphs else 0,
                  self.graphs.capture_s if self.graphs else 0.0,
                  len(self.mixed.graphs) if self.mixed else 0,
+                 len(self.mixed.prompt_graphs) if self.mixed else 0,
                  self.mixed.capture_s if self.mixed else 0.0)
 
     def release_graphs(self) -> None:

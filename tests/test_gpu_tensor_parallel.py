@@ -71,10 +71,12 @@ def test_split_cuda_graphs_give_the_eager_tokens(model):
     bf16 = dict(device="cuda:0", dtype="bfloat16", num_blocks=1024, max_num_seqs=16,
                 show_progress=False, seed=0, tensor_parallel_size=2)
     prompts = random_prompts([5, 17, 33, 64, 100, 130], vocab=VOCAB, seed=12)
+    alone = random_prompts([9, 128, 300], vocab=VOCAB, seed=13)  # a lone prompt's graph each
     params = GREEDY.model_copy(update={"max_tokens": 32})
     eager = LLM(model, enforce_eager=True, **bf16)
     try:
         want = _tokens(eager, prompts, params)
+        want_alone = [_tokens(eager, [p], params)[0] for p in alone]
     finally:
         eager.engine.shutdown()
     del eager
@@ -82,6 +84,15 @@ def test_split_cuda_graphs_give_the_eager_tokens(model):
     try:
         assert graphed.engine.runner.graphs is not None
         assert _tokens(graphed, prompts, params) == want
+        mixed, replayed = graphed.engine.runner.mixed, []
+        run_prompt = mixed.run_prompt
+
+        def counting(step, size):
+            replayed.append(size in mixed.prompt_graphs)
+            return run_prompt(step, size)
+        mixed.run_prompt = counting
+        assert [_tokens(graphed, [p], params)[0] for p in alone] == want_alone
+        assert replayed == [True] * 3  # (rank 0's; the other rank takes the same path)
     finally:
         graphed.engine.shutdown()
 

@@ -8,7 +8,7 @@ import pytest
 
 from engine import SamplingParams
 from engine.config import EngineConfig
-from engine.cuda_graph import MixedGraphs, graph_max_tokens, mixed_sizes
+from engine.cuda_graph import MixedGraphs, graph_max_tokens, mixed_sizes, prompt_graph_max_tokens
 from engine.llm_engine import LLMEngine
 from tests.models import random_prompts
 
@@ -32,12 +32,19 @@ def test_mixed_sizes_pad_by_at_most_a_quarter():
     assert all(b - a <= a / 8 for a, b in zip(sizes, sizes[1:]) if a >= 1024)
 
 
-def _engine(piecewise: bool, **kw) -> LLMEngine:
+def test_lone_prompt_graphs_by_default_take_what_the_pieces_take_up_to_512_tokens():
+    assert prompt_graph_max_tokens(None, 2048) == 512
+    assert prompt_graph_max_tokens(None, 256) == 256
+    assert prompt_graph_max_tokens(0, 512) == 0
+    assert prompt_graph_max_tokens(1024, 512) == 512
+
+
+def _engine(piecewise: bool, prompt_max: int = 0, **kw) -> LLMEngine:
     engine = LLMEngine(EngineConfig(**{**dict(model="tiny", show_progress=False, seed=0), **kw}))
     runner = engine.runner
     assert runner.mixed is None  # no piecewise graphs on the CPU by default
     if piecewise:
-        runner.mixed = MixedGraphs(runner, 96, capture=False)
+        runner.mixed = MixedGraphs(runner, 96, capture=False, prompt_max_tokens=prompt_max)
     return engine
 
 
@@ -130,3 +137,57 @@ def test_an_eager_step_plans_its_attention_after_layer_0s_queries():
     forward = upfront.runner.model.forward
     upfront.runner.model.forward = lambda ids, pos, plan=None: (plan(), forward(ids, pos))[1]
     assert got == _tokens(staggered(upfront, prompts))
+
+
+def _counting_prompt_steps(engine: LLMEngine) -> list[tuple[int, int]]:
+    """(tokens, size) of each step the engine's lone-prompt path takes, as it takes it."""
+    mixed, calls = engine.runner.mixed, []
+    run_prompt = mixed.run_prompt
+
+    def counting(step, size):
+        calls.append((len(step.ids), size))
+        return run_prompt(step, size)
+    mixed.run_prompt = counting
+    return calls
+
+
+@pytest.mark.parametrize("budget", [8192, 40], ids=["whole-prompts", "chunked"])
+def test_a_lone_prompts_whole_step_gives_the_eager_tokens(budget):
+    """A prompt alone in its step with nothing cached before it takes the whole-step path
+    (attention over every padded row, as its graph does on the GPU), over a cache filled with
+    random values first, so that a real row reading a padding row's key, a page past the
+    prompt's own or a stale slot would change its tokens; one prompt at a time, then staggered
+    (prompts joining decoding sequences, and one behind a cached prefix, take the pieces); a
+    chunked prompt's first chunk is a lone prompt, its next ones are not. The same greedy
+    tokens and logprobs as the eager engine, and the pieces alone."""
+    shared = random_prompts([48], seed=3)[0]
+    prompts = random_prompts([30, 5, 70, 17, 90, 9], seed=4)
+    prompts += [shared + [11, 12], shared + [13]]  # the second one hits the first's blocks
+    kw = dict(max_num_batched_tokens=budget)
+    engine = _engine(True, prompt_max=96, **kw)
+    engine.runner.kv_storage.normal_(0, 4)
+    calls = _counting_prompt_steps(engine)
+    alone = staggered(engine, prompts, every=100)  # each prompt done before the next comes
+    first = len(calls)
+    fresh = random_prompts([26, 40, 23, 61], seed=8)
+    mixed = staggered(engine, fresh)
+    refs = [staggered(_engine(pw, **kw), prompts, every=100) for pw in (True, False)]
+    for ref in refs:
+        for rid, rec in ref.items():
+            assert alone[rid][0] == rec[0], rid
+            assert alone[rid][1] == pytest.approx(rec[1], abs=1e-3), rid
+    assert _tokens(mixed) == _tokens(staggered(_engine(False, **kw), fresh))
+    # alone: every prompt but the cached prefix's second, or (chunked) the first chunk of each
+    assert [n for n, _ in calls[:first]] == (
+        [30, 5, 70, 17, 90, 9, 50] if budget > 100 else [30, 5, 40, 17, 40, 9, 40])
+    assert all(size == engine.runner.mixed.size_for(n) and size >= n for n, size in calls)
+    assert calls[first][0] == 26  # staggered: the first came alone, the others beside decoding
+
+
+def test_a_prompt_beyond_the_largest_lone_prompt_size_takes_the_pieces():
+    engine = _engine(True, prompt_max=48)
+    calls = _counting_prompt_steps(engine)
+    prompts = random_prompts([40, 60], seed=12)
+    assert _tokens(staggered(engine, prompts, every=100)) == \
+        _tokens(staggered(_engine(False), prompts, every=100))
+    assert [n for n, _ in calls] == [40]

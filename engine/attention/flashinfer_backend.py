@@ -49,6 +49,10 @@ WORKSPACE_BYTES = 256 * 2**20
 # and even at 2,048 on 0.6B (docs/benchmarks.md, "Long contexts back on FlashInfer").
 SMALL_DECODE_MAX_CONTEXT = 3072
 _EMPTY = torch.empty(0, dtype=torch.int32)
+# The int workspace of a lone prompt's graph wrapper (FlashInfer's default is 8 MiB a wrapper):
+# its plan for one prompt of up to a few thousand tokens takes a few KiB (FA3's: ~8 arrays of
+# a work item per query tile and head; FA2's: a few per tile).
+PROMPT_PLAN_BYTES = 2**20
 
 
 class FlashInferBackend(AttentionBackend):
@@ -78,15 +82,17 @@ class FlashInferBackend(AttentionBackend):
         if meta.is_decode_only:
             self.plan_decode(self._eager_decode(meta), meta)
             return
-        indptr, last = pinned(meta.kv_indptr), pinned(meta.kv_last_page_len)
         with _plan_fence(self.prefill_wrapper):
-            self.prefill_wrapper.plan(
-                pinned(host_tensor(meta.query_start_loc, torch.int32)), indptr,
-                self._page_ids(meta), last, self.num_heads, self.num_kv_heads,
-                self.head_dim, self.block_size, causal=True, sm_scale=self.scale,
-                q_data_type=self.dtype, kv_data_type=self.kv_dtype,
-                seq_lens=pinned(get_seq_lens(indptr, last, self.block_size)))
+            self._plan_prefill(self.prefill_wrapper, meta)
         meta.extras["wrapper"] = self.prefill_wrapper
+
+    def _plan_prefill(self, wrapper, meta: AttentionMetadata) -> None:
+        indptr, last = pinned(meta.kv_indptr), pinned(meta.kv_last_page_len)
+        wrapper.plan(pinned(host_tensor(meta.query_start_loc, torch.int32)), indptr,
+                     self._page_ids(meta), last, self.num_heads, self.num_kv_heads,
+                     self.head_dim, self.block_size, causal=True, sm_scale=self.scale,
+                     q_data_type=self.dtype, kv_data_type=self.kv_dtype,
+                     seq_lens=pinned(get_seq_lens(indptr, last, self.block_size)))
 
     def _eager_decode(self, meta: AttentionMetadata):
         """The eager decode step's wrapper: the small-batch kernel up to its rows (over page
@@ -169,6 +175,31 @@ class FlashInferBackend(AttentionBackend):
             use_tensor_cores=self.decode_tensor_cores,
             paged_kv_indptr_buffer=buf(batch_size + 1), paged_kv_indices_buffer=pages,
             paged_kv_last_page_len_buffer=buf(batch_size))
+
+    def graph_prompt_wrapper(self, meta: AttentionMetadata):
+        """A prefill wrapper over fixed buffers, planned now for ``meta``: one prompt of
+        ``size`` tokens with nothing before it (``null_meta(1, size, ...)``), the shape a graph
+        of a lone prompt's whole step replays (``engine.cuda_graph.MixedGraphs``). Every prompt
+        padded to that size has the same plan; only its page ids differ, which the kernel reads
+        from the wrapper's buffer when it runs (:meth:`set_prompt_pages`). Its own small int
+        workspace holds the plan for the graph's lifetime."""
+        def buf(n: int) -> torch.Tensor:
+            return torch.zeros(n, dtype=torch.int32, device=self.device)
+        wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            self.workspace, "HND", use_cuda_graph=True, qo_indptr_buf=buf(2),
+            paged_kv_indptr_buf=buf(2), paged_kv_indices_buf=buf(len(meta.kv_indices)),
+            paged_kv_last_page_len_buf=buf(1))
+        wrapper.reset_workspace_buffer(self.workspace, torch.zeros(
+            PROMPT_PLAN_BYTES, dtype=torch.uint8, device=self.device))
+        self._plan_prefill(wrapper, meta)
+        torch.cuda.synchronize(self.device)  # (the plan's copies out of pinned memory)
+        return wrapper
+
+    @staticmethod
+    def set_prompt_pages(wrapper, pages: torch.Tensor) -> None:
+        """Queue the copy of a lone prompt's page ids (host int32, the null block's past its
+        own pages) into the buffer a :meth:`graph_prompt_wrapper` reads."""
+        wrapper._paged_kv_indices_buf.copy_(pinned(pages), non_blocking=True)
 
     def forward(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                 k_scale: float = 1.0, v_scale: float = 1.0,

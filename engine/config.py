@@ -176,7 +176,9 @@ class EngineConfig(BaseModel):
     # up to this many tokens replays one CUDA graph of the whole step, attention included, in
     # place of the pieces (vLLM's FULL cudagraph mode, here for that one shape; its attention
     # plan is the same for every prompt padded to a size, so it is made once, at capture).
-    # None: every piecewise size up to 512 tokens; 0: off.
+    # None: 2,048 (engine.cuda_graph.prompt_graph_max_tokens); 0: off. Only beside the
+    # piecewise graphs (cuda_graph_max_tokens 0 turns both off); sizes by their rule (16, 32,
+    # ..., 2,048), past their largest where this is larger.
     cuda_graph_prompt_max_tokens: int | None = Field(None, ge=0)
     # FlashInfer decode on tensor cores, for the decode steps FlashInfer runs (the long ones of
     # up to 8 rows; Baton's kernel runs the others); None: where it pays (GQA ratio of 4 or

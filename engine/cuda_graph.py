@@ -253,14 +253,20 @@ def graph_max_tokens(configured: int | None, fp8_weights: bool) -> int:
     return 2048 if fp8_weights else 512
 
 
-def prompt_graph_max_tokens(configured: int | None, piecewise_max: int) -> int:
+def prompt_graph_max_tokens(configured: int | None, step_budget: int) -> int:
     """The largest lone prompt a whole-step graph takes (``cuda_graph_prompt_max_tokens``; None:
-    the piecewise graphs' largest, at most 512). Never more than the piecewise graphs take:
-    the whole-step graphs share their buffers."""
-    return min(PROMPT_GRAPH_MAX_TOKENS if configured is None else configured, piecewise_max)
+    ``PROMPT_GRAPH_MAX_TOKENS``), never more than a step's token budget.
+
+    Measured on H200s (8B, one prompt a step, docs/benchmarks.md): against the pieces (to 512
+    tokens in bf16) or an eager step (beyond), the whole-step graph took 0.5-1.0 ms off prompts
+    of 16-512 tokens, 3.1-4.6 ms off 1,024 (bf16, eager before) and 2.4-2.7 ms off 2,048; a
+    1,100-token prompt padded to 1,152 rows was still 0.9 ms faster in bf16, and within 1% in
+    FP8 (pieces before). Unlike the pieces beside decoding sequences, where bf16 graphs of 1-2k
+    tokens lost to padding (``graph_max_tokens``), the whole step's host work is gone here."""
+    return min(PROMPT_GRAPH_MAX_TOKENS if configured is None else configured, step_budget)
 
 
-PROMPT_GRAPH_MAX_TOKENS = 512
+PROMPT_GRAPH_MAX_TOKENS = 2048
 
 
 def mixed_sizes(max_tokens: int) -> list[int]:
@@ -311,11 +317,12 @@ class MixedGraphs:
         self.model = runner.model.model  # Qwen3Model: embed_tokens, layers, norm
         self.sizes = mixed_sizes(max_tokens)
         self.max_tokens = self.sizes[-1]
-        self.prompt_sizes = [s for s in self.sizes if s <= prompt_max_tokens]
+        # (the same token counts; beyond the pieces' largest where asked)
+        self.prompt_sizes = mixed_sizes(prompt_max_tokens) if prompt_max_tokens else []
         self.use_graphs = capture
         cfg, dev = runner.model.config, runner.device
         attn = self.model.layers[0].self_attn
-        m = self.max_tokens
+        m = max([self.max_tokens, *self.prompt_sizes])
         # ids, positions, slots (read by the pieces), the pending-token rows
         self.inputs = torch.zeros(4, m, dtype=torch.int64, device=dev)
         self.queries = torch.zeros(m, attn.num_heads, attn.head_dim, dtype=runner.dtype,
@@ -337,10 +344,9 @@ class MixedGraphs:
         is this step's tokens (nothing cached before them), of at most the largest prompt size;
         else None."""
         meta, n = step.meta, len(step.ids)
-        if meta.num_seqs != 1 or meta.context_lens[0] != n or not self.prompt_sizes \
-                or n > self.prompt_sizes[-1]:
+        if meta.num_seqs != 1 or meta.context_lens[0] != n:
             return None
-        return self.size_for(n)
+        return next((s for s in self.prompt_sizes if s >= n), None)
 
     def _piece(self, size: int, i: int) -> None:
         """Piece ``i`` of a step of ``size`` rows, from and into the static buffers."""

@@ -103,10 +103,10 @@ class ModelRunner:
             self.rows_max = self.graphs.max_batch
             if max_tokens := graph_max_tokens(config.cuda_graph_max_tokens,
                                               model.quantization is not None):
-                max_tokens = min(max_tokens, config.max_num_batched_tokens)
-                prompt_max = prompt_graph_max_tokens(config.cuda_graph_prompt_max_tokens,
-                                                     max_tokens)
-                self.mixed = MixedGraphs(self, max_tokens, prompt_max_tokens=prompt_max)
+                budget = config.max_num_batched_tokens
+                prompt_max = prompt_graph_max_tokens(config.cuda_graph_prompt_max_tokens, budget)
+                self.mixed = MixedGraphs(self, min(max_tokens, budget),
+                                         prompt_max_tokens=prompt_max)
         self.warm_up_s = 0.0
         self.gemv_choices: dict = {}  # projection name -> GemvConfig of its one-row kernel
         self.norm_fused: list[str] = []  # projections with the RMSNorm folded in (one row)
@@ -385,7 +385,8 @@ class ModelRunner:
         if (self.graphs is not None and step.meta.is_decode_only and not step.prompt.rows
                 and step.meta.num_seqs <= self.graphs.max_batch):
             logits = self.graphs.run(step, prev_tokens)
-        elif self.mixed is not None and len(step.ids) <= self.mixed.max_tokens:
+        elif self.mixed is not None and (len(step.ids) <= self.mixed.max_tokens
+                                         or self.mixed.prompt_size(step)):
             return self._logits(self.mixed.run(step, prev_tokens), step.logit_rows, step.prompt)
         else:
             dev = upload(step.host_rows(), torch.int64, self.device)

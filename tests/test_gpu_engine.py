@@ -253,17 +253,20 @@ def test_piecewise_graphs_of_mixed_steps_replay_what_the_pieces_compute():
             _same_greedy_up_to_a_tie(graphed[rid][0], graphed[rid][1], tokens, logprobs, rid)
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
-def test_lone_prompt_graphs_replay_what_their_plain_calls_compute(kv_cache_dtype):
+@pytest.mark.parametrize("kv_cache_dtype,prompt_max", [("auto", 512), ("fp8", 512),
+                                                       ("auto", 1024)])
+def test_lone_prompt_graphs_replay_what_their_plain_calls_compute(kv_cache_dtype, prompt_max):
     """Prompts one at a time, each alone in its step with nothing cached before it: each step
     replays the one graph of its size, attention included (planned once at capture; 5 tokens
     padded to 16, 128 exactly, 400 padded to 448, 512, 102 padded to 112); a prompt behind a
-    cached prefix takes the pieces and a 600-token one runs eagerly. Against the same whole step
-    run as plain calls (the eager prefill wrapper over the same padded shape) and against the
-    eager engine: the same
-    tokens and logprobs up to a near-tie, as above; over a bf16 and an FP8 cache."""
+    cached prefix takes the pieces, and a 600-token one runs eagerly or, with lone-prompt
+    graphs to 1,024 tokens (beyond the pieces' 512), replays its own padded to 640. Against the
+    same whole step run as plain calls (the eager prefill wrapper over the same padded shape)
+    and against the eager engine: the same tokens and logprobs up to a near-tie, as above; over
+    a bf16 and an FP8 cache."""
     pytest.importorskip("flashinfer")
-    kw = dict(attention_backend="flashinfer", kv_cache_dtype=kv_cache_dtype)
+    kw = dict(attention_backend="flashinfer", kv_cache_dtype=kv_cache_dtype,
+              cuda_graph_prompt_max_tokens=prompt_max)
     shared = random_prompts([100], vocab=VOCAB, seed=23)[0]
     prompts = random_prompts([5, 128, 400, 512, 600], vocab=VOCAB, seed=24)
     prompts += [shared + [1, 2], shared + [3]]
@@ -272,7 +275,7 @@ def test_lone_prompt_graphs_replay_what_their_plain_calls_compute(kv_cache_dtype
         engine = _engine(**kw)
         mixed = engine.runner.mixed
         assert mixed is not None and set(mixed.prompt_graphs) == set(mixed.prompt_sizes)
-        assert mixed.prompt_sizes[-1] == 512
+        assert mixed.prompt_sizes[-1] == prompt_max
         mixed.use_graphs = graphs
         calls, run_prompt = [], mixed.run_prompt
 
@@ -282,7 +285,8 @@ def test_lone_prompt_graphs_replay_what_their_plain_calls_compute(kv_cache_dtype
         mixed.run_prompt = counting
         runs.append(staggered(engine, prompts, max_tokens=16, every=100))
         assert calls == [(5, 16, graphs), (128, 128, graphs), (400, 448, graphs),
-                         (512, 512, graphs), (102, 112, graphs)]
+                         (512, 512, graphs)] + [(600, 640, graphs)] * (prompt_max > 600) + [
+                         (102, 112, graphs)]
     eager = staggered(_engine(**kw, enforce_eager=True), prompts, max_tokens=16, every=100)
     graphed = runs[0]
     for ref in (runs[1], eager):

@@ -32,11 +32,12 @@ def test_mixed_sizes_pad_by_at_most_a_quarter():
     assert all(b - a <= a / 8 for a, b in zip(sizes, sizes[1:]) if a >= 1024)
 
 
-def test_lone_prompt_graphs_by_default_take_what_the_pieces_take_up_to_512_tokens():
-    assert prompt_graph_max_tokens(None, 2048) == 512
+def test_lone_prompt_graphs_by_default_take_up_to_2048_tokens_within_the_step_budget():
+    assert prompt_graph_max_tokens(None, 8192) == 2048
     assert prompt_graph_max_tokens(None, 256) == 256
-    assert prompt_graph_max_tokens(0, 512) == 0
-    assert prompt_graph_max_tokens(1024, 512) == 512
+    assert prompt_graph_max_tokens(0, 8192) == 0
+    assert prompt_graph_max_tokens(2048, 8192) == 2048
+    assert prompt_graph_max_tokens(2048, 1024) == 1024
 
 
 def _engine(piecewise: bool, prompt_max: int = 0, **kw) -> LLMEngine:
@@ -180,7 +181,8 @@ def test_a_lone_prompts_whole_step_gives_the_eager_tokens(budget):
     # alone: every prompt but the cached prefix's second, or (chunked) the first chunk of each
     assert [n for n, _ in calls[:first]] == (
         [30, 5, 70, 17, 90, 9, 50] if budget > 100 else [30, 5, 40, 17, 40, 9, 40])
-    assert all(size == engine.runner.mixed.size_for(n) and size >= n for n, size in calls)
+    sizes = engine.runner.mixed.prompt_sizes
+    assert all(size == min(s for s in sizes if s >= n) for n, size in calls)
     assert calls[first][0] == 26  # staggered: the first came alone, the others beside decoding
 
 
@@ -191,3 +193,17 @@ def test_a_prompt_beyond_the_largest_lone_prompt_size_takes_the_pieces():
     assert _tokens(staggered(engine, prompts, every=100)) == \
         _tokens(staggered(_engine(False), prompts, every=100))
     assert [n for n, _ in calls] == [40]
+
+
+def test_lone_prompts_beyond_the_pieces_largest_size_take_their_own_graphs():
+    """Lone-prompt graphs up to 160 tokens over pieces up to 48: a 100-token prompt alone takes
+    its whole-step path (padded to 112), a 200-token one runs eagerly; the eager tokens."""
+    engine = _engine(False)
+    runner = engine.runner
+    runner.mixed = MixedGraphs(runner, 48, capture=False, prompt_max_tokens=160)
+    assert runner.mixed.max_tokens == 48 and runner.mixed.prompt_sizes[-1] == 160
+    calls = _counting_prompt_steps(engine)
+    prompts = random_prompts([100, 200], seed=13)
+    assert _tokens(staggered(engine, prompts, every=100)) == \
+        _tokens(staggered(_engine(False), prompts, every=100))
+    assert calls == [(100, 112)]

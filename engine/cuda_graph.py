@@ -255,7 +255,8 @@ def graph_max_tokens(configured: int | None, fp8_weights: bool) -> int:
 
 def prompt_graph_max_tokens(configured: int | None, step_budget: int) -> int:
     """The largest lone prompt a whole-step graph takes (``cuda_graph_prompt_max_tokens``; None:
-    ``PROMPT_GRAPH_MAX_TOKENS``), never more than a step's token budget.
+    ``PROMPT_GRAPH_MAX_TOKENS``), never more than a step's token budget (the runner passes the
+    smaller of it and the longest sequence).
 
     Measured on H200s (8B, one prompt a step, docs/benchmarks.md): against the pieces (to 512
     tokens in bf16) or an eager step (beyond), the whole-step graph took 0.5-1.0 ms off prompts
@@ -435,7 +436,8 @@ class MixedGraphs:
 
     def run(self, step, prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """Queue the pieces and the eager attention of ``step`` (:class:`StepInputs`, of at most
-        ``max_tokens`` tokens); returns the final hidden states of its ``n`` rows."""
+        ``max_tokens`` tokens), or a lone prompt's whole step (:meth:`prompt_size`); returns
+        the final hidden states of its ``n`` rows."""
         n = len(step.ids)
         prompt = self.prompt_size(step)
         size = prompt or self.size_for(n)

@@ -104,7 +104,8 @@ class ModelRunner:
             if max_tokens := graph_max_tokens(config.cuda_graph_max_tokens,
                                               model.quantization is not None):
                 budget = config.max_num_batched_tokens
-                prompt_max = prompt_graph_max_tokens(config.cuda_graph_prompt_max_tokens, budget)
+                prompt_max = prompt_graph_max_tokens(config.cuda_graph_prompt_max_tokens,
+                                                     min(budget, max_model_len))
                 self.mixed = MixedGraphs(self, min(max_tokens, budget),
                                          prompt_max_tokens=prompt_max)
         self.warm_up_s = 0.0

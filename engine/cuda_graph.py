@@ -253,10 +253,11 @@ def graph_max_tokens(configured: int | None, fp8_weights: bool) -> int:
     return 2048 if fp8_weights else 512
 
 
-def prompt_graph_max_tokens(configured: int | None, step_budget: int) -> int:
+def prompt_graph_max_tokens(configured: int | None, step_budget: int,
+                            max_model_len: int) -> int:
     """The largest lone prompt a whole-step graph takes (``cuda_graph_prompt_max_tokens``; None:
-    ``PROMPT_GRAPH_MAX_TOKENS``), never more than a step's token budget (the runner passes the
-    smaller of it and the longest sequence).
+    ``PROMPT_GRAPH_MAX_TOKENS``), never more than a step's token budget nor the longest
+    sequence (no prompt could use a larger graph).
 
     Measured on H200s (8B, one prompt a step, docs/benchmarks.md): against the pieces (to 512
     tokens in bf16) or an eager step (beyond), the whole-step graph took 0.5-1.0 ms off prompts
@@ -264,7 +265,8 @@ def prompt_graph_max_tokens(configured: int | None, step_budget: int) -> int:
     1,100-token prompt padded to 1,152 rows was still 0.9 ms faster in bf16, and within 1% in
     FP8 (pieces before). Unlike the pieces beside decoding sequences, where bf16 graphs of 1-2k
     tokens lost to padding (``graph_max_tokens``), the whole step's host work is gone here."""
-    return min(PROMPT_GRAPH_MAX_TOKENS if configured is None else configured, step_budget)
+    return min(PROMPT_GRAPH_MAX_TOKENS if configured is None else configured, step_budget,
+               max_model_len)
 
 
 PROMPT_GRAPH_MAX_TOKENS = 2048

@@ -105,7 +105,7 @@ class ModelRunner:
                                               model.quantization is not None):
                 budget = config.max_num_batched_tokens
                 prompt_max = prompt_graph_max_tokens(config.cuda_graph_prompt_max_tokens,
-                                                     min(budget, max_model_len))
+                                                     budget, max_model_len)
                 self.mixed = MixedGraphs(self, min(max_tokens, budget),
                                          prompt_max_tokens=prompt_max)
         self.warm_up_s = 0.0

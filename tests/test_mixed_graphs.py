@@ -33,11 +33,12 @@ def test_mixed_sizes_pad_by_at_most_a_quarter():
 
 
 def test_lone_prompt_graphs_by_default_take_up_to_2048_tokens_within_the_step_budget():
-    assert prompt_graph_max_tokens(None, 8192) == 2048
-    assert prompt_graph_max_tokens(None, 256) == 256
-    assert prompt_graph_max_tokens(0, 8192) == 0
-    assert prompt_graph_max_tokens(2048, 8192) == 2048
-    assert prompt_graph_max_tokens(2048, 1024) == 1024
+    assert prompt_graph_max_tokens(None, 8192, 40960) == 2048
+    assert prompt_graph_max_tokens(None, 256, 40960) == 256
+    assert prompt_graph_max_tokens(0, 8192, 40960) == 0
+    assert prompt_graph_max_tokens(2048, 8192, 40960) == 2048
+    assert prompt_graph_max_tokens(2048, 1024, 40960) == 1024
+    assert prompt_graph_max_tokens(None, 8192, 600) == 600  # no prompt is longer
 
 
 def _engine(piecewise: bool, prompt_max: int = 0, **kw) -> LLMEngine:

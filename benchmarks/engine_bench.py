@@ -10,7 +10,8 @@ Tasks (models are ``dummy:`` specs: random weights, real shapes):
 - ``long``: batch 1, a two-token prompt, 10,000 new tokens: seconds.
 - ``throughput``: 256 sequences, input and output lengths uniform in [100, 1024] (seed 0):
   output tok/s and the decode steps' % of their memory floor.
-- ``prefill``: batch 1, 1k/2k/8k-token prompts: ms and % of the compute floor (FLOPs / GEMM rate).
+- ``prefill``: batch 1, 1k/2k/8k-token prompts: ms and % of the compute floor (FLOPs / GEMM rate),
+  back to back (also against the GEMM rate under the power limit) and after an idle second.
 - ``hf``: transformers ``generate`` at batch 1 (same shape, bf16) for the ratio.
 - ``sizes``: per model, with default settings: batch-1 decode ms/token and % of floor, a decode
   step of 64 sequences, throughput at the largest batch whose sequences all fit in the cache.
@@ -54,7 +55,7 @@ from dataclasses import replace
 
 import torch
 
-from benchmarks.lib import TENSOR_CORES, ceilings, cuda_ms
+from benchmarks.lib import TENSOR_CORES, ceilings, cuda_ms, sustained_gemm_tflops
 from engine import EngineConfig, SamplingParams
 from engine.llm_engine import LLMEngine
 
@@ -310,26 +311,46 @@ def allreduce(model: str, batches=(1, 64, 256), steps: int = 30) -> list[dict]:
     return rows
 
 
-def prefill(model: str, ceil: dict, lengths=(1024, 2048, 8192)) -> list[dict]:
+def prefill(model: str, ceil: dict, lengths=(1024, 2048, 8192), idle_s: float = 1.0) -> list[dict]:
+    """Each prompt alone, timed two ways: back to back (``ms``: the median of reps 2-4), and
+    after ``idle_s`` of an idle GPU (``ms_from_idle``: a first token at zero load; 0 skips it).
+    The floor is the FLOPs at the burst GEMM ceiling (``x_floor``, ``x_floor_from_idle``); the
+    back-to-back figure also against the GEMM rate under the power limit
+    (``x_floor_sustained``, :func:`benchmarks.lib.sustained_gemm_tflops`), since prompts back to
+    back run at the capped clocks."""
     engine = _engine(model, max_num_seqs=4, max_num_batched_tokens=max(lengths),
                      enable_prefix_caching=False)
     cfg = engine.model.config
     params = sum(p.numel() for p in engine.model.parameters()) - cfg.vocab_size * cfg.hidden_size
+    sustained = sustained_gemm_tflops()
+
+    def timed(rep: int) -> float:
+        engine.add_request(_prompt(engine, n, rep), SamplingParams(temperature=0, max_tokens=1))
+        torch.cuda.synchronize()
+        return Recorder(engine).run()  # the prefill step and the wait for its token
+
     rows = []
     for n in lengths:
-        times = []
-        for rep in range(4):
-            engine.add_request(_prompt(engine, n, rep), SamplingParams(temperature=0, max_tokens=1))
-            torch.cuda.synchronize()
-            times.append(Recorder(engine).run())  # the prefill step and the wait for its token
-        ms = statistics.median(times[1:]) * 1e3
+        ms = statistics.median([timed(rep) for rep in range(4)][1:]) * 1e3
+        idle = []
+        for rep in range(3 if idle_s > 0 else 0):
+            time.sleep(idle_s)
+            idle.append(timed(10 + rep))
         attn = 2 * 2 * cfg.num_attention_heads * cfg.head_dim * n * (n + 1) / 2 \
             * cfg.num_hidden_layers / engine.config.tensor_parallel_size  # this rank's heads
         flops = 2 * params * n + attn + 2 * cfg.hidden_size * cfg.vocab_size
         floor_ms = flops / (ceil["gemm_TFLOPs"] * 1e12) * 1e3
-        rows.append({"task": "prefill", "model": model, **_options(engine), "tokens": n,
-                     "ms": round(ms, 2), "floor_ms": round(floor_ms, 2), "pct_of_floor": round(100 * floor_ms / ms, 1),
-                     "x_floor": round(ms / floor_ms, 2), "startup_s": round(engine.startup_s, 1)})
+        row = {"task": "prefill", "model": model, **_options(engine), "tokens": n,
+               "ms": round(ms, 2), "floor_ms": round(floor_ms, 2),
+               "pct_of_floor": round(100 * floor_ms / ms, 1), "x_floor": round(ms / floor_ms, 2),
+               "gemm_TFLOPs_sustained": round(sustained, 1),
+               "x_floor_sustained": round(ms / (flops / (sustained * 1e12) * 1e3), 3),
+               "startup_s": round(engine.startup_s, 1)}
+        if idle:
+            from_idle = statistics.median(idle) * 1e3
+            row.update(ms_from_idle=round(from_idle, 2),
+                       x_floor_from_idle=round(from_idle / floor_ms, 3))
+        rows.append(row)
     return rows
 
 
@@ -619,6 +640,9 @@ def main() -> None:
                     "default: the engine's default)")
     ap.add_argument("--prefill-lengths", default="1024,2048,8192",
                     help="prompt lengths of the prefill task, comma-separated")
+    ap.add_argument("--prefill-idle-s", type=float, default=1.0,
+                    help="the prefill task's idle seconds before each of its prompts timed from "
+                    "an idle GPU (0: only back to back)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     ENGINE_OPTIONS.update(quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
@@ -667,7 +691,8 @@ def main() -> None:
         emit(long_run("dummy:Qwen3-0.6B"))
     if "prefill" in args.tasks:
         emit(prefill(args.prefill_model, ceil,
-                     tuple(int(n) for n in args.prefill_lengths.split(","))))
+                     tuple(int(n) for n in args.prefill_lengths.split(",")),
+                     idle_s=args.prefill_idle_s))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)

@@ -81,6 +81,23 @@ def ceilings() -> dict:
     return {"copy_GBps": round(copy_gbs, 1), "gemm_TFLOPs": round(tflops, 1)}
 
 
+def sustained_gemm_tflops(seconds: float = 2.0, n: int = 8192) -> float:
+    """bf16 GEMM TFLOP/s once the GPU has run GEMMs back to back for ``seconds``: the rate
+    under its power limit. :func:`ceilings` times ten GEMMs (~15 ms), before the clocks come
+    down; a long prefill, or prompts back to back, run at the capped clocks (an H200's SM clock
+    fell from 1,980 MHz to 1,215-1,575 under 2,048-token prefills back to back, nvidia-smi's
+    reason: the software power cap)."""
+    import torch
+
+    x, y = (torch.randn(n, n, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        for _ in range(8):
+            x @ y
+        torch.cuda.synchronize()
+    return 2 * n**3 / cuda_ms(lambda: x @ y, reps=20) / 1e9
+
+
 def copy_ceiling(devices, nbytes: int, reps: int = 20) -> float:
     """Bytes per second of a plain copy of ``nbytes`` (device copy, or peer copy between the
     two devices)."""

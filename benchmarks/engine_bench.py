@@ -324,18 +324,18 @@ def prefill(model: str, ceil: dict, lengths=(1024, 2048, 8192), idle_s: float = 
     params = sum(p.numel() for p in engine.model.parameters()) - cfg.vocab_size * cfg.hidden_size
     sustained = sustained_gemm_tflops()
 
-    def timed(rep: int) -> float:
+    def timed(n: int, rep: int) -> float:
         engine.add_request(_prompt(engine, n, rep), SamplingParams(temperature=0, max_tokens=1))
         torch.cuda.synchronize()
         return Recorder(engine).run()  # the prefill step and the wait for its token
 
     rows = []
     for n in lengths:
-        ms = statistics.median([timed(rep) for rep in range(4)][1:]) * 1e3
+        ms = statistics.median([timed(n, rep) for rep in range(4)][1:]) * 1e3
         idle = []
         for rep in range(3 if idle_s > 0 else 0):
             time.sleep(idle_s)
-            idle.append(timed(10 + rep))
+            idle.append(timed(n, 10 + rep))
         attn = 2 * 2 * cfg.num_attention_heads * cfg.head_dim * n * (n + 1) / 2 \
             * cfg.num_hidden_layers / engine.config.tensor_parallel_size  # this rank's heads
         flops = 2 * params * n + attn + 2 * cfg.hidden_size * cfg.vocab_size

@@ -11,6 +11,12 @@ each replay (Baton's kernel's page table copied in with the step's inputs,
 :class:`StagedInputs`); a size whose long steps run FlashInfer's kernel instead
 (``backend.long_context``: up to 8 rows) has a second graph, captured with that wrapper and
 replayed for them.
+
+A size of at most ``ARGMAX_MAX_ROWS`` rows has one more graph of each variant, for a step whose
+every row is greedy with nothing changing its logits (:meth:`DecodeGraphs.run`'s ``greedy``):
+it also takes its pending input ids from the graph's own buffer of sampled ids at its head
+(:mod:`kernels.pending_ids`) and writes the rows' argmax into that buffer at its end, so that
+neither runs as a launch of its own around the replay.
 """
 
 from __future__ import annotations
@@ -21,7 +27,12 @@ import torch
 from tqdm import tqdm
 
 from engine.forward_context import AttentionMetadata, null_meta, set_forward_context
+from kernels.argmax import RowArgmax
 from kernels.decode_attention import MAX_ROWS, DecodeAttention
+from kernels.pending_ids import take_pending
+
+# Sizes up to which a greedy step's graph holds its pending-id gather and its argmax (0: none).
+ARGMAX_MAX_ROWS = 8
 
 
 def capture_sizes(max_batch: int, step_rows: int = 1) -> list[int]:
@@ -41,8 +52,10 @@ def capture_sizes(max_batch: int, step_rows: int = 1) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, runner, max_batch: int, step_rows: int = 1):
-        """``step_rows``: a speculating sequence's rows in a verification (capture_sizes)."""
+    def __init__(self, runner, max_batch: int, step_rows: int = 1, greedy: bool = True):
+        """``step_rows``: a speculating sequence's rows in a verification (capture_sizes);
+        ``greedy``: capture the greedy steps' graphs (``ARGMAX_MAX_ROWS``)."""
+        self.argmax_max_rows = ARGMAX_MAX_ROWS if greedy else 0
         self.runner = runner
         self.backend = runner.backend
         self.sizes = capture_sizes(max_batch, step_rows)
@@ -73,6 +86,12 @@ class DecodeGraphs:
             self.wrappers[s].bind(*self.staged.table(s))
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.long_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # A greedy step's graphs, keyed (size, long), and the ids they sample: the running
+        # step's tokens when it replayed one, which the next such replay reads and overwrites.
+        self.greedy_graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self.tokens = torch.zeros(self.max_batch, dtype=torch.int64, device=dev)
+        self.argmax = RowArgmax()  # its own workspace, held for the graphs
+        self.sampled: torch.Tensor | None = None  # the last replay's ids, where it sampled them
         self.capture_s = 0.0
 
     def size_for(self, n: int) -> int | None:
@@ -83,50 +102,79 @@ class DecodeGraphs:
         t0 = time.perf_counter()
         pool = None
         model = self.runner.model
-        variants = [(size, long) for size in sorted(self.sizes, reverse=True)
-                    for long in ((False, True) if size in self.long_wrappers else (False,))]
-        for size, long in tqdm(variants, desc="capturing decode graphs", disable=not progress,
-                               leave=False):
+        variants = [(size, long, greedy) for size in sorted(self.sizes, reverse=True)
+                    for long in ((False, True) if size in self.long_wrappers else (False,))
+                    for greedy in ((False, True) if size <= self.argmax_max_rows else (False,))]
+        self.argmax.reserve(self.max_batch, model.config.vocab_size, self.tokens.device)
+        for size, long, greedy in tqdm(variants, desc="capturing decode graphs",
+                                       disable=not progress, leave=False):
             meta = null_meta(size, 1, self.runner.block_size)
             self.backend.plan_decode((self.long_wrappers if long else self.wrappers)[size], meta)
-            ids, pos, slots, _ = self.rows[size]
+            ids, pos, slots, src = self.rows[size]
             slots.fill_(-1)
+            src.fill_(-1)
             meta.slot_mapping = slots
             with set_forward_context(meta):
                 # Eager once, the logits too: compiles kernels, loads them and settles
                 # allocations (a kernel's first launch inside a capture can fail it: the FP8
                 # head's few-row and W8A8 kernels over bf16 weights run nowhere before).
-                model.compute_logits(model(ids, pos), out=self.logits[:size])
+                self._step(size, greedy)
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    model.compute_logits(model(ids, pos), out=self.logits[:size])
+                    self._step(size, greedy)
             pool = graph.pool()
-            (self.long_graphs if long else self.graphs)[size] = graph
+            if greedy:
+                self.greedy_graphs[(size, long)] = graph
+            else:
+                (self.long_graphs if long else self.graphs)[size] = graph
         torch.cuda.synchronize()
         self.capture_s = time.perf_counter() - t0
+
+    def _step(self, size: int, greedy: bool) -> None:
+        """What a graph of ``size`` rows holds: the forward and the logits, and for a greedy
+        step the pending ids' gather before them and the argmax after."""
+        model = self.runner.model
+        ids, pos, _, src = self.rows[size]
+        if greedy:
+            take_pending(ids, src, self.tokens)
+        model.compute_logits(model(ids, pos), out=self.logits[:size])
+        if greedy:
+            self.argmax(self.logits[:size], out=self.tokens[:size])
 
     def release(self) -> None:
         """Wait for the replays queued and free the graphs. A split engine does this before its
         NCCL group ends: a communicator whose work a live graph holds does not end (NCCL's
         shutdown waits for that work, pytorch/pytorch#115388)."""
         torch.cuda.synchronize(self.inputs.device)
-        for graph in (*self.graphs.values(), *self.long_graphs.values()):
+        for graph in (*self.graphs.values(), *self.long_graphs.values(),
+                      *self.greedy_graphs.values()):
             graph.reset()
         self.graphs.clear()
         self.long_graphs.clear()
+        self.greedy_graphs.clear()
 
-    def run(self, step, prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
+    def run(self, step, prev_tokens: torch.Tensor | None = None,
+            greedy: bool = False) -> torch.Tensor:
         """Queue a replay for the ``n`` sequences of ``step`` (:class:`StepInputs`); returns
         float32 logits ``[n, vocab]`` (valid once the replay has run). Sizes on Baton's decode
         kernel send inputs and page table in one copy (:class:`StagedInputs`); the others a
         freshly pinned buffer of inputs (the previous step's copy may still be queued behind
-        the running step) and FlashInfer's plan."""
+        the running step) and FlashInfer's plan. ``greedy``: every row is due a token that is
+        its logits' argmax; where the size has a greedy graph, ``sampled`` is then set to the
+        ids it samples (``tokens[:n]``, valid until the next greedy replay), else to None."""
         n = len(step.ids)
         size = self.size_for(n)
         long = size in self.long_graphs and self.backend.long_context(step.meta)
         wrappers, graphs = ((self.long_wrappers, self.long_graphs) if long
                             else (self.wrappers, self.graphs))
+        greedy_graph = self.greedy_graphs.get((size, long)) if greedy else None
+        if greedy_graph is not None and step.gathers and prev_tokens.data_ptr() != \
+                self.tokens.data_ptr():  # the running step sampled elsewhere: its ids here
+            if len(prev_tokens) > len(self.tokens):
+                greedy_graph = None
+            else:
+                self.tokens[:len(prev_tokens)].copy_(prev_tokens)
         meta = self._padded_meta(step.meta, size)
         rows = self.rows[size]
         staged = self.staged is not None and size in self.staged.words
@@ -134,12 +182,14 @@ class DecodeGraphs:
             self.staged.stage(step.host_rows(size), None if long else meta)
         else:
             rows.copy_(step.host_rows(size).pin_memory(), non_blocking=True)
-        step.feed_pending(rows[0], rows[3], prev_tokens)
+        if greedy_graph is None:
+            step.feed_pending(rows[0], rows[3], prev_tokens)
         if staged and not long:
             meta.extras["wrapper"] = wrappers[size]  # (as plan_decode marks it)
         else:
             self.backend.plan_decode(wrappers[size], meta)
-        graphs[size].replay()
+        (graphs[size] if greedy_graph is None else greedy_graph).replay()
+        self.sampled = None if greedy_graph is None else self.tokens[:n]
         return self.logits[:n]
 
     def written_size(self, rows: int, context_len: int) -> int | None:

@@ -74,11 +74,11 @@ class Executor:
         if self.others is not None:
             self.others.warmed()
 
-    def execute(self, batch: ScheduledBatch,
-                prev_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
+    def execute(self, batch: ScheduledBatch, prev_tokens: torch.Tensor | None = None,
+                greedy: bool = False) -> torch.Tensor | None:
         """Queue ``batch`` on every rank; rank 0's float32 logits of the sequences due a token
-        (``ModelRunner.execute``)."""
-        return self.runner.execute(batch, prev_tokens)
+        (``ModelRunner.execute``; with ``greedy`` its ``sampled`` may hold their ids)."""
+        return self.runner.execute(batch, prev_tokens, greedy)
 
     def share_tokens(self, tokens: torch.Tensor) -> None:
         """The sampled ids, on every other rank's device (the next step's pending inputs)."""

@@ -43,7 +43,7 @@ from engine.kv_cache_manager import KVCacheManager
 from engine.kv_offload import HostTier
 from engine.kv_layout import KVCacheSpec, KVLayout
 from engine.outputs import RequestOutput, TopLogprobs
-from engine.sampler import Sampler
+from engine.sampler import SampleOutput, Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import FinishReason, Sequence, SequenceStatus
@@ -380,6 +380,15 @@ class LLMEngine:
         return self.config.tensor_parallel_size == 1 and not any(
             s.matcher is not None or s.params.changes_logits for s in seqs)
 
+    def _plain_greedy(self, seqs: list[Sequence]) -> bool:
+        """Whether every sequence's next token is its raw logits' argmax, nothing else asked of
+        the draw (no penalty, bias, ``min_tokens``, grammar or logprobs), on an engine of one
+        rank without speculation: a decode graph may then take the argmax itself
+        (:class:`engine.cuda_graph.DecodeGraphs`), and its ids are the step's tokens."""
+        return self.spec is None and self.config.tensor_parallel_size == 1 and all(
+            s.params.greedy and not s.params.changes_logits and s.matcher is None
+            and s.params.logprobs is None for s in seqs)
+
     def _grammars_for(self, seqs: list[Sequence]):
         """The grammars where one of ``seqs`` has a matcher, else None (they are built on first
         use: a run without structured outputs never needs xgrammar)."""
@@ -431,7 +440,7 @@ class LLMEngine:
         prompt_tokens = sum(n for s, n in zip(batch.seqs, batch.num_new_tokens)
                             if s.num_computed_tokens < s.num_prompt_tokens)
         started = self.step_cost.mark()
-        logits = self.executor.execute(batch, prev)
+        logits = self.executor.execute(batch, prev, greedy=self._plain_greedy(batch.seqs))
         due = self.scheduler.advance(batch)
         step = LaunchedStep(due, started=started, prompt_tokens=prompt_tokens)
         if (p := self.runner.prompt_out) is not None:
@@ -452,8 +461,8 @@ class LLMEngine:
                 seq.add_pending(row)
                 seq.draft_token_ids, seq.draft_rows = [], None
         elif due:
-            out = self.sampler(logits, due, prev, self.eos_token_ids,
-                               self._grammars_for(due))
+            out = SampleOutput(self.runner.sampled) if self.runner.sampled is not None else \
+                self.sampler(logits, due, prev, self.eos_token_ids, self._grammars_for(due))
             step.tokens = out.tokens
             self.executor.share_tokens(out.tokens)  # the other ranks' next pending inputs
             step.host_tokens, step.host_logprobs, step.host_top_ids, step.host_top_logprobs = (

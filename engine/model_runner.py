@@ -50,9 +50,13 @@ def block_bytes(model_config, num_kv_heads: int, block_size: int, kv_dtype: torc
 
 class ModelRunner:
     def __init__(self, model: Qwen3ForCausalLM, config: EngineConfig, device: torch.device,
-                 dtype: torch.dtype, max_model_len: int, extra_block_bytes: int = 0):
+                 dtype: torch.dtype, max_model_len: int, extra_block_bytes: int = 0,
+                 samples: bool = True):
         """``extra_block_bytes``: what another cache indexed by these blocks costs a block (a
-        draft model's, engine.draft_model), counted when the blocks are sized from memory."""
+        draft model's, engine.draft_model), counted when the blocks are sized from memory;
+        ``samples``: the engine samples this runner's logits (not a draft's runner), so that
+        its greedy steps may take their argmax inside the decode graph (one rank, no
+        speculation: :meth:`run`'s ``greedy``)."""
         self.model, self.config, self.device, self.dtype = model, config, device, dtype
         self.extra_block_bytes = extra_block_bytes
         if config.fp8_lm_head:
@@ -94,12 +98,15 @@ class ModelRunner:
         self.rows_max = 0
         self.rows_for_all = False
         self.prompt_out: PromptLogprobs | None = None  # the last step's prompt logprobs
+        self.sampled: torch.Tensor | None = None  # the last step's ids, where a graph took them
         self.others = None  # rank 0 of a tensor-parallel engine: engine.tp_ranks.RankProcesses
         if device.type == "cuda" and not config.enforce_eager \
                 and self.backend.supports_cuda_graphs:
             spec = config.speculative_config  # (its verifications' rows get graphs too)
-            self.graphs = DecodeGraphs(self, min(config.max_num_seqs, config.cuda_graph_max_batch),
-                                       1 + spec.num_speculative_tokens if spec else 1)
+            self.graphs = DecodeGraphs(
+                self, min(config.max_num_seqs, config.cuda_graph_max_batch),
+                1 + spec.num_speculative_tokens if spec else 1,
+                greedy=samples and spec is None and config.tensor_parallel_size == 1)
             self.rows_max = self.graphs.max_batch
             if max_tokens := graph_max_tokens(config.cuda_graph_max_tokens,
                                               model.quantization is not None):
@@ -366,26 +373,30 @@ class ModelRunner:
         return StepInputs(ids, positions, slots, gathers, meta, logit_rows, prompt)
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch,
-                prev_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
+    def execute(self, batch: ScheduledBatch, prev_tokens: torch.Tensor | None = None,
+                greedy: bool = False) -> torch.Tensor | None:
         """Queue the batch on the device; return float32 logits of the sequences due a token
         (or None). ``prev_tokens``: the sampled tokens of the step still running, which pending
-        inputs are read from. Nothing here waits for the device."""
+        inputs are read from. ``greedy``: each sequence's token is its logits' argmax, nothing
+        changing them; a decode graph may then take it, and ``sampled`` holds the ids (else
+        None). Nothing here waits for the device."""
         step = self.prepare(batch)
         if self.others is not None:
             self.others.step(step)
-        return self.run(step, prev_tokens)
+        return self.run(step, prev_tokens, greedy)
 
     @torch.inference_mode()
-    def run(self, step: StepInputs, prev_tokens: torch.Tensor | None = None
-            ) -> torch.Tensor | None:
+    def run(self, step: StepInputs, prev_tokens: torch.Tensor | None = None,
+            greedy: bool = False) -> torch.Tensor | None:
         """Run prepared inputs (every rank of a tensor-parallel engine runs the same ones)."""
-        self.prompt_out = None
+        self.prompt_out = self.sampled = None
         if step.gathers and prev_tokens is None:
             raise RuntimeError("a pending token is an input but no step is running")
         if (self.graphs is not None and step.meta.is_decode_only and not step.prompt.rows
                 and step.meta.num_seqs <= self.graphs.max_batch):
-            logits = self.graphs.run(step, prev_tokens)
+            logits = self.graphs.run(step, prev_tokens,
+                                     greedy and len(step.logit_rows) == len(step.ids))
+            self.sampled = self.graphs.sampled
         elif self.mixed is not None and (len(step.ids) <= self.mixed.max_tokens
                                          or self.mixed.prompt_size(step)):
             return self._logits(self.mixed.run(step, prev_tokens), step.logit_rows, step.prompt)

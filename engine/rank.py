@@ -80,6 +80,6 @@ def draft_runner(config: EngineConfig, model, device: torch.device, dtype: torch
         "fp8_lm_head": config.fp8_lm_head if spec.fp8_lm_head is None else spec.fp8_lm_head,
         "speculative_config": None, "kv_offloading_size": 0.0, "tensor_parallel_size": 1})
     with building(TPGroup()):
-        runner = ModelRunner(model, draft, device, dtype, max_model_len)
+        runner = ModelRunner(model, draft, device, dtype, max_model_len, samples=False)
     runner.rows_for_all = True  # its first step's two tokens (engine.draft_model) as rows
     return runner

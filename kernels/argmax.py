@@ -74,14 +74,23 @@ class RowArgmax:
                              torch.zeros(self._rows, dtype=torch.int32, device=device))
         return self._buffers
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def reserve(self, rows: int, n: int, device: torch.device) -> None:
+        """Hold the workspace of ``[rows, n]`` inputs now (a CUDA graph captures its buffers:
+        they must not be grown after it)."""
+        if triton is not None:
+            self._workspace(rows, triton.cdiv(n, BLOCK), device)
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``out``: an int64 ``[rows]`` tensor to write into (a graph's static buffer)."""
         if not use_triton(x) or x.dim() != 2 or x.stride(-1) != 1 or not x.shape[0] \
                 or x.shape[1] >= 2 ** 31:
-            return argmax_reference(x)
+            ref = argmax_reference(x)
+            return ref if out is None else out.copy_(ref)
         rows, n = x.shape
         chunks = triton.cdiv(n, BLOCK)
         part_val, part_idx, counters = self._workspace(rows, chunks, x.device)
-        out = torch.empty(rows, dtype=torch.int64, device=x.device)
+        if out is None:
+            out = torch.empty(rows, dtype=torch.int64, device=x.device)
         _argmax_kernel[(rows, chunks)](
             x, x.stride(0), n, part_val, part_idx, counters, out, CHUNKS=chunks,
             CHUNKS_P2=triton.next_power_of_2(chunks), BLOCK=BLOCK, num_warps=NUM_WARPS)

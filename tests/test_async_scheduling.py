@@ -3,6 +3,7 @@ time: tokens, logprobs, finish reasons and texts, through stops, preemption, chu
 prefix-cache hits and aborts; no pending placeholder ever reaches an output; no block leaks."""
 
 import pytest
+import torch
 
 from engine import LLM, SamplingParams
 from engine.llm_engine import LaunchedStep
@@ -132,4 +133,67 @@ def test_blocks_for_a_push_wait_for_the_step_that_may_still_write_them():
     assert waits == [1]
     engine.abort_request("b")
     engine._running_step = None
+    assert engine.pool.num_used_blocks == 0
+
+
+def _staggered_mixed(engine, tag: str) -> dict:
+    """Requests joining one every 4 steps, plain greedy ones (nothing but the argmax asked),
+    then one with a penalty reading the newest token from the device, a seeded sampled one with
+    logprobs, and a greedy one with a stop id: steps of only plain greedy sequences, then not,
+    then again. Returns {request id: tokens}."""
+    params = [SamplingParams(temperature=0, max_tokens=36, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
+                             repetition_penalty=1.5, presence_penalty=0.5),
+              SamplingParams(temperature=0.9, seed=4, max_tokens=6, ignore_eos=True,
+                             logprobs=2),
+              SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[3])]
+    pending, got, step = list(enumerate(zip(PROMPTS, params))), {}, 0
+    while pending or engine.has_unfinished_requests():
+        if pending and step % 4 == 0:
+            i, (prompt, p) = pending.pop(0)
+            got[engine.add_request(prompt, p, request_id=f"{tag}{i}")] = []
+        for out in engine.step():
+            got[out.request_id] += out.new_token_ids
+        step += 1
+    return {k[len(tag):]: v for k, v in got.items()}
+
+
+def test_greedy_steps_may_take_their_ids_from_one_buffer_the_next_overwrites():
+    """On a GPU a decode graph of a step whose every sequence is plain greedy takes the argmax
+    itself, into one buffer of sampled ids that the next such step reads its pending inputs
+    from, then overwrites (:class:`engine.cuda_graph.DecodeGraphs`). Stood in for around the
+    CPU runner: the engine asks for it exactly on those steps, takes the buffer's ids as the
+    step's tokens, and a penalty or a mixed step after one reads the newest token from that
+    buffer before it is overwritten: the same tokens as an engine that samples every step."""
+    reference = _staggered_mixed(LLM("tiny").engine, "ref")
+    engine = LLM("tiny").engine
+    runner, buffer, asked, taken = engine.runner, torch.full((64,), -1), [], []
+    execute, run = runner.execute, runner.run
+
+    def recording_execute(batch, prev_tokens=None, greedy=False):
+        plain = all(s.params.greedy and not s.params.changes_logits and s.params.logprobs is None
+                    for s in batch.seqs)
+        asked.append((greedy, plain))
+        return execute(batch, prev_tokens, greedy)
+
+    def graph_like_run(step, prev_tokens=None, greedy=False):
+        if not (greedy and step.meta.is_decode_only):
+            return run(step, prev_tokens)
+        if prev_tokens is not None and prev_tokens.data_ptr() != buffer.data_ptr():
+            buffer[:len(prev_tokens)] = prev_tokens  # the running step sampled elsewhere
+        logits = run(step, None if prev_tokens is None else buffer)
+        n = len(step.ids)
+        buffer[:n] = logits.argmax(-1)
+        runner.sampled = buffer[:n]
+        taken.append(n)
+        return logits
+    runner.execute, runner.run = recording_execute, graph_like_run
+    # (on a GPU the host copy of a step's ids is queued right behind its step: before the next
+    # step overwrites the buffer; on the CPU it is the tensor itself)
+    engine._to_host = lambda t: None if t is None else t.clone()
+    assert _staggered_mixed(engine, "buf") == reference
+    assert all(greedy == plain for greedy, plain in asked)
+    flags = [greedy for greedy, _ in asked]
+    assert taken and flags.index(False) > 0 and True in flags[flags.index(False):]  # both ways
     assert engine.pool.num_used_blocks == 0

@@ -94,13 +94,13 @@ class TwoBackends:
         for attn in self.runner.model.attention_layers():
             attn.backend = backend
 
-    def _both(self, batch, prev_tokens=None):
+    def _both(self, batch, prev_tokens=None, greedy=False):
         self._use(self.torch, (None, None))
         try:
             ref = self.execute(batch, prev_tokens)
         finally:
             self._use(self.flashinfer, self.graphs)
-        out = self.execute(batch, prev_tokens)
+        out = self.execute(batch, prev_tokens, greedy)
         kind = "decode" if all(n == 1 for n in batch.num_new_tokens) else "prefill"
         if out is not None:
             err = ((out.float() - ref.float()).norm(dim=-1) / ref.float().norm(dim=-1)).max()
@@ -180,6 +180,42 @@ def test_cuda_graph_decode_matches_eager_tokens(flashinfer_engine):
         graph_tokens = _run(flashinfer_engine, prompts, 32, prefix=f"g{n}-")
         eager_tokens = _run(eager, prompts, 32, prefix=f"g{n}-")
         assert graph_tokens == eager_tokens
+
+
+def test_greedy_steps_argmax_in_their_graph_gives_the_tokens_sampled_apart(flashinfer_engine):
+    """A step whose every sequence is plain greedy replays its size's greedy graph (the pending
+    ids' gather and the argmax inside it, ``ARGMAX_MAX_ROWS``): requests joining and leaving
+    (plain greedy, a penalty that reads the newest token from the graph's buffer, a seeded
+    sampled one with logprobs, a stop id) give the same tokens as the same engine with those
+    graphs set aside, which samples every step apart; both graph kinds were replayed."""
+    from engine.cuda_graph import ARGMAX_MAX_ROWS
+    from tests.test_async_scheduling import _staggered_mixed
+    graphs = flashinfer_engine.runner.graphs
+    assert {s for s, _ in graphs.greedy_graphs} == {s for s in graphs.sizes
+                                                    if s <= ARGMAX_MAX_ROWS}
+    saved, replays = dict(graphs.greedy_graphs), []
+
+    class Counting:
+        def __init__(self, graph, key):
+            self.graph, self.key = graph, key
+
+        def replay(self):
+            replays.append(self.key)
+            self.graph.replay()
+    graphs.greedy_graphs.update({k: Counting(g, k) for k, g in saved.items()})
+    try:
+        flashinfer_engine.reset_prefix_cache()
+        fused = _staggered_mixed(flashinfer_engine, "fused")
+        greedy_replays = len(replays)
+        graphs.greedy_graphs.clear()
+        flashinfer_engine.reset_prefix_cache()
+        apart = _staggered_mixed(flashinfer_engine, "apart")
+    finally:
+        graphs.greedy_graphs.clear()
+        graphs.greedy_graphs.update(saved)
+    assert fused == apart
+    assert greedy_replays > 10 and len(replays) == greedy_replays
+    assert flashinfer_engine.pool.num_used_blocks == 0
 
 
 def test_long_decode_steps_replay_their_own_graph_and_match_eager(flashinfer_engine):

@@ -289,6 +289,23 @@ def check_argmax(device: str, dtype: torch.dtype) -> None:
     x[1, 4999] = float("nan")
     assert argmax(x.to(device)).tolist() == [4000, 3]
     assert argmax(x[:, 100:].to(device)).tolist() == x[:, 100:].argmax(-1).tolist()  # strided
+    out = torch.full((4,), -7, dtype=torch.int64, device=device)  # a graph's static buffer
+    assert argmax(x.to(device), out=out[:2]) is not None and out.tolist() == [4000, 3, -7, -7]
+
+
+def check_take_pending(device: str, dtype: torch.dtype = None) -> None:
+    """:func:`kernels.pending_ids.take_pending`: rows with a pending row take the running
+    step's token from it (any row, in any order, one row twice), the others keep the id the host
+    wrote, padding rows (-1) included; rows past ``n`` are never touched."""
+    from kernels.pending_ids import take_pending
+    tokens = torch.tensor([11, 12, 13, 14, 15], dtype=torch.int64, device=device)
+    for n, src in ((1, [0]), (1, [-1]), (3, [2, -1, 2]), (5, [4, 3, 2, 1, 0]),
+                   (20, [1, -1] * 10)):
+        buf = torch.arange(100, 124, dtype=torch.int64, device=device)
+        srcs = torch.tensor(src + [0] * 4, dtype=torch.int64, device=device)
+        take_pending(buf[:n], srcs[:n], tokens)
+        want = [tokens[s].item() if s >= 0 else 100 + r for r, s in enumerate(src)]
+        assert buf.tolist() == want + list(range(100 + n, 124)), (n, src)
 
 
 def check_ahead_inputs(device: str, dtype: torch.dtype = None) -> None:
@@ -349,7 +366,9 @@ def check_ahead_inputs(device: str, dtype: torch.dtype = None) -> None:
 
 INTERPRETED = """
 import torch, kernels.activation, kernels.argmax, kernels.fp8, kernels.gemv, kernels.rope
-for module in (kernels.activation, kernels.argmax, kernels.fp8, kernels.gemv, kernels.rope):
+import kernels.pending_ids
+for module in (kernels.activation, kernels.argmax, kernels.fp8, kernels.gemv, kernels.rope,
+               kernels.pending_ids):
     module.use_triton = lambda t: True  # the interpreter runs kernels on CPU tensors
 torch.cuda.is_current_stream_capturing = lambda: False  # (asked before the counters are made)
 import tests.test_kernels as t
@@ -381,6 +400,20 @@ def test_argmax_kernel_in_the_interpreter():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_argmax_kernel_on_the_gpu(dtype):
     check_argmax("cuda", dtype)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU host runs the kernels themselves")
+def test_pending_ids_kernel_in_the_interpreter():
+    _interpreted("check_take_pending")
+
+
+def test_pending_ids_reference():
+    check_take_pending("cpu")
+
+
+@pytest.mark.gpu
+def test_pending_ids_kernel_on_the_gpu():
+    check_take_pending("cuda")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU host runs the kernels themselves")

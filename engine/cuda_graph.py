@@ -12,11 +12,14 @@ each replay (Baton's kernel's page table copied in with the step's inputs,
 (``backend.long_context``: up to 8 rows) has a second graph, captured with that wrapper and
 replayed for them.
 
-A size of at most ``ARGMAX_MAX_ROWS`` rows has one more graph of each variant, for a step whose
-every row is greedy with nothing changing its logits (:meth:`DecodeGraphs.run`'s ``greedy``):
-it also takes its pending input ids from the graph's own buffer of sampled ids at its head
-(:mod:`kernels.pending_ids`) and writes the rows' argmax into that buffer at its end, so that
-neither runs as a launch of its own around the replay.
+A size of at most ``ARGMAX_MAX_ROWS`` rows has more graphs, for a step whose every row is greedy
+with nothing changing its logits (:meth:`DecodeGraphs.run`'s ``greedy``): they also take their
+pending input ids from the graphs' own buffer of sampled ids at their head
+(:mod:`kernels.pending_ids`) and write the rows' argmax into that buffer at their end, so that
+neither runs as a launch of its own around the replay. On Baton's decode kernel (not a long
+step) there are two, one for each of :class:`StagedInputs`' pinned buffers: the graph's first
+kernel reads the step's inputs from that buffer itself and its argmax writes the ids into a
+pinned buffer of the same turn, so that no copy is queued before or after the replay.
 """
 
 from __future__ import annotations
@@ -29,10 +32,13 @@ from tqdm import tqdm
 from engine.forward_context import AttentionMetadata, null_meta, set_forward_context
 from kernels.argmax import RowArgmax
 from kernels.decode_attention import MAX_ROWS, DecodeAttention
-from kernels.pending_ids import take_pending
+from kernels.pending_ids import take_inputs, take_pending
 
 # Sizes up to which a greedy step's graph holds its pending-id gather and its argmax (0: none).
 ARGMAX_MAX_ROWS = 8
+# Whether those on Baton's decode kernel read their inputs from pinned memory and write their ids
+# there themselves (False: the copies queued around the replay; kept for A/B measurements).
+GREEDY_READS_HOST = True
 
 
 def capture_sizes(max_batch: int, step_rows: int = 1) -> list[int]:
@@ -86,12 +92,21 @@ class DecodeGraphs:
             self.wrappers[s].bind(*self.staged.table(s))
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.long_graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        # A greedy step's graphs, keyed (size, long), and the ids they sample: the running
-        # step's tokens when it replayed one, which the next such replay reads and overwrites.
-        self.greedy_graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        # A greedy step's graphs, keyed (size, long, turn): turn 0 or 1 where the graph reads
+        # that pinned buffer of inputs itself and writes the ids into that turn's host buffer
+        # (``host_tokens``), None where it takes the copies queued around it. The ids they
+        # sample (``tokens``): the running step's when it replayed one, which the next such
+        # replay reads and overwrites.
+        self.greedy_graphs: dict[tuple[int, bool, int | None], torch.cuda.CUDAGraph] = {}
         self.tokens = torch.zeros(self.max_batch, dtype=torch.int64, device=dev)
+        self.host_tokens = [torch.zeros(self.argmax_max_rows, dtype=torch.int64,
+                                        pin_memory=True) for _ in range(2)] \
+            if self.staged is not None and self.argmax_max_rows else None
         self.argmax = RowArgmax()  # its own workspace, held for the graphs
-        self.sampled: torch.Tensor | None = None  # the last replay's ids, where it sampled them
+        # The last replay's ids, where it sampled them, on the device and, where a graph wrote
+        # them there, on the host (valid once the replay has run, until the turn's next one).
+        self.sampled: torch.Tensor | None = None
+        self.sampled_host: torch.Tensor | None = None
         self.capture_s = 0.0
 
     def size_for(self, n: int) -> int | None:
@@ -102,45 +117,59 @@ class DecodeGraphs:
         t0 = time.perf_counter()
         pool = None
         model = self.runner.model
-        variants = [(size, long, greedy) for size in sorted(self.sizes, reverse=True)
+        variants = [(size, long, greedy, turn) for size in sorted(self.sizes, reverse=True)
                     for long in ((False, True) if size in self.long_wrappers else (False,))
-                    for greedy in ((False, True) if size <= self.argmax_max_rows else (False,))]
+                    for greedy in ((False, True) if size <= self.argmax_max_rows else (False,))
+                    for turn in ((0, 1) if greedy and self._reads_host(size, long) else (None,))]
         self.argmax.reserve(self.max_batch, model.config.vocab_size, self.tokens.device)
-        for size, long, greedy in tqdm(variants, desc="capturing decode graphs",
-                                       disable=not progress, leave=False):
+        for size, long, greedy, turn in tqdm(variants, desc="capturing decode graphs",
+                                             disable=not progress, leave=False):
             meta = null_meta(size, 1, self.runner.block_size)
             self.backend.plan_decode((self.long_wrappers if long else self.wrappers)[size], meta)
             ids, pos, slots, src = self.rows[size]
             slots.fill_(-1)
             src.fill_(-1)
             meta.slot_mapping = slots
+            if turn is not None:  # the null step's inputs, where the graph reads them
+                self.staged.write(turn, self.rows[size].cpu(), meta)
             with set_forward_context(meta):
                 # Eager once, the logits too: compiles kernels, loads them and settles
                 # allocations (a kernel's first launch inside a capture can fail it: the FP8
                 # head's few-row and W8A8 kernels over bf16 weights run nowhere before).
-                self._step(size, greedy)
+                self._step(size, greedy, turn)
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    self._step(size, greedy)
+                    self._step(size, greedy, turn)
             pool = graph.pool()
             if greedy:
-                self.greedy_graphs[(size, long)] = graph
+                self.greedy_graphs[(size, long, turn)] = graph
             else:
                 (self.long_graphs if long else self.graphs)[size] = graph
         torch.cuda.synchronize()
         self.capture_s = time.perf_counter() - t0
 
-    def _step(self, size: int, greedy: bool) -> None:
+    def _reads_host(self, size: int, long: bool) -> bool:
+        """Whether the greedy graphs of ``size`` (``long``) read their inputs from the pinned
+        buffers themselves: those on Baton's decode kernel, whose table is staged with them."""
+        return GREEDY_READS_HOST and not long and self.host_tokens is not None \
+            and size in self.staged.words
+
+    def _step(self, size: int, greedy: bool, turn: int | None = None) -> None:
         """What a graph of ``size`` rows holds: the forward and the logits, and for a greedy
-        step the pending ids' gather before them and the argmax after."""
+        step the pending ids' gather before them and the argmax after; with ``turn``, the
+        step's inputs read from that pinned buffer first and the ids written to that turn's
+        host buffer too."""
         model = self.runner.model
         ids, pos, _, src = self.rows[size]
-        if greedy:
+        if turn is not None:
+            take_inputs(self.staged.host[turn], self.staged.buffer, self.tokens, size)
+        elif greedy:
             take_pending(ids, src, self.tokens)
         model.compute_logits(model(ids, pos), out=self.logits[:size])
         if greedy:
-            self.argmax(self.logits[:size], out=self.tokens[:size])
+            self.argmax(self.logits[:size], out=self.tokens[:size],
+                        host=None if turn is None else self.host_tokens[turn][:size])
 
     def release(self) -> None:
         """Wait for the replays queued and free the graphs. A split engine does this before its
@@ -162,24 +191,29 @@ class DecodeGraphs:
         freshly pinned buffer of inputs (the previous step's copy may still be queued behind
         the running step) and FlashInfer's plan. ``greedy``: every row is due a token that is
         its logits' argmax; where the size has a greedy graph, ``sampled`` is then set to the
-        ids it samples (``tokens[:n]``, valid until the next greedy replay), else to None."""
+        ids it samples (``tokens[:n]``, valid until the next greedy replay) and, where that
+        graph wrote them to the host, ``sampled_host`` to those (else both to None)."""
         n = len(step.ids)
         size = self.size_for(n)
         long = size in self.long_graphs and self.backend.long_context(step.meta)
         wrappers, graphs = ((self.long_wrappers, self.long_graphs) if long
                             else (self.wrappers, self.graphs))
-        greedy_graph = self.greedy_graphs.get((size, long)) if greedy else None
+        reads_host = greedy and self._reads_host(size, long)
+        key = (size, long, self.staged.turn if reads_host else None)
+        greedy_graph = self.greedy_graphs.get(key) if greedy else None
         if greedy_graph is not None and step.gathers and prev_tokens.data_ptr() != \
                 self.tokens.data_ptr():  # the running step sampled elsewhere: its ids here
             if len(prev_tokens) > len(self.tokens):
                 greedy_graph = None
             else:
                 self.tokens[:len(prev_tokens)].copy_(prev_tokens)
+        reads_host = reads_host and greedy_graph is not None
         meta = self._padded_meta(step.meta, size)
         rows = self.rows[size]
         staged = self.staged is not None and size in self.staged.words
         if staged:  # (a long step's table goes to FlashInfer's plan)
-            self.staged.stage(step.host_rows(size), None if long else meta)
+            turn = self.staged.stage(step.host_rows(size), None if long else meta,
+                                     copy=not reads_host)
         else:
             rows.copy_(step.host_rows(size).pin_memory(), non_blocking=True)
         if greedy_graph is None:
@@ -189,7 +223,10 @@ class DecodeGraphs:
         else:
             self.backend.plan_decode(wrappers[size], meta)
         (graphs[size] if greedy_graph is None else greedy_graph).replay()
+        if reads_host:
+            self.staged.copied[turn].record()  # (its pinned buffer is read by the replay)
         self.sampled = None if greedy_graph is None else self.tokens[:n]
+        self.sampled_host = self.host_tokens[turn][:n] if reads_host else None
         return self.logits[:n]
 
     def written_size(self, rows: int, context_len: int) -> int | None:
@@ -237,7 +274,9 @@ class StagedInputs:
     before: the rows from a freshly pinned tensor and the table's three parts from pageable
     memory). Every size's region starts at the buffer's start (a step's copy runs on the stream
     after the graph before it has); two pinned buffers take turns, each written again only
-    once its last copy has run."""
+    once its last copy has run. A greedy step's graph reads its turn's pinned buffer itself
+    (:func:`kernels.pending_ids.take_inputs`) instead of the copy: :meth:`stage` without
+    ``copy``, and ``copied`` recorded after that replay."""
 
     def __init__(self, sizes: list[int], pages_per_seq: int, device: torch.device):
         self.pages = {s: s * pages_per_seq + s for s in sizes}  # a padded batch's most pages
@@ -268,15 +307,26 @@ class StagedInputs:
         t = words.view(torch.int32)[8 * size:]
         return t[:size + 1], t[size + 1:2 * size + 1], t[2 * size + 1:2 * size + 1 + pages]
 
-    def stage(self, rows: torch.Tensor, meta: AttentionMetadata | None) -> None:
-        """Queue the copy of ``rows`` (host ``[4, size]`` int64) and, with ``meta`` (padded to
-        ``size`` rows), its page table."""
-        size = rows.shape[1]
+    def stage(self, rows: torch.Tensor, meta: AttentionMetadata | None,
+              copy: bool = True) -> int:
+        """Write ``rows`` (host ``[4, size]`` int64) and, with ``meta`` (padded to ``size``
+        rows), its page table into this turn's pinned buffer, and queue their copy (without
+        ``copy``, the graph replayed next reads the buffer itself, and the caller records
+        ``copied`` after it). Returns the turn."""
         turn, self.turn = self.turn, self.turn ^ 1
         self.copied[turn].synchronize()  # (normally run: it preceded the replay before last)
+        words = self.write(turn, rows, meta)
+        if copy:
+            self.buffer[:words].copy_(self.host[turn][:words], non_blocking=True)
+            self.copied[turn].record()
+        return turn
+
+    def write(self, turn: int, rows: torch.Tensor, meta: AttentionMetadata | None) -> int:
+        """:meth:`stage`'s writes into pinned buffer ``turn``; returns the words written."""
+        size = rows.shape[1]
         host = self.host[turn]
         words = 4 * size
-        host[:words].copy_(rows.view(-1))
+        host[:words].copy_(rows.reshape(-1))
         if meta is not None:
             pages = len(meta.kv_indices)
             if pages > self.pages[size]:
@@ -285,8 +335,7 @@ class StagedInputs:
                                    (meta.kv_indptr, meta.kv_last_page_len, meta.kv_indices)):
                 part.copy_(value)
             words += self._table_words(size, pages)
-        self.buffer[:words].copy_(host[:words], non_blocking=True)
-        self.copied[turn].record()
+        return words
 
 
 def graph_max_tokens(configured: int | None, fp8_weights: bool) -> int:

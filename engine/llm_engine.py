@@ -465,9 +465,10 @@ class LLMEngine:
                 self.sampler(logits, due, prev, self.eos_token_ids, self._grammars_for(due))
             step.tokens = out.tokens
             self.executor.share_tokens(out.tokens)  # the other ranks' next pending inputs
-            step.host_tokens, step.host_logprobs, step.host_top_ids, step.host_top_logprobs = (
-                self._to_host(t) for t in (out.tokens, out.logprobs, out.top_ids,
-                                           out.top_logprobs))
+            host = self.runner.sampled_host  # (a graph that wrote the ids to the host itself)
+            step.host_tokens = host if host is not None else self._to_host(out.tokens)
+            step.host_logprobs, step.host_top_ids, step.host_top_logprobs = (
+                self._to_host(t) for t in (out.logprobs, out.top_ids, out.top_logprobs))
             for row, seq in enumerate(due):
                 seq.add_pending(row)
         if step.done_at is None:  # (a step ahead marks the verification's end before it)

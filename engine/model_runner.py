@@ -98,7 +98,10 @@ class ModelRunner:
         self.rows_max = 0
         self.rows_for_all = False
         self.prompt_out: PromptLogprobs | None = None  # the last step's prompt logprobs
-        self.sampled: torch.Tensor | None = None  # the last step's ids, where a graph took them
+        # The last step's ids, where a graph took them (``run``'s ``greedy``), on the device and,
+        # where the graph wrote them there itself, in pinned host memory.
+        self.sampled: torch.Tensor | None = None
+        self.sampled_host: torch.Tensor | None = None
         self.others = None  # rank 0 of a tensor-parallel engine: engine.tp_ranks.RankProcesses
         if device.type == "cuda" and not config.enforce_eager \
                 and self.backend.supports_cuda_graphs:
@@ -379,7 +382,8 @@ class ModelRunner:
         (or None). ``prev_tokens``: the sampled tokens of the step still running, which pending
         inputs are read from. ``greedy``: each sequence's token is its logits' argmax, nothing
         changing them; a decode graph may then take it, and ``sampled`` holds the ids (else
-        None). Nothing here waits for the device."""
+        None), and ``sampled_host`` their host copy where the graph wrote one (valid once the
+        step has run, until the step after next). Nothing here waits for the device."""
         step = self.prepare(batch)
         if self.others is not None:
             self.others.step(step)
@@ -389,14 +393,14 @@ class ModelRunner:
     def run(self, step: StepInputs, prev_tokens: torch.Tensor | None = None,
             greedy: bool = False) -> torch.Tensor | None:
         """Run prepared inputs (every rank of a tensor-parallel engine runs the same ones)."""
-        self.prompt_out = self.sampled = None
+        self.prompt_out = self.sampled = self.sampled_host = None
         if step.gathers and prev_tokens is None:
             raise RuntimeError("a pending token is an input but no step is running")
         if (self.graphs is not None and step.meta.is_decode_only and not step.prompt.rows
                 and step.meta.num_seqs <= self.graphs.max_batch):
             logits = self.graphs.run(step, prev_tokens,
                                      greedy and len(step.logit_rows) == len(step.ids))
-            self.sampled = self.graphs.sampled
+            self.sampled, self.sampled_host = self.graphs.sampled, self.graphs.sampled_host
         elif self.mixed is not None and (len(step.ids) <= self.mixed.max_tokens
                                          or self.mixed.prompt_size(step)):
             return self._logits(self.mixed.run(step, prev_tokens), step.logit_rows, step.prompt)

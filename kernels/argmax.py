@@ -27,7 +27,8 @@ def argmax_reference(x: torch.Tensor) -> torch.Tensor:
 if triton is not None:
     @triton.jit
     def _argmax_kernel(x_ptr, stride, n, part_val_ptr, part_idx_ptr, count_ptr, out_ptr,
-                       CHUNKS: tl.constexpr, CHUNKS_P2: tl.constexpr, BLOCK: tl.constexpr):
+                       host_ptr, CHUNKS: tl.constexpr, CHUNKS_P2: tl.constexpr,
+                       BLOCK: tl.constexpr, HOST: tl.constexpr):
         row = tl.program_id(0)
         chunk = tl.program_id(1)
         cols = chunk * BLOCK + tl.arange(0, BLOCK)
@@ -49,7 +50,10 @@ if triton is not None:
             idx = tl.load(part_idx_ptr + base + ks, mask=ks < CHUNKS, other=n,
                           cache_modifier=".cg")
             best = tl.max(vals, axis=0)
-            tl.store(out_ptr + row, tl.min(tl.where(vals == best, idx, n), axis=0).to(tl.int64))
+            winner = tl.min(tl.where(vals == best, idx, n), axis=0).to(tl.int64)
+            tl.store(out_ptr + row, winner)
+            if HOST:  # (pinned host memory, written across the bus)
+                tl.store(host_ptr + row, winner)
             tl.atomic_xchg(counter, 0)
 
 
@@ -80,11 +84,15 @@ class RowArgmax:
         if triton is not None:
             self._workspace(rows, triton.cdiv(n, BLOCK), device)
 
-    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """``out``: an int64 ``[rows]`` tensor to write into (a graph's static buffer)."""
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None,
+                 host: torch.Tensor | None = None) -> torch.Tensor:
+        """``out``: an int64 ``[rows]`` tensor to write into (a graph's static buffer); ``host``:
+        one more, in pinned host memory, written by the kernel itself (no copy queued)."""
         if not use_triton(x) or x.dim() != 2 or x.stride(-1) != 1 or not x.shape[0] \
                 or x.shape[1] >= 2 ** 31:
             ref = argmax_reference(x)
+            if host is not None:
+                host.copy_(ref)
             return ref if out is None else out.copy_(ref)
         rows, n = x.shape
         chunks = triton.cdiv(n, BLOCK)
@@ -92,6 +100,8 @@ class RowArgmax:
         if out is None:
             out = torch.empty(rows, dtype=torch.int64, device=x.device)
         _argmax_kernel[(rows, chunks)](
-            x, x.stride(0), n, part_val, part_idx, counters, out, CHUNKS=chunks,
-            CHUNKS_P2=triton.next_power_of_2(chunks), BLOCK=BLOCK, num_warps=NUM_WARPS)
+            x, x.stride(0), n, part_val, part_idx, counters, out,
+            out if host is None else host, CHUNKS=chunks,
+            CHUNKS_P2=triton.next_power_of_2(chunks), BLOCK=BLOCK, HOST=host is not None,
+            num_warps=NUM_WARPS)
         return out

@@ -184,15 +184,18 @@ def test_cuda_graph_decode_matches_eager_tokens(flashinfer_engine):
 
 def test_greedy_steps_argmax_in_their_graph_gives_the_tokens_sampled_apart(flashinfer_engine):
     """A step whose every sequence is plain greedy replays its size's greedy graph (the pending
-    ids' gather and the argmax inside it, ``ARGMAX_MAX_ROWS``): requests joining and leaving
+    ids' gather and the argmax inside it, ``ARGMAX_MAX_ROWS``; the step's inputs read from and its
+    ids written to pinned memory by the graph itself): requests joining and leaving
     (plain greedy, a penalty that reads the newest token from the graph's buffer, a seeded
     sampled one with logprobs, a stop id) give the same tokens as the same engine with those
     graphs set aside, which samples every step apart; both graph kinds were replayed."""
     from engine.cuda_graph import ARGMAX_MAX_ROWS
     from tests.test_async_scheduling import _staggered_mixed
     graphs = flashinfer_engine.runner.graphs
-    assert {s for s, _ in graphs.greedy_graphs} == {s for s in graphs.sizes
+    assert {k[0] for k in graphs.greedy_graphs} == {s for s in graphs.sizes
                                                     if s <= ARGMAX_MAX_ROWS}
+    # Baton's decode kernel's sizes: one graph a pinned buffer, reading it itself
+    assert {(1, False, 0), (1, False, 1), (8, False, 0), (8, False, 1)} <= set(graphs.greedy_graphs)
     saved, replays = dict(graphs.greedy_graphs), []
 
     class Counting:
@@ -215,6 +218,7 @@ def test_greedy_steps_argmax_in_their_graph_gives_the_tokens_sampled_apart(flash
         graphs.greedy_graphs.update(saved)
     assert fused == apart
     assert greedy_replays > 10 and len(replays) == greedy_replays
+    assert {k[2] for k in replays} == {0, 1}  # both pinned buffers, read by the graphs
     assert flashinfer_engine.pool.num_used_blocks == 0
 
 

@@ -308,6 +308,39 @@ def check_take_pending(device: str, dtype: torch.dtype = None) -> None:
         assert buf.tolist() == want + list(range(100 + n, 124)), (n, src)
 
 
+def check_take_inputs(device: str, dtype: torch.dtype = None) -> None:
+    """:func:`kernels.pending_ids.take_inputs`: a step's words (``StagedInputs``' layout) read
+    from the host buffer into the device one, as many as its rows and page table take (tables
+    inside the first block of words and past it), then the pending ids from ``tokens``; the
+    device words past the step's are not touched. And the argmax's host copy of its result."""
+    from engine.cuda_graph import StagedInputs
+    from kernels.argmax import RowArgmax
+    from kernels.pending_ids import take_inputs
+    pinned = device == "cuda"  # (a kernel reads host memory only where it is pinned)
+    tokens = torch.tensor([21, 22, 23, 24], dtype=torch.int64, device=device)
+    for size, pages in ((1, 3), (4, 9), (2, 700), (8, 1)):
+        host = torch.zeros(2048, dtype=torch.int64, pin_memory=pinned)
+        rows = torch.stack([torch.arange(size) + 100, torch.arange(size) + 7,
+                            torch.arange(size) + 50, torch.tensor([1, -1] * 4)[:size]])
+        host[:4 * size] = rows.reshape(-1)
+        indptr, last, table = StagedInputs._table(host, size, pages)
+        indptr.copy_(torch.linspace(0, pages, size + 1).round().int())
+        last.fill_(5)
+        table.copy_(torch.arange(pages) * 3 + 1)
+        used = 4 * size + StagedInputs._table_words(size, pages)
+        dev = torch.full((2048,), -9, dtype=torch.int64, device=device)
+        take_inputs(host, dev, tokens, size)
+        want = host.clone()
+        want[:size] = torch.where(rows[3] >= 0, tokens.cpu()[rows[3].clamp(min=0)], rows[0])
+        want[used:] = -9
+        assert torch.equal(dev.cpu(), want), (size, pages)
+    x = torch.randn(3, 5000, generator=torch.Generator().manual_seed(1)).to(device)
+    out = torch.zeros(3, dtype=torch.int64, device=device)
+    host = torch.zeros(3, dtype=torch.int64, pin_memory=pinned)
+    RowArgmax()(x, out=out, host=host)
+    assert out.tolist() == host.tolist() == x.argmax(-1).tolist()
+
+
 def check_ahead_inputs(device: str, dtype: torch.dtype = None) -> None:
     """:func:`kernels.ahead_inputs.ahead_inputs` writes what the host writes for the same draft
     step (``ModelRunner.prepare`` of one row a sequence, padded to the graph's size, in
@@ -414,6 +447,21 @@ def test_pending_ids_reference():
 @pytest.mark.gpu
 def test_pending_ids_kernel_on_the_gpu():
     check_take_pending("cuda")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU host runs the kernels themselves")
+def test_a_steps_inputs_read_from_the_host_in_the_interpreter():
+    _interpreted("check_take_inputs")
+
+
+def test_a_steps_inputs_read_from_the_host_reference():
+    check_take_inputs("cpu")
+
+
+@pytest.mark.gpu
+def test_a_steps_inputs_read_from_pinned_memory_on_the_gpu():
+    """On the GPU the host buffer is pinned (the kernel reads it across the bus)."""
+    check_take_inputs("cuda")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU host runs the kernels themselves")

@@ -162,13 +162,16 @@ def _staggered_mixed(engine, tag: str) -> dict:
 def test_greedy_steps_may_take_their_ids_from_one_buffer_the_next_overwrites():
     """On a GPU a decode graph of a step whose every sequence is plain greedy takes the argmax
     itself, into one buffer of sampled ids that the next such step reads its pending inputs
-    from, then overwrites (:class:`engine.cuda_graph.DecodeGraphs`). Stood in for around the
-    CPU runner: the engine asks for it exactly on those steps, takes the buffer's ids as the
-    step's tokens, and a penalty or a mixed step after one reads the newest token from that
-    buffer before it is overwritten: the same tokens as an engine that samples every step."""
+    from, then overwrites, and writes the ids into one of two host buffers taking turns, which
+    the step after next overwrites (:class:`engine.cuda_graph.DecodeGraphs`). Stood in for
+    around the CPU runner: the engine asks for it exactly on those steps, takes the buffers'
+    ids as the step's tokens (no copy of its own), and a penalty or a mixed step after one reads
+    the newest token from the device buffer before it is overwritten: the same tokens as an
+    engine that samples every step."""
     reference = _staggered_mixed(LLM("tiny").engine, "ref")
     engine = LLM("tiny").engine
     runner, buffer, asked, taken = engine.runner, torch.full((64,), -1), [], []
+    host, turn = [torch.full((64,), -1), torch.full((64,), -1)], [0]
     execute, run = runner.execute, runner.run
 
     def recording_execute(batch, prev_tokens=None, greedy=False):
@@ -183,17 +186,20 @@ def test_greedy_steps_may_take_their_ids_from_one_buffer_the_next_overwrites():
         if prev_tokens is not None and prev_tokens.data_ptr() != buffer.data_ptr():
             buffer[:len(prev_tokens)] = prev_tokens  # the running step sampled elsewhere
         logits = run(step, None if prev_tokens is None else buffer)
-        n = len(step.ids)
-        buffer[:n] = logits.argmax(-1)
-        runner.sampled = buffer[:n]
+        n, t = len(step.ids), turn[0]
+        turn[0] ^= 1
+        buffer[:n] = host[t][:n] = logits.argmax(-1)
+        runner.sampled, runner.sampled_host = buffer[:n], host[t][:n]
         taken.append(n)
         return logits
     runner.execute, runner.run = recording_execute, graph_like_run
-    # (on a GPU the host copy of a step's ids is queued right behind its step: before the next
-    # step overwrites the buffer; on the CPU it is the tensor itself)
-    engine._to_host = lambda t: None if t is None else t.clone()
+    copied = []
+    to_host = engine._to_host
+    engine._to_host = lambda t: copied.append(t) or to_host(t)
     assert _staggered_mixed(engine, "buf") == reference
     assert all(greedy == plain for greedy, plain in asked)
     flags = [greedy for greedy, _ in asked]
     assert taken and flags.index(False) > 0 and True in flags[flags.index(False):]  # both ways
+    # the steps whose graph wrote their ids to the host copied nothing of their own
+    assert not any(t is not None and t.data_ptr() == buffer.data_ptr() for t in copied)
     assert engine.pool.num_used_blocks == 0

@@ -34,6 +34,7 @@ import torch
 
 from engine.block_pool import BlockPool
 from engine.config import EngineConfig
+from engine.cuda_graph import ARGMAX_MAX_ROWS
 from engine import draft_model
 from engine.draft_model import DraftProposer
 from engine.errors import BadRequest
@@ -384,8 +385,11 @@ class LLMEngine:
         """Whether every sequence's next token is its raw logits' argmax, nothing else asked of
         the draw (no penalty, bias, ``min_tokens``, grammar or logprobs), on an engine of one
         rank without speculation: a decode graph may then take the argmax itself
-        (:class:`engine.cuda_graph.DecodeGraphs`), and its ids are the step's tokens."""
-        return self.spec is None and self.config.tensor_parallel_size == 1 and all(
+        (:class:`engine.cuda_graph.DecodeGraphs`), and its ids are the step's tokens. Only
+        asked of a batch such a graph can take (``ARGMAX_MAX_ROWS``): a large batch's sequences
+        are not walked every step for nothing."""
+        return len(seqs) <= ARGMAX_MAX_ROWS and self.spec is None \
+            and self.config.tensor_parallel_size == 1 and all(
             s.params.greedy and not s.params.changes_logits and s.matcher is None
             and s.params.logprobs is None for s in seqs)
 

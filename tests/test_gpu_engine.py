@@ -182,6 +182,17 @@ def test_cuda_graph_decode_matches_eager_tokens(flashinfer_engine):
         assert graph_tokens == eager_tokens
 
 
+class _Counting:
+    """A captured graph standing in for itself that notes ``key`` in ``replays`` at each replay."""
+
+    def __init__(self, graph, key, replays: list):
+        self.graph, self.key, self.replays = graph, key, replays
+
+    def replay(self):
+        self.replays.append(self.key)
+        self.graph.replay()
+
+
 def test_greedy_steps_argmax_in_their_graph_gives_the_tokens_sampled_apart(flashinfer_engine):
     """A step whose every sequence is plain greedy replays its size's greedy graph (the pending
     ids' gather and the argmax inside it, ``ARGMAX_MAX_ROWS``; the step's inputs read from and its
@@ -197,15 +208,7 @@ def test_greedy_steps_argmax_in_their_graph_gives_the_tokens_sampled_apart(flash
     # Baton's decode kernel's sizes: one graph a pinned buffer, reading it itself
     assert {(1, False, 0), (1, False, 1), (8, False, 0), (8, False, 1)} <= set(graphs.greedy_graphs)
     saved, replays = dict(graphs.greedy_graphs), []
-
-    class Counting:
-        def __init__(self, graph, key):
-            self.graph, self.key = graph, key
-
-        def replay(self):
-            replays.append(self.key)
-            self.graph.replay()
-    graphs.greedy_graphs.update({k: Counting(g, k) for k, g in saved.items()})
+    graphs.greedy_graphs.update({k: _Counting(g, k, replays) for k, g in saved.items()})
     try:
         flashinfer_engine.reset_prefix_cache()
         fused = _staggered_mixed(flashinfer_engine, "fused")
@@ -232,15 +235,7 @@ def test_long_decode_steps_replay_their_own_graph_and_match_eager(flashinfer_eng
     graphs = flashinfer_engine.runner.graphs
     assert set(graphs.long_graphs) == {s for s in graphs.sizes if s <= 8}
     replays, saved = [], dict(graphs.long_graphs)
-
-    class Counting:
-        def __init__(self, graph, size):
-            self.graph, self.size = graph, size
-
-        def replay(self):
-            replays.append(self.size)
-            self.graph.replay()
-    graphs.long_graphs.update({s: Counting(g, s) for s, g in saved.items()})
+    graphs.long_graphs.update({s: _Counting(g, s, replays) for s, g in saved.items()})
     eager = _engine(attention_backend="flashinfer", enforce_eager=True)
     try:
         for n in (1, 3):

@@ -24,6 +24,7 @@ pinned buffer of the same turn, so that no copy is queued before or after the re
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -34,8 +35,9 @@ from kernels.argmax import RowArgmax
 from kernels.decode_attention import MAX_ROWS, DecodeAttention
 from kernels.pending_ids import take_inputs, take_pending
 
-# Sizes up to which a greedy step's graph holds its pending-id gather and its argmax (0: none).
-ARGMAX_MAX_ROWS = 8
+# Sizes up to which a greedy step's graph holds its pending-id gather and its argmax (0: none;
+# ``BATON_GREEDY_GRAPH_ROWS=0`` samples every step apart, for A/B measurements of served apps).
+ARGMAX_MAX_ROWS = int(os.environ.get("BATON_GREEDY_GRAPH_ROWS", "8"))
 # Whether those on Baton's decode kernel read their inputs from pinned memory and write their ids
 # there themselves (False: the copies queued around the replay; kept for A/B measurements).
 GREEDY_READS_HOST = True

@@ -12,11 +12,12 @@ each replay (Baton's kernel's page table copied in with the step's inputs,
 (``backend.long_context``: up to 8 rows) has a second graph, captured with that wrapper and
 replayed for them.
 
-A size of at most ``ARGMAX_MAX_ROWS`` rows has more graphs, for a step whose every row is greedy
-with nothing changing its logits (:meth:`DecodeGraphs.run`'s ``greedy``): they also take their
-pending input ids from the graphs' own buffer of sampled ids at their head
-(:mod:`kernels.pending_ids`) and write the rows' argmax into that buffer at their end, so that
-neither runs as a launch of its own around the replay. On Baton's decode kernel (not a long
+A size of at most ``ARGMAX_MAX_ROWS`` rows has more graphs ("draw graphs"), for a step whose every
+row's token is drawn from its raw logits alone, greedy or at a temperature with nothing else
+asked (:meth:`DecodeGraphs.run`'s ``draws``): they also take their pending input ids from the
+graphs' own buffer of sampled ids at their head (:mod:`kernels.pending_ids`) and write the
+rows' tokens (the argmax, or a draw at the row's temperature: :mod:`kernels.argmax`) into that
+buffer at their end, so that neither runs as a launch of its own around the replay. On Baton's decode kernel (not a long
 step) there are two, one for each of :class:`StagedInputs`' pinned buffers: the graph's first
 kernel reads the step's inputs from that buffer itself and its argmax writes the ids into a
 pinned buffer of the same turn, so that no copy is queued before or after the replay.
@@ -35,8 +36,9 @@ from kernels.argmax import RowArgmax
 from kernels.decode_attention import MAX_ROWS, DecodeAttention
 from kernels.pending_ids import take_inputs, take_pending
 
-# Sizes up to which a greedy step's graph holds its pending-id gather and its argmax (0: none;
-# ``BATON_GREEDY_GRAPH_ROWS=0`` samples every step apart, for A/B measurements of served apps).
+# Sizes up to which a plain step's graph holds its pending-id gather and its argmax or draw (0:
+# none; ``BATON_GREEDY_GRAPH_ROWS=0`` samples every step apart, for A/B measurements of served
+# apps).
 ARGMAX_MAX_ROWS = int(os.environ.get("BATON_GREEDY_GRAPH_ROWS", "8"))
 # Whether those on Baton's decode kernel read their inputs from pinned memory and write their ids
 # there themselves (False: the copies queued around the replay; kept for A/B measurements).
@@ -60,10 +62,10 @@ def capture_sizes(max_batch: int, step_rows: int = 1) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, runner, max_batch: int, step_rows: int = 1, greedy: bool = True):
+    def __init__(self, runner, max_batch: int, step_rows: int = 1, draws: bool = True):
         """``step_rows``: a speculating sequence's rows in a verification (capture_sizes);
-        ``greedy``: capture the greedy steps' graphs (``ARGMAX_MAX_ROWS``)."""
-        self.argmax_max_rows = ARGMAX_MAX_ROWS if greedy else 0
+        ``draws``: capture the plain steps' draw graphs (``ARGMAX_MAX_ROWS``)."""
+        self.argmax_max_rows = ARGMAX_MAX_ROWS if draws else 0
         self.runner = runner
         self.backend = runner.backend
         self.sizes = capture_sizes(max_batch, step_rows)
@@ -94,17 +96,21 @@ class DecodeGraphs:
             self.wrappers[s].bind(*self.staged.table(s))
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.long_graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        # A greedy step's graphs, keyed (size, long, turn): turn 0 or 1 where the graph reads
+        # A plain step's draw graphs, keyed (size, long, turn): turn 0 or 1 where the graph reads
         # that pinned buffer of inputs itself and writes the ids into that turn's host buffer
         # (``host_tokens``), None where it takes the copies queued around it. The ids they
         # sample (``tokens``): the running step's when it replayed one, which the next such
         # replay reads and overwrites.
-        self.greedy_graphs: dict[tuple[int, bool, int | None], torch.cuda.CUDAGraph] = {}
+        self.draw_graphs: dict[tuple[int, bool, int | None], torch.cuda.CUDAGraph] = {}
         self.tokens = torch.zeros(self.max_batch, dtype=torch.int64, device=dev)
         self.host_tokens = [torch.zeros(self.argmax_max_rows, dtype=torch.int64,
                                         pin_memory=True) for _ in range(2)] \
             if self.staged is not None and self.argmax_max_rows else None
         self.argmax = RowArgmax()  # its own workspace, held for the graphs
+        # The draw graphs' rows' inverse temperatures (float32, 0: the argmax) then salts
+        # (int32), as :meth:`run` last sent them (written again only when they change).
+        self.draw_params = torch.zeros(2 * self.argmax_max_rows, dtype=torch.int32, device=dev)
+        self.draws_sent: list[tuple[float, int]] = [(0.0, 0)] * self.argmax_max_rows
         # The last replay's ids, where it sampled them, on the device and, where a graph wrote
         # them there, on the host (valid once the replay has run, until the turn's next one).
         self.sampled: torch.Tensor | None = None
@@ -119,12 +125,12 @@ class DecodeGraphs:
         t0 = time.perf_counter()
         pool = None
         model = self.runner.model
-        variants = [(size, long, greedy, turn) for size in sorted(self.sizes, reverse=True)
+        variants = [(size, long, draw, turn) for size in sorted(self.sizes, reverse=True)
                     for long in ((False, True) if size in self.long_wrappers else (False,))
-                    for greedy in ((False, True) if size <= self.argmax_max_rows else (False,))
-                    for turn in ((0, 1) if greedy and self._reads_host(size, long) else (None,))]
+                    for draw in ((False, True) if size <= self.argmax_max_rows else (False,))
+                    for turn in ((0, 1) if draw and self._reads_host(size, long) else (None,))]
         self.argmax.reserve(self.max_batch, model.config.vocab_size, self.tokens.device)
-        for size, long, greedy, turn in tqdm(variants, desc="capturing decode graphs",
+        for size, long, draw, turn in tqdm(variants, desc="capturing decode graphs",
                                              disable=not progress, leave=False):
             meta = null_meta(size, 1, self.runner.block_size)
             self.backend.plan_decode((self.long_wrappers if long else self.wrappers)[size], meta)
@@ -138,40 +144,44 @@ class DecodeGraphs:
                 # Eager once, the logits too: compiles kernels, loads them and settles
                 # allocations (a kernel's first launch inside a capture can fail it: the FP8
                 # head's few-row and W8A8 kernels over bf16 weights run nowhere before).
-                self._step(size, greedy, turn)
+                self._step(size, draw, turn)
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    self._step(size, greedy, turn)
+                    self._step(size, draw, turn)
             pool = graph.pool()
-            if greedy:
-                self.greedy_graphs[(size, long, turn)] = graph
+            if draw:
+                self.draw_graphs[(size, long, turn)] = graph
             else:
                 (self.long_graphs if long else self.graphs)[size] = graph
         torch.cuda.synchronize()
         self.capture_s = time.perf_counter() - t0
 
     def _reads_host(self, size: int, long: bool) -> bool:
-        """Whether the greedy graphs of ``size`` (``long``) read their inputs from the pinned
+        """Whether the draw graphs of ``size`` (``long``) read their inputs from the pinned
         buffers themselves: those on Baton's decode kernel, whose table is staged with them."""
         return GREEDY_READS_HOST and not long and self.host_tokens is not None \
             and size in self.staged.words
 
-    def _step(self, size: int, greedy: bool, turn: int | None = None) -> None:
-        """What a graph of ``size`` rows holds: the forward and the logits, and for a greedy
-        step the pending ids' gather before them and the argmax after; with ``turn``, the
-        step's inputs read from that pinned buffer first and the ids written to that turn's
-        host buffer too."""
+    def _step(self, size: int, draw: bool, turn: int | None = None) -> None:
+        """What a graph of ``size`` rows holds: the forward and the logits, and for a plain
+        step the pending ids' gather before them and the argmax or draw after; with ``turn``,
+        the step's inputs read from that pinned buffer first and the ids written to that
+        turn's host buffer too."""
         model = self.runner.model
         ids, pos, _, src = self.rows[size]
         if turn is not None:
             take_inputs(self.staged.host[turn], self.staged.buffer, self.tokens, size)
-        elif greedy:
+        elif draw:
             take_pending(ids, src, self.tokens)
         model.compute_logits(model(ids, pos), out=self.logits[:size])
-        if greedy:
+        if draw:
+            rows = self.argmax_max_rows
+            params = (self.draw_params[:rows].view(torch.float32)[:size],
+                      self.draw_params[rows:rows + size], pos)
             self.argmax(self.logits[:size], out=self.tokens[:size],
-                        host=None if turn is None else self.host_tokens[turn][:size])
+                        host=None if turn is None else self.host_tokens[turn][:size],
+                        draw=params)
 
     def release(self) -> None:
         """Wait for the replays queued and free the graphs. A split engine does this before its
@@ -179,37 +189,43 @@ class DecodeGraphs:
         shutdown waits for that work, pytorch/pytorch#115388)."""
         torch.cuda.synchronize(self.inputs.device)
         for graph in (*self.graphs.values(), *self.long_graphs.values(),
-                      *self.greedy_graphs.values()):
+                      *self.draw_graphs.values()):
             graph.reset()
         self.graphs.clear()
         self.long_graphs.clear()
-        self.greedy_graphs.clear()
+        self.draw_graphs.clear()
 
     def run(self, step, prev_tokens: torch.Tensor | None = None,
-            greedy: bool = False) -> torch.Tensor:
+            draws: list[tuple[float, int]] | None = None) -> torch.Tensor:
         """Queue a replay for the ``n`` sequences of ``step`` (:class:`StepInputs`); returns
         float32 logits ``[n, vocab]`` (valid once the replay has run). Sizes on Baton's decode
         kernel send inputs and page table in one copy (:class:`StagedInputs`); the others a
         freshly pinned buffer of inputs (the previous step's copy may still be queued behind
-        the running step) and FlashInfer's plan. ``greedy``: every row is due a token that is
-        its logits' argmax; where the size has a greedy graph, ``sampled`` is then set to the
-        ids it samples (``tokens[:n]``, valid until the next greedy replay) and, where that
-        graph wrote them to the host, ``sampled_host`` to those (else both to None)."""
+        the running step) and FlashInfer's plan. ``draws``: every row is due a token drawn from
+        its logits alone, ``(inverse temperature, salt)`` a row (``(0, 0)``: the argmax; else
+        Philox keyed by the salt and the row's position: :mod:`kernels.argmax`); where the size
+        has a draw graph, ``sampled`` is then set to the ids it draws (``tokens[:n]``, valid
+        until the next draw replay) and, where that graph wrote them to the host,
+        ``sampled_host`` to those (else both to None). The rows' parameters are copied to the
+        device only when they differ from the last sent (a batch's sequences come and go far
+        less often than it steps)."""
         n = len(step.ids)
         size = self.size_for(n)
         long = size in self.long_graphs and self.backend.long_context(step.meta)
         wrappers, graphs = ((self.long_wrappers, self.long_graphs) if long
                             else (self.wrappers, self.graphs))
-        reads_host = greedy and self._reads_host(size, long)
+        reads_host = draws is not None and self._reads_host(size, long)
         key = (size, long, self.staged.turn if reads_host else None)
-        greedy_graph = self.greedy_graphs.get(key) if greedy else None
-        if greedy_graph is not None and step.gathers and prev_tokens.data_ptr() != \
+        draw_graph = self.draw_graphs.get(key) if draws is not None else None
+        if draw_graph is not None and step.gathers and prev_tokens.data_ptr() != \
                 self.tokens.data_ptr():  # the running step sampled elsewhere: its ids here
             if len(prev_tokens) > len(self.tokens):
-                greedy_graph = None
+                draw_graph = None
             else:
                 self.tokens[:len(prev_tokens)].copy_(prev_tokens)
-        reads_host = reads_host and greedy_graph is not None
+        if draw_graph is not None:
+            self._send_draws(draws)
+        reads_host = reads_host and draw_graph is not None
         meta = self._padded_meta(step.meta, size)
         rows = self.rows[size]
         staged = self.staged is not None and size in self.staged.words
@@ -218,18 +234,30 @@ class DecodeGraphs:
                                      copy=not reads_host)
         else:
             rows.copy_(step.host_rows(size).pin_memory(), non_blocking=True)
-        if greedy_graph is None:
+        if draw_graph is None:
             step.feed_pending(rows[0], rows[3], prev_tokens)
         if staged and not long:
             meta.extras["wrapper"] = wrappers[size]  # (as plan_decode marks it)
         else:
             self.backend.plan_decode(wrappers[size], meta)
-        (graphs[size] if greedy_graph is None else greedy_graph).replay()
+        (graphs[size] if draw_graph is None else draw_graph).replay()
         if reads_host:
             self.staged.copied[turn].record()  # (its pinned buffer is read by the replay)
-        self.sampled = None if greedy_graph is None else self.tokens[:n]
+        self.sampled = None if draw_graph is None else self.tokens[:n]
         self.sampled_host = self.host_tokens[turn][:n] if reads_host else None
         return self.logits[:n]
+
+    def _send_draws(self, draws: list[tuple[float, int]]) -> None:
+        """Queue the copy of the rows' draw parameters where they changed since the last sent
+        (rows past the step's keep theirs: padding, whose tokens nobody reads)."""
+        if draws == self.draws_sent[:len(draws)]:
+            return
+        self.draws_sent[:len(draws)] = draws
+        rows = self.argmax_max_rows
+        host = torch.empty(2 * rows, dtype=torch.int32)
+        host[:rows].view(torch.float32).copy_(torch.tensor([t for t, _ in self.draws_sent]))
+        host[rows:] = torch.tensor([s for _, s in self.draws_sent], dtype=torch.int32)
+        self.draw_params.copy_(host.pin_memory(), non_blocking=True)
 
     def written_size(self, rows: int, context_len: int) -> int | None:
         """The size whose graph takes a step of ``rows`` rows (the longest reading
@@ -276,7 +304,7 @@ class StagedInputs:
     before: the rows from a freshly pinned tensor and the table's three parts from pageable
     memory). Every size's region starts at the buffer's start (a step's copy runs on the stream
     after the graph before it has); two pinned buffers take turns, each written again only
-    once its last copy has run. A greedy step's graph reads its turn's pinned buffer itself
+    once its last copy has run. A plain step's draw graph reads its turn's pinned buffer itself
     (:func:`kernels.pending_ids.take_inputs`) instead of the copy: :meth:`stage` without
     ``copy``, and ``copied`` recorded after that replay."""
 

@@ -75,10 +75,10 @@ class Executor:
             self.others.warmed()
 
     def execute(self, batch: ScheduledBatch, prev_tokens: torch.Tensor | None = None,
-                greedy: bool = False) -> torch.Tensor | None:
+                draws: list[tuple[float, int]] | None = None) -> torch.Tensor | None:
         """Queue ``batch`` on every rank; rank 0's float32 logits of the sequences due a token
-        (``ModelRunner.execute``; with ``greedy`` its ``sampled`` may hold their ids)."""
-        return self.runner.execute(batch, prev_tokens, greedy)
+        (``ModelRunner.execute``; with ``draws`` its ``sampled`` may hold their ids)."""
+        return self.runner.execute(batch, prev_tokens, draws)
 
     def share_tokens(self, tokens: torch.Tensor) -> None:
         """The sampled ids, on every other rank's device (the next step's pending inputs)."""

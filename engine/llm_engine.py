@@ -381,17 +381,33 @@ class LLMEngine:
         return self.config.tensor_parallel_size == 1 and not any(
             s.matcher is not None or s.params.changes_logits for s in seqs)
 
-    def _plain_greedy(self, seqs: list[Sequence]) -> bool:
-        """Whether every sequence's next token is its raw logits' argmax, nothing else asked of
-        the draw (no penalty, bias, ``min_tokens``, grammar or logprobs), on an engine of one
-        rank without speculation: a decode graph may then take the argmax itself
-        (:class:`engine.cuda_graph.DecodeGraphs`), and its ids are the step's tokens. Only
-        asked of a batch such a graph can take (``ARGMAX_MAX_ROWS``): a large batch's sequences
-        are not walked every step for nothing."""
-        return len(seqs) <= ARGMAX_MAX_ROWS and self.spec is None \
-            and self.config.tensor_parallel_size == 1 and all(
-            s.params.greedy and not s.params.changes_logits and s.matcher is None
-            and s.params.logprobs is None for s in seqs)
+    def _plain_draws(self, seqs: list[Sequence]) -> list[tuple[float, int]] | None:
+        """Where every sequence's next token is drawn from its raw logits alone, nothing else
+        asked of the draw (no penalty, bias, ``min_tokens``, grammar or logprobs), on an engine
+        of one rank without speculation, each sequence's ``(inverse temperature, salt)``: ``(0,
+        0)`` greedy, else a temperature with no top-k, top-p, min-p or seed. A decode graph may
+        then take the tokens itself (:class:`engine.cuda_graph.DecodeGraphs`), and its ids are
+        the step's tokens. None otherwise. Only asked of a batch such a graph can take
+        (``ARGMAX_MAX_ROWS``): a large batch's sequences are not walked every step for
+        nothing. A sampled sequence's salt is fixed for its life, from its arrival order and
+        the engine's seed (a seeded request stays with the sampler: its draws there are keyed
+        by its seed, whatever the batch)."""
+        if len(seqs) > ARGMAX_MAX_ROWS or self.spec is not None \
+                or self.config.tensor_parallel_size != 1:
+            return None
+        draws = []
+        for s in seqs:
+            p = s.params
+            if p.changes_logits or s.matcher is not None or p.logprobs is not None:
+                return None
+            if p.greedy:
+                draws.append((0.0, 0))
+            elif p.seed is None and p.top_k <= 0 and p.top_p >= 1 and p.min_p <= 0:
+                draws.append((1.0 / p.temperature, (s.arrival_order * 0x9E3779B1
+                                                     + self.config.seed) & 0x7FFFFFFF))
+            else:
+                return None
+        return draws
 
     def _grammars_for(self, seqs: list[Sequence]):
         """The grammars where one of ``seqs`` has a matcher, else None (they are built on first
@@ -444,7 +460,7 @@ class LLMEngine:
         prompt_tokens = sum(n for s, n in zip(batch.seqs, batch.num_new_tokens)
                             if s.num_computed_tokens < s.num_prompt_tokens)
         started = self.step_cost.mark()
-        logits = self.executor.execute(batch, prev, greedy=self._plain_greedy(batch.seqs))
+        logits = self.executor.execute(batch, prev, draws=self._plain_draws(batch.seqs))
         due = self.scheduler.advance(batch)
         step = LaunchedStep(due, started=started, prompt_tokens=prompt_tokens)
         if (p := self.runner.prompt_out) is not None:

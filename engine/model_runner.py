@@ -55,8 +55,8 @@ class ModelRunner:
         """``extra_block_bytes``: what another cache indexed by these blocks costs a block (a
         draft model's, engine.draft_model), counted when the blocks are sized from memory;
         ``samples``: the engine samples this runner's logits (not a draft's runner), so that
-        its greedy steps may take their argmax inside the decode graph (one rank, no
-        speculation: :meth:`run`'s ``greedy``)."""
+        its plain steps may take their tokens inside the decode graph (one rank, no
+        speculation: :meth:`run`'s ``draws``)."""
         self.model, self.config, self.device, self.dtype = model, config, device, dtype
         self.extra_block_bytes = extra_block_bytes
         if config.fp8_lm_head:
@@ -98,7 +98,7 @@ class ModelRunner:
         self.rows_max = 0
         self.rows_for_all = False
         self.prompt_out: PromptLogprobs | None = None  # the last step's prompt logprobs
-        # The last step's ids, where a graph took them (``run``'s ``greedy``), on the device and,
+        # The last step's ids, where a graph took them (``run``'s ``draws``), on the device and,
         # where the graph wrote them there itself, in pinned host memory.
         self.sampled: torch.Tensor | None = None
         self.sampled_host: torch.Tensor | None = None
@@ -109,7 +109,7 @@ class ModelRunner:
             self.graphs = DecodeGraphs(
                 self, min(config.max_num_seqs, config.cuda_graph_max_batch),
                 1 + spec.num_speculative_tokens if spec else 1,
-                greedy=samples and spec is None and config.tensor_parallel_size == 1)
+                draws=samples and spec is None and config.tensor_parallel_size == 1)
             self.rows_max = self.graphs.max_batch
             if max_tokens := graph_max_tokens(config.cuda_graph_max_tokens,
                                               model.quantization is not None):
@@ -377,29 +377,31 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, prev_tokens: torch.Tensor | None = None,
-                greedy: bool = False) -> torch.Tensor | None:
+                draws: list[tuple[float, int]] | None = None) -> torch.Tensor | None:
         """Queue the batch on the device; return float32 logits of the sequences due a token
         (or None). ``prev_tokens``: the sampled tokens of the step still running, which pending
-        inputs are read from. ``greedy``: each sequence's token is its logits' argmax, nothing
-        changing them; a decode graph may then take it, and ``sampled`` holds the ids (else
-        None), and ``sampled_host`` their host copy where the graph wrote one (valid once the
-        step has run, until the step after next). Nothing here waits for the device."""
+        inputs are read from. ``draws``: each sequence's token is drawn from its raw logits
+        alone, ``(inverse temperature, salt)`` a sequence (0: the argmax;
+        :meth:`engine.cuda_graph.DecodeGraphs.run`); a decode graph may then take it, and
+        ``sampled`` holds the ids (else None), and ``sampled_host`` their host copy where the
+        graph wrote one (valid once the step has run, until the step after next). Nothing here
+        waits for the device."""
         step = self.prepare(batch)
         if self.others is not None:
             self.others.step(step)
-        return self.run(step, prev_tokens, greedy)
+        return self.run(step, prev_tokens, draws)
 
     @torch.inference_mode()
     def run(self, step: StepInputs, prev_tokens: torch.Tensor | None = None,
-            greedy: bool = False) -> torch.Tensor | None:
+            draws: list[tuple[float, int]] | None = None) -> torch.Tensor | None:
         """Run prepared inputs (every rank of a tensor-parallel engine runs the same ones)."""
         self.prompt_out = self.sampled = self.sampled_host = None
         if step.gathers and prev_tokens is None:
             raise RuntimeError("a pending token is an input but no step is running")
         if (self.graphs is not None and step.meta.is_decode_only and not step.prompt.rows
                 and step.meta.num_seqs <= self.graphs.max_batch):
-            logits = self.graphs.run(step, prev_tokens,
-                                     greedy and len(step.logit_rows) == len(step.ids))
+            logits = self.graphs.run(step, prev_tokens, draws if draws is not None
+                                     and len(step.logit_rows) == len(step.ids) else None)
             self.sampled, self.sampled_host = self.graphs.sampled, self.graphs.sampled_host
         elif self.mixed is not None and (len(step.ids) <= self.mixed.max_tokens
                                          or self.mixed.prompt_size(step)):

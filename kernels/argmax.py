@@ -8,6 +8,13 @@ counter a row, as ``kernels.decode_attention`` merges its splits) takes the part
 and writes the row's result. The first column of the largest value wins, as with
 ``torch.argmax``; a NaN counts as larger than any number (torch returns a NaN's column; here
 that holds where the row has no +inf).
+
+With ``draw`` the rows whose inverse temperature is above zero are sampled instead, by the
+Gumbel-max trick: the argmax of ``logits / T + g``, ``g = -log(-log(u))`` for ``u`` uniform,
+draws a column with probability ``softmax(logits / T)`` (the exponential race the sampler runs,
+``probs / q`` with ``q = -log(u)``, in logarithms). ``u`` comes from Philox keyed by the row's
+salt and position (``tl.rand``), so a sequence's draw at a position is the same whatever the
+batch, and no generator's state lives on the host. Rows at zero take the plain argmax.
 """
 
 from __future__ import annotations
@@ -24,11 +31,28 @@ def argmax_reference(x: torch.Tensor) -> torch.Tensor:
     return x.argmax(dim=-1)
 
 
+def draw_reference(x: torch.Tensor, inv_temp: torch.Tensor, salt: torch.Tensor,
+                   positions: torch.Tensor) -> torch.Tensor:
+    """What the kernel's ``draw`` computes, with torch's generator for Philox's numbers (the
+    same distribution, not the same draws): row ``r`` at ``inv_temp[r] > 0`` is sampled from
+    ``softmax(x[r] * inv_temp[r])`` with noise keyed by ``salt[r]`` and ``positions[r]``."""
+    out = x.argmax(dim=-1)
+    for r in range(x.shape[0]):
+        it = float(inv_temp[r])
+        if it > 0:
+            gen = torch.Generator(device=x.device).manual_seed(
+                (int(salt[r]) << 32) | int(positions[r]) & 0xFFFFFFFF)
+            q = torch.empty(x.shape[1], device=x.device).exponential_(generator=gen)
+            out[r] = (x[r].float() * it - q.log()).argmax()
+    return out
+
+
 if triton is not None:
     @triton.jit
     def _argmax_kernel(x_ptr, stride, n, part_val_ptr, part_idx_ptr, count_ptr, out_ptr,
-                       host_ptr, CHUNKS: tl.constexpr, CHUNKS_P2: tl.constexpr,
-                       BLOCK: tl.constexpr, HOST: tl.constexpr):
+                       host_ptr, temp_ptr, salt_ptr, pos_ptr, CHUNKS: tl.constexpr,
+                       CHUNKS_P2: tl.constexpr, BLOCK: tl.constexpr, HOST: tl.constexpr,
+                       DRAW: tl.constexpr):
         row = tl.program_id(0)
         chunk = tl.program_id(1)
         cols = chunk * BLOCK + tl.arange(0, BLOCK)
@@ -36,6 +60,13 @@ if triton is not None:
         v = tl.load(x_ptr + row.to(tl.int64) * stride + cols, mask=live,
                     other=float("-inf")).to(tl.float32)
         v = tl.where(v != v, float("inf"), v)  # NaN: larger than any number
+        if DRAW:
+            inv_temp = tl.load(temp_ptr + row)
+            if inv_temp > 0:  # a sampled row: Philox keyed (salt, position), a number a column
+                key = tl.load(salt_ptr + row).to(tl.int64) * 4294967296 + \
+                    (tl.load(pos_ptr + row) & 0xFFFFFFFF)
+                u = tl.rand(key, cols)
+                v = v * inv_temp - tl.log(-tl.log(u))
         top = tl.max(v, axis=0)
         first = tl.min(tl.where((v == top) & live, cols, n), axis=0)
         base = row * CHUNKS
@@ -85,12 +116,17 @@ class RowArgmax:
             self._workspace(rows, triton.cdiv(n, BLOCK), device)
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None,
-                 host: torch.Tensor | None = None) -> torch.Tensor:
+                 host: torch.Tensor | None = None,
+                 draw: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+                 ) -> torch.Tensor:
         """``out``: an int64 ``[rows]`` tensor to write into (a graph's static buffer); ``host``:
-        one more, in pinned host memory, written by the kernel itself (no copy queued)."""
+        one more, in pinned host memory, written by the kernel itself (no copy queued);
+        ``draw``: ``(inv_temp, salt, positions)``, float32, int32 and int64 ``[rows]`` on the
+        device: the rows whose inverse temperature is above zero are sampled
+        (:func:`draw_reference`)."""
         if not use_triton(x) or x.dim() != 2 or x.stride(-1) != 1 or not x.shape[0] \
                 or x.shape[1] >= 2 ** 31:
-            ref = argmax_reference(x)
+            ref = argmax_reference(x) if draw is None else draw_reference(x, *draw)
             if host is not None:
                 host.copy_(ref)
             return ref if out is None else out.copy_(ref)
@@ -101,7 +137,7 @@ class RowArgmax:
             out = torch.empty(rows, dtype=torch.int64, device=x.device)
         _argmax_kernel[(rows, chunks)](
             x, x.stride(0), n, part_val, part_idx, counters, out,
-            out if host is None else host, CHUNKS=chunks,
+            out if host is None else host, *(draw or (x, out, out)), CHUNKS=chunks,
             CHUNKS_P2=triton.next_power_of_2(chunks), BLOCK=BLOCK, HOST=host is not None,
-            num_warps=NUM_WARPS)
+            DRAW=draw is not None, num_warps=NUM_WARPS)
         return out

@@ -174,14 +174,15 @@ def test_greedy_steps_may_take_their_ids_from_one_buffer_the_next_overwrites():
     host, turn = [torch.full((64,), -1), torch.full((64,), -1)], [0]
     execute, run = runner.execute, runner.run
 
-    def recording_execute(batch, prev_tokens=None, greedy=False):
+    def recording_execute(batch, prev_tokens=None, draws=None):
         plain = all(s.params.greedy and not s.params.changes_logits and s.params.logprobs is None
                     for s in batch.seqs)
-        asked.append((greedy, plain))
-        return execute(batch, prev_tokens, greedy)
+        assert draws is None or draws == [(0.0, 0)] * len(batch.seqs)
+        asked.append((draws is not None, plain))
+        return execute(batch, prev_tokens, draws)
 
-    def graph_like_run(step, prev_tokens=None, greedy=False):
-        if not (greedy and step.meta.is_decode_only):
+    def graph_like_run(step, prev_tokens=None, draws=None):
+        if not (draws is not None and step.meta.is_decode_only):
             return run(step, prev_tokens)
         if prev_tokens is not None and prev_tokens.data_ptr() != buffer.data_ptr():
             buffer[:len(prev_tokens)] = prev_tokens  # the running step sampled elsewhere
@@ -202,4 +203,63 @@ def test_greedy_steps_may_take_their_ids_from_one_buffer_the_next_overwrites():
     assert taken and flags.index(False) > 0 and True in flags[flags.index(False):]  # both ways
     # the steps whose graph wrote their ids to the host copied nothing of their own
     assert not any(t is not None and t.data_ptr() == buffer.data_ptr() for t in copied)
+    assert engine.pool.num_used_blocks == 0
+
+
+def test_plain_draws_name_each_row_greedy_or_its_temperature():
+    """What the engine asks a decode graph to draw (:meth:`LLMEngine._plain_draws`): each row's
+    inverse temperature (0 where greedy) and a salt fixed for its sequence's life, different
+    between sequences; nothing where a row asks more of the draw than its raw logits at a
+    temperature (a seed, top-k, top-p, min-p, logprobs, a penalty) or the batch is past the
+    graphs' rows."""
+    from engine.cuda_graph import ARGMAX_MAX_ROWS
+    from engine.sequence import Sequence
+    engine = LLM("tiny").engine
+
+    def seq(**kw):
+        return Sequence("r", [1, 2, 3], SamplingParams(**kw))
+    plain = [seq(temperature=0), seq(temperature=0.5), seq(temperature=2.0, top_k=-1, top_p=1.0),
+             seq(temperature=0.7, top_k=1)]
+    draws = engine._plain_draws(plain)
+    assert [t for t, _ in draws] == [0.0, 2.0, 0.5, 0.0]
+    salts = [s for _, s in draws]
+    assert salts[0] == salts[3] == 0 and salts[1] != salts[2]
+    assert all(0 <= s < 2 ** 31 for s in salts)
+    assert engine._plain_draws(plain[::-1]) == draws[::-1]  # a sequence's, whatever its row
+    for kw in (dict(temperature=0.5, seed=3), dict(temperature=0.5, top_p=0.9),
+               dict(temperature=0.5, top_k=5), dict(temperature=0.5, min_p=0.1),
+               dict(temperature=0, logprobs=1), dict(temperature=0.5, presence_penalty=0.5)):
+        assert engine._plain_draws([plain[1], seq(**kw)]) is None, kw
+    assert engine._plain_draws([seq(temperature=0) for _ in range(ARGMAX_MAX_ROWS + 1)]) is None
+
+
+def test_sampled_steps_may_take_the_draws_of_their_graph():
+    """On a GPU a decode graph draws a plain step's sampled rows itself (Philox keyed by the
+    row's salt and position, :mod:`kernels.argmax`). Stood in for around the CPU runner with
+    :func:`kernels.argmax.draw_reference`: the engine asks for it on steps of sampled rows at a
+    temperature, takes the draws as the tokens, and a row at a vanishing temperature gives the
+    greedy tokens while rows of one prompt at temperature 1 part ways (their salts differ)."""
+    from kernels.argmax import draw_reference
+    llm = LLM("tiny")
+    engine = llm.engine
+    runner, run, drawn = engine.runner, engine.runner.run, []
+
+    def graph_like_run(step, prev_tokens=None, draws=None):
+        logits = run(step, prev_tokens)
+        if draws is not None and step.meta.is_decode_only:
+            n = len(step.ids)
+            runner.sampled = draw_reference(
+                logits, torch.tensor([t for t, _ in draws]),
+                torch.tensor([s for _, s in draws], dtype=torch.int32), step.host_rows(n)[1])
+            drawn.append(draws)
+        return logits
+    runner.run = graph_like_run
+    params = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+              SamplingParams(temperature=1e-6, max_tokens=16, ignore_eos=True)] + \
+        [SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)] * 3
+    tokens = [o.token_ids for o in llm.generate([PROMPTS[0]] * len(params), params)]
+    assert drawn and any(t == 1.0 for d in drawn for t, _ in d)
+    assert tokens[1] == tokens[0]
+    assert len({tuple(t[1:]) for t in tokens[2:]}) > 1
+    assert all(len(t) == 16 for t in tokens)
     assert engine.pool.num_used_blocks == 0

@@ -94,13 +94,13 @@ class TwoBackends:
         for attn in self.runner.model.attention_layers():
             attn.backend = backend
 
-    def _both(self, batch, prev_tokens=None, greedy=False):
+    def _both(self, batch, prev_tokens=None, draws=None):
         self._use(self.torch, (None, None))
         try:
             ref = self.execute(batch, prev_tokens)
         finally:
             self._use(self.flashinfer, self.graphs)
-        out = self.execute(batch, prev_tokens, greedy)
+        out = self.execute(batch, prev_tokens, draws)
         kind = "decode" if all(n == 1 for n in batch.num_new_tokens) else "prefill"
         if out is not None:
             err = ((out.float() - ref.float()).norm(dim=-1) / ref.float().norm(dim=-1)).max()
@@ -203,25 +203,70 @@ def test_greedy_steps_argmax_in_their_graph_gives_the_tokens_sampled_apart(flash
     from engine.cuda_graph import ARGMAX_MAX_ROWS
     from tests.test_async_scheduling import _staggered_mixed
     graphs = flashinfer_engine.runner.graphs
-    assert {k[0] for k in graphs.greedy_graphs} == {s for s in graphs.sizes
-                                                    if s <= ARGMAX_MAX_ROWS}
+    assert {k[0] for k in graphs.draw_graphs} == {s for s in graphs.sizes
+                                                  if s <= ARGMAX_MAX_ROWS}
     # Baton's decode kernel's sizes: one graph a pinned buffer, reading it itself
-    assert {(1, False, 0), (1, False, 1), (8, False, 0), (8, False, 1)} <= set(graphs.greedy_graphs)
-    saved, replays = dict(graphs.greedy_graphs), []
-    graphs.greedy_graphs.update({k: _Counting(g, k, replays) for k, g in saved.items()})
+    assert {(1, False, 0), (1, False, 1), (8, False, 0), (8, False, 1)} <= set(
+        graphs.draw_graphs)
+    saved, replays = dict(graphs.draw_graphs), []
+    graphs.draw_graphs.update({k: _Counting(g, k, replays) for k, g in saved.items()})
     try:
         flashinfer_engine.reset_prefix_cache()
         fused = _staggered_mixed(flashinfer_engine, "fused")
         greedy_replays = len(replays)
-        graphs.greedy_graphs.clear()
+        graphs.draw_graphs.clear()
         flashinfer_engine.reset_prefix_cache()
         apart = _staggered_mixed(flashinfer_engine, "apart")
     finally:
-        graphs.greedy_graphs.clear()
-        graphs.greedy_graphs.update(saved)
+        graphs.draw_graphs.clear()
+        graphs.draw_graphs.update(saved)
     assert fused == apart
     assert greedy_replays > 10 and len(replays) == greedy_replays
     assert {k[2] for k in replays} == {0, 1}  # both pinned buffers, read by the graphs
+    assert flashinfer_engine.pool.num_used_blocks == 0
+
+
+def test_sampled_steps_draw_in_their_graph(flashinfer_engine):
+    """Steps whose rows are sampled at a temperature with nothing else asked replay the draw
+    graphs (Philox in the argmax kernel, ``kernels.argmax``) beside greedy rows: every request
+    runs to its length with in-vocabulary ids, requests of one prompt at temperature 1 part
+    ways, a greedy request among them gives the tokens it gives when the same batch samples
+    apart (its rows' numbers do not depend on the others'), and a greedy request alone after
+    them, in the row a sampled one held, the tokens of one alone before."""
+    graphs = flashinfer_engine.runner.graphs
+    saved, replays = dict(graphs.draw_graphs), []
+    graphs.draw_graphs.update({k: _Counting(g, k, replays) for k, g in saved.items()})
+    prompt = random_prompts([24], vocab=VOCAB, seed=11)[0]
+    greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    mix = [SamplingParams(temperature=1.0, max_tokens=20 + i, ignore_eos=True)
+           for i in range(4)] + [greedy]
+
+    def run(params: list[SamplingParams], tag: str) -> list[list[int]]:
+        flashinfer_engine.reset_prefix_cache()
+        got = {flashinfer_engine.add_request(prompt, p, request_id=f"{tag}{i}"): []
+               for i, p in enumerate(params)}
+        while flashinfer_engine.has_unfinished_requests():
+            for out in flashinfer_engine.step():
+                got[out.request_id] += out.new_token_ids
+        return list(got.values())
+    try:
+        alone = run([greedy], "alone")
+        replays.clear()
+        mixed = run(mix, "mixed")
+        sampled_replays = len(replays)
+        after = run([greedy], "after")
+        graphs.draw_graphs.clear()
+        apart = run(mix, "apart")
+    finally:
+        graphs.draw_graphs.clear()
+        graphs.draw_graphs.update(saved)
+    assert sampled_replays > 15
+    assert [len(t) for t in mixed] == [20, 21, 22, 23, 20]
+    vocab = flashinfer_engine.runner.model.config.vocab_size
+    assert all(0 <= t < vocab for tokens in mixed for t in tokens)
+    assert len({tuple(t[1:20]) for t in mixed[:4]}) == 4
+    assert mixed[4] == apart[4]
+    assert after == alone
     assert flashinfer_engine.pool.num_used_blocks == 0
 
 

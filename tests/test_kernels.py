@@ -293,6 +293,39 @@ def check_argmax(device: str, dtype: torch.dtype) -> None:
     assert argmax(x.to(device), out=out[:2]) is not None and out.tolist() == [4000, 3, -7, -7]
 
 
+def check_draw(device: str, dtype: torch.dtype = None, rows: int = 1200) -> None:
+    """:class:`kernels.argmax.RowArgmax` with ``draw``: rows at inverse temperature 0 take the
+    plain argmax; sampled rows' draws over many (salt, position) keys follow
+    ``softmax(logits * inv_temp)``, two temperatures of one row apart; the same keys draw the
+    same ids (whatever the batch), and a vocabulary's worth of columns spread over blocks is
+    drawn from too. :func:`~kernels.argmax.draw_reference` is held to the same."""
+    from kernels.argmax import RowArgmax, draw_reference
+    g = torch.Generator().manual_seed(1)
+    base = torch.tensor([1.0, 0.0, -1.0, 2.0, 0.5, float("-inf")])
+    x = base.repeat(rows, 1)
+    x[0] = torch.tensor([0.0, 3.0, 1.0, 0.0, 0.0, 0.0])
+    inv_temp = torch.tensor([0.0] + [0.5, 2.0] * (rows // 2))[:rows]
+    salt = torch.randint(0, 2 ** 31 - 1, (rows,), generator=g, dtype=torch.int32)
+    pos = torch.randint(0, 2 ** 40, (rows,), generator=g)
+    for fn in (lambda *a: RowArgmax()(a[0], draw=a[1:]), draw_reference):
+        args = [t.to(device) for t in (x, inv_temp, salt, pos)]
+        got = fn(*args).cpu()
+        assert got[0] == 1
+        for t in (0.5, 2.0):
+            drawn = got[1:][inv_temp[1:] == t]
+            freq = torch.bincount(drawn, minlength=6).float() / len(drawn)
+            assert (freq - torch.softmax(base * t, -1)).abs().max() < 0.06, (t, freq)
+        # the same keys, fewer rows in another order: the same ids
+        pick = torch.tensor([5, 2, 0, 9])
+        again = fn(*[a[pick.to(device)] for a in args]).cpu()
+        assert torch.equal(again, got[pick])
+    wide = torch.full((16, 151936), -30.0)  # three columns in three blocks, the rest ~0
+    wide[:, [17, 70000, 151935]] = torch.tensor([0.0, 1.0, 0.5])
+    draws = RowArgmax()(wide.to(device), draw=tuple(t.to(device) for t in (
+        torch.ones(16), torch.arange(16, dtype=torch.int32), torch.full((16,), 3))))
+    assert set(draws.tolist()) == {17, 70000, 151935}
+
+
 def check_take_pending(device: str, dtype: torch.dtype = None) -> None:
     """:func:`kernels.pending_ids.take_pending`: rows with a pending row take the running
     step's token from it (any row, in any order, one row twice), the others keep the id the host
@@ -433,6 +466,17 @@ def test_argmax_kernel_in_the_interpreter():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_argmax_kernel_on_the_gpu(dtype):
     check_argmax("cuda", dtype)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU host runs the kernels themselves")
+def test_draw_kernel_in_the_interpreter():
+    """Sampled rows of the one-launch argmax (Philox in the interpreter) on the CPU."""
+    _interpreted("check_draw")
+
+
+@pytest.mark.gpu
+def test_draw_kernel_on_the_gpu():
+    check_draw("cuda", rows=20000)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU host runs the kernels themselves")

@@ -7,6 +7,7 @@
     ... --layouts colo,1p1d,colo-tp2 --gpus-per-role 1     # two GPUs: one per role, or one split
     ... --dashboard results/dashboard.png   # also draw the Grafana dashboard from the run
     ... --served-engine-option 'speculative_config={...}'  # served speculating, offline not
+    ... --temperature 1   # sampled requests (then the "same" column says nothing)
 
 For each stream count the same requests (random token-id prompts, greedy, ``ignore_eos``) run
 through ``LLM.generate`` and through the served app (sent all at once by client processes),
@@ -111,8 +112,9 @@ class Record:
 
 
 async def _http_one(session, url: str, index: int, prompt, max_tokens: int, timeout: float,
-                    timed: bool = True) -> Record:
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+                    timed: bool = True, temperature: float = 0.0) -> Record:
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": temperature,
+            "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True, "include_timing": timed}}
     rec = Record(index, time.time(), len(prompt))
     try:
@@ -142,9 +144,10 @@ async def _http_one(session, url: str, index: int, prompt, max_tokens: int, time
     return rec
 
 
-async def _grpc_one(stub, pb, index: int, prompt, max_tokens: int, timeout: float) -> Record:
-    req = pb.GenerateRequest(prompt_token_ids=prompt, max_tokens=max_tokens, temperature=0,
-                             ignore_eos=True)
+async def _grpc_one(stub, pb, index: int, prompt, max_tokens: int, timeout: float,
+                    temperature: float = 0.0) -> Record:
+    req = pb.GenerateRequest(prompt_token_ids=prompt, max_tokens=max_tokens,
+                             temperature=temperature, ignore_eos=True)
     rec = Record(index, time.time(), len(prompt))
     try:
         async for msg in stub.GenerateStream(req, timeout=timeout):
@@ -162,7 +165,7 @@ async def _grpc_one(stub, pb, index: int, prompt, max_tokens: int, timeout: floa
 
 
 async def _client(protocol: str, address: str, jobs, start_at: float, max_tokens: int,
-                  timeout: float, sequential: bool) -> list[Record]:
+                  timeout: float, sequential: bool, temperature: float = 0.0) -> list[Record]:
     """All ``jobs`` at once at ``start_at`` (or one after another over one warm connection,
     after a first request that is not recorded)."""
     if protocol.startswith("http"):  # "http-untimed": without the timings (no hops)
@@ -180,7 +183,7 @@ async def _client(protocol: str, address: str, jobs, start_at: float, max_tokens
 
             def one(i, p):
                 return _http_one(s, f"{address}/v1/completions", i, p, max_tokens, timeout,
-                                 protocol == "http")
+                                 protocol == "http", temperature)
             return await _run_jobs(one, jobs, start_at, sequential)
     import grpc
 
@@ -189,8 +192,8 @@ async def _client(protocol: str, address: str, jobs, start_at: float, max_tokens
     async with grpc.aio.insecure_channel(address) as channel:
         stub = baton_pb2_grpc.BatonStub(channel)
         await channel.channel_ready()
-        return await _run_jobs(lambda i, p: _grpc_one(stub, baton_pb2, i, p, max_tokens, timeout),
-                               jobs, start_at, sequential)
+        return await _run_jobs(lambda i, p: _grpc_one(stub, baton_pb2, i, p, max_tokens, timeout,
+                                                      temperature), jobs, start_at, sequential)
 
 
 async def _run_jobs(one, jobs, start_at: float, sequential: bool) -> list[Record]:
@@ -206,12 +209,12 @@ async def _run_jobs(one, jobs, start_at: float, sequential: bool) -> list[Record
 
 
 def client_process(protocol, address, jobs, start_at, max_tokens, timeout,
-                   sequential=False) -> list[dict]:
+                   sequential=False, temperature=0.0) -> list[dict]:
     import sys
 
     sys.path.insert(0, HERE)
     records = asyncio.run(_client(protocol, address, jobs, start_at, max_tokens, timeout,
-                                  sequential))
+                                  sequential, temperature))
     return [asdict(r) for r in records]
 
 
@@ -397,13 +400,13 @@ def engine_rates(before: dict, after: dict, wall: float) -> dict:
 
 
 def offline_runs(engine_kw: dict, prompts, streams: list[int], max_tokens: int,
-                 ttft_prompts) -> tuple[dict, dict, float]:
+                 ttft_prompts, temperature: float = 0.0) -> tuple[dict, dict, float]:
     """Per stream count: tok/s, every request's tokens and the engine's rates; and the engine's
     median time from a request's arrival to its first token alone (ms)."""
     from engine import LLM, SamplingParams
 
     llm = LLM(**engine_kw)
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True)
     warm = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     for n in warm_up_sizes(prompts, streams):
         llm.generate(prompts[:n], warm, use_tqdm=False)
@@ -488,14 +491,14 @@ def layout_config(layout: str, engine: dict, args) -> dict:
 
 
 def run_point(pool, protocol, address, prompts, n, max_tokens, clients, timeout,
-              offsets: list[float] | None = None):
+              offsets: list[float] | None = None, temperature: float = 0.0):
     """``n`` requests at once, or each at its offset (seconds) after the start."""
     jobs = [(i, p, offsets[i] if offsets else 0.0) for i, p in enumerate(prompts[:n])]
     k = max(1, min(clients, n))
     parts = [jobs[i::k] for i in range(k)]
     start_at = time.time() + 1.0  # every client process ready and connected
-    futures = [pool.submit(client_process, protocol, address, part, start_at, max_tokens, timeout)
-               for part in parts]
+    futures = [pool.submit(client_process, protocol, address, part, start_at, max_tokens, timeout,
+                           False, temperature) for part in parts]
     span = max(offsets[:n]) if offsets else 0.0
     records = [r for f in futures for r in f.result(timeout=timeout + span + 60)]
     wall = max(r["end"] for r in records) - start_at
@@ -597,7 +600,7 @@ def serve_protocol(layout, protocol, address, args, pool, prompts, offline_token
         before = {role: engine_stats(role) for role in roles}
         early = early_starts()
         records, wall = run_point(pool, protocol, address, prompts, n, args.output_len,
-                                  args.clients, args.timeout, args.offsets)
+                                  args.clients, args.timeout, args.offsets, args.temperature)
         rates = {role: engine_rates(before[role], engine_stats(role), wall)
                  for role in roles}
         engine_row = rates["DecodeServer"]
@@ -696,6 +699,9 @@ def main(argv=None) -> None:
     p.add_argument("--layouts", default="colo,1p1d")
     p.add_argument("--protocols", default="http,grpc",
                    help="http, grpc, http-untimed (HTTP without asking for the timings)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="of the measured points' requests (warm-up and zero load stay greedy); "
+                        "above 0 the 'same' column says nothing")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--num-blocks", type=int, default=None)
@@ -797,7 +803,8 @@ def main(argv=None) -> None:
     if gpu and args.colo_gpus:
         offline_kw["gpu_memory_utilization"] = args.gpu_memory_utilization * args.colo_gpus
     off, offline_tokens, engine_ttft = offline_runs(offline_kw, prompts, args.streams,
-                                                    args.output_len, fresh_prompts(args.zero_load))
+                                                    args.output_len, fresh_prompts(args.zero_load),
+                                                    args.temperature)
     print(f"offline ({time.time() - t0:.0f}s): " + ", ".join(f"{n}: {v['tok_s']:.0f} tok/s"
                                                               for n, v in off.items()), flush=True)
     out = {"model": args.model, "input_len": args.input_len, "output_len": args.output_len,
@@ -810,7 +817,7 @@ def main(argv=None) -> None:
         t0 = time.time()
         split_off, tokens_by_tp[tp], split_ttft = offline_runs(
             {**offline_kw, "tensor_parallel_size": tp}, prompts, args.streams, args.output_len,
-            fresh_prompts(args.zero_load))
+            fresh_prompts(args.zero_load), args.temperature)
         out.setdefault("offline_split", {})[str(tp)] = {"offline": split_off,
                                                         "engine_ttft_ms": split_ttft}
         print(f"offline split over {tp} ranks ({time.time() - t0:.0f}s): " + ", ".join(

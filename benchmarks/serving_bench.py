@@ -407,7 +407,7 @@ def offline_runs(engine_kw: dict, prompts, streams: list[int], max_tokens: int,
 
     llm = LLM(**engine_kw)
     params = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True)
-    warm = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    warm = SamplingParams(temperature=temperature, max_tokens=8, ignore_eos=True)
     for n in warm_up_sizes(prompts, streams):
         llm.generate(prompts[:n], warm, use_tqdm=False)
     tok_s, tokens = {}, {}
@@ -578,7 +578,8 @@ def serve_protocol(layout, protocol, address, args, pool, prompts, offline_token
     """One protocol's points on a served layout: warm-up, zero load, each stream count."""
     # Warm-up: connections, channels, graphs, and every point's batch shapes.
     for n in warm_up_sizes(prompts, args.streams):
-        run_point(pool, protocol, address, prompts, n, 8, args.clients, args.timeout)
+        run_point(pool, protocol, address, prompts, n, 8, args.clients, args.timeout,
+                  temperature=args.temperature)
     reset_prefix_caches(layout)
     jobs = list(enumerate(fresh_prompts(args.zero_load + 1)))  # no prefix-cache hit
     early = early_starts()
@@ -700,7 +701,7 @@ def main(argv=None) -> None:
     p.add_argument("--protocols", default="http,grpc",
                    help="http, grpc, http-untimed (HTTP without asking for the timings)")
     p.add_argument("--temperature", type=float, default=0.0,
-                   help="of the measured points' requests (warm-up and zero load stay greedy); "
+                   help="of the requests, the warm-up's too (the zero-load ones stay greedy); "
                         "above 0 the 'same' column says nothing")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)

@@ -12,15 +12,16 @@ each replay (Baton's kernel's page table copied in with the step's inputs,
 (``backend.long_context``: up to 8 rows) has a second graph, captured with that wrapper and
 replayed for them.
 
-A size of at most ``ARGMAX_MAX_ROWS`` rows has more graphs ("draw graphs"), for a step whose every
-row's token is drawn from its raw logits alone, greedy or at a temperature with nothing else
-asked (:meth:`DecodeGraphs.run`'s ``draws``): they also take their pending input ids from the
-graphs' own buffer of sampled ids at their head (:mod:`kernels.pending_ids`) and write the
+A size of at most ``ARGMAX_MAX_ROWS`` rows has more graphs ("draw graphs"), for a step whose
+every row's token is drawn from its raw logits alone, greedy or at a temperature with nothing
+else asked (:meth:`DecodeGraphs.run`'s ``draws``): they also take their pending input ids from
+the graphs' own buffer of sampled ids at their head (:mod:`kernels.pending_ids`) and write the
 rows' tokens (the argmax, or a draw at the row's temperature: :mod:`kernels.argmax`) into that
-buffer at their end, so that neither runs as a launch of its own around the replay. On Baton's decode kernel (not a long
-step) there are two, one for each of :class:`StagedInputs`' pinned buffers: the graph's first
-kernel reads the step's inputs from that buffer itself and its argmax writes the ids into a
-pinned buffer of the same turn, so that no copy is queued before or after the replay.
+buffer at their end, so that neither runs as a launch of its own around the replay. On Baton's
+decode kernel (not a long step) there are two, one for each of :class:`StagedInputs`' pinned
+buffers: the graph's first kernel reads the step's inputs from that buffer itself and its
+argmax writes the ids into a pinned buffer of the same turn, so that no copy is queued before
+or after the replay.
 """
 
 from __future__ import annotations
@@ -131,7 +132,7 @@ class DecodeGraphs:
                     for turn in ((0, 1) if draw and self._reads_host(size, long) else (None,))]
         self.argmax.reserve(self.max_batch, model.config.vocab_size, self.tokens.device)
         for size, long, draw, turn in tqdm(variants, desc="capturing decode graphs",
-                                             disable=not progress, leave=False):
+                                           disable=not progress, leave=False):
             meta = null_meta(size, 1, self.runner.block_size)
             self.backend.plan_decode((self.long_wrappers if long else self.wrappers)[size], meta)
             ids, pos, slots, src = self.rows[size]

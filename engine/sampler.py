@@ -100,7 +100,7 @@ class Sampler:
     def _probs(logits, params) -> torch.Tensor:
         """Each row's sampling distribution: temperature (1 for greedy rows), min-p, top-k,
         top-p."""
-        temps = upload([p.temperature if p.temperature > 0 else 1.0 for p in params],
+        temps = upload([1.0 if p.greedy else p.temperature for p in params],
                        torch.float32, logits.device).to(logits.dtype)
         logits = logits / temps[:, None]
         logits = _apply_min_p(logits, [p.min_p for p in params])

@@ -9,15 +9,16 @@ from engine.structured import StructuredOutput
 
 MAX_LOGPROBS = 20  # top_logprobs per token, as OpenAI allows
 MAX_N = 128  # sequences per request (n, best_of)
+SAMPLING_EPS = 1e-5  # a temperature below it is greedy (vLLM's _SAMPLING_EPS)
 
 
 class SamplingParams(BaseModel):
     """What to sample and when to stop.
 
-    ``temperature == 0`` is greedy. ``top_k = -1`` (or 0) disables top-k; ``top_p = 1`` disables
-    top-p; ``min_p = 0`` disables min-p. A ``seed`` gives the request its own random stream: the
-    same seed gives the same tokens whatever else is in the batch. Stop strings are cut from the
-    returned text.
+    ``temperature == 0`` (or below ``SAMPLING_EPS``) is greedy. ``top_k = -1`` (or 0) disables
+    top-k; ``top_p = 1`` disables top-p; ``min_p = 0`` disables min-p. A ``seed`` gives the
+    request its own random stream: the same seed gives the same tokens whatever else is in the
+    batch. Stop strings are cut from the returned text.
 
     Logits are changed before sampling (greedy included), as vLLM does: ``logit_bias`` (token id
     → value added), ``min_tokens`` (EOS and ``stop_token_ids`` banned until that many tokens),
@@ -169,7 +170,9 @@ class SamplingParams(BaseModel):
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        """The argmax: a temperature below ``SAMPLING_EPS`` (vLLM's ``_SAMPLING_EPS``: the
+        logits over such a temperature are nothing but their argmax, or overflow) or top-k 1."""
+        return self.temperature < SAMPLING_EPS or self.top_k == 1
 
 
 def fan_out(params: SamplingParams) -> list[SamplingParams]:

@@ -219,11 +219,11 @@ def test_plain_draws_name_each_row_greedy_or_its_temperature():
     def seq(**kw):
         return Sequence("r", [1, 2, 3], SamplingParams(**kw))
     plain = [seq(temperature=0), seq(temperature=0.5), seq(temperature=2.0, top_k=-1, top_p=1.0),
-             seq(temperature=0.7, top_k=1)]
+             seq(temperature=0.7, top_k=1), seq(temperature=1e-6)]
     draws = engine._plain_draws(plain)
-    assert [t for t, _ in draws] == [0.0, 2.0, 0.5, 0.0]
+    assert [t for t, _ in draws] == [0.0, 2.0, 0.5, 0.0, 0.0]  # below SAMPLING_EPS: greedy
     salts = [s for _, s in draws]
-    assert salts[0] == salts[3] == 0 and salts[1] != salts[2]
+    assert salts[0] == salts[3] == salts[4] == 0 and salts[1] != salts[2]
     assert all(0 <= s < 2 ** 31 for s in salts)
     assert engine._plain_draws(plain[::-1]) == draws[::-1]  # a sequence's, whatever its row
     for kw in (dict(temperature=0.5, seed=3), dict(temperature=0.5, top_p=0.9),
@@ -237,29 +237,34 @@ def test_sampled_steps_may_take_the_draws_of_their_graph():
     """On a GPU a decode graph draws a plain step's sampled rows itself (Philox keyed by the
     row's salt and position, :mod:`kernels.argmax`). Stood in for around the CPU runner with
     :func:`kernels.argmax.draw_reference`: the engine asks for it on steps of sampled rows at a
-    temperature, takes the draws as the tokens, and a row at a vanishing temperature gives the
-    greedy tokens while rows of one prompt at temperature 1 part ways (their salts differ)."""
+    temperature beside a greedy one, each sampled request's tokens after its first (the prompt
+    step's, drawn by the sampler) are the stand-in's draws for its salt, position by position,
+    requests of one prompt part ways (their salts differ), and the greedy request's tokens are
+    those it makes alone."""
     from kernels.argmax import draw_reference
     llm = LLM("tiny")
     engine = llm.engine
-    runner, run, drawn = engine.runner, engine.runner.run, []
+    runner, run, drawn = engine.runner, engine.runner.run, {}
 
     def graph_like_run(step, prev_tokens=None, draws=None):
         logits = run(step, prev_tokens)
         if draws is not None and step.meta.is_decode_only:
             n = len(step.ids)
+            positions = step.host_rows(n)[1]
             runner.sampled = draw_reference(
                 logits, torch.tensor([t for t, _ in draws]),
-                torch.tensor([s for _, s in draws], dtype=torch.int32), step.host_rows(n)[1])
-            drawn.append(draws)
+                torch.tensor([s for _, s in draws], dtype=torch.int32), positions)
+            for (t, salt), pos, tok in zip(draws, positions.tolist(), runner.sampled.tolist()):
+                if t:
+                    drawn.setdefault(salt, []).append((pos, tok))
         return logits
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    alone = llm.generate([PROMPTS[0]], greedy)[0].token_ids
     runner.run = graph_like_run
-    params = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
-              SamplingParams(temperature=1e-6, max_tokens=16, ignore_eos=True)] + \
-        [SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)] * 3
+    params = [SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)] * 3 + [greedy]
     tokens = [o.token_ids for o in llm.generate([PROMPTS[0]] * len(params), params)]
-    assert drawn and any(t == 1.0 for d in drawn for t, _ in d)
-    assert tokens[1] == tokens[0]
-    assert len({tuple(t[1:]) for t in tokens[2:]}) > 1
-    assert all(len(t) == 16 for t in tokens)
+    by_salt = sorted([tok for _, tok in sorted(draws)] for draws in drawn.values())
+    assert len(by_salt) == 3 and sorted(t[1:] for t in tokens[:3]) == by_salt
+    assert len({tuple(t[1:]) for t in tokens[:3]}) == 3
+    assert tokens[3] == alone
     assert engine.pool.num_used_blocks == 0

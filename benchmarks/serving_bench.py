@@ -7,7 +7,7 @@
     ... --layouts colo,1p1d,colo-tp2 --gpus-per-role 1     # two GPUs: one per role, or one split
     ... --dashboard results/dashboard.png   # also draw the Grafana dashboard from the run
     ... --served-engine-option 'speculative_config={...}'  # served speculating, offline not
-    ... --temperature 1   # sampled requests (then the "same" column says nothing)
+    ... --temperature 1   # sampled requests (then the "same" column is nan)
 
 For each stream count the same requests (random token-id prompts, greedy, ``ignore_eos``) run
 through ``LLM.generate`` and through the served app (sent all at once by client processes),
@@ -611,6 +611,8 @@ def serve_protocol(layout, protocol, address, args, pool, prompts, offline_token
                **summarize(records, offline_tokens[n], wall), "cpu": meter.stop(),
                "decode_engine": engine_row, "hops_ms": breakdown(records),
                "prefill_engine": rates.get("PrefillServer"), "early_starts": early_since(early)}
+        if args.temperature > 0:  # sampled tokens are compared with nothing
+            row["same_tokens"] = float("nan")
         out["served"].append(row)
         print(f"  {layout} {protocol} {n:4d} streams: {row['tok_s']:9.0f} tok/s, TTFT p50 "
               f"{row['ttft_p50_ms']:.0f} ms, ITL p99 {row['itl_p99_ms']:.1f} ms, "
@@ -702,7 +704,7 @@ def main(argv=None) -> None:
                    help="http, grpc, http-untimed (HTTP without asking for the timings)")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="of the requests, the warm-up's too (the zero-load ones stay greedy); "
-                        "above 0 the 'same' column says nothing")
+                        "above 0 the 'same' column is nan")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--num-blocks", type=int, default=None)

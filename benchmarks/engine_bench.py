@@ -69,11 +69,11 @@ class Recorder:
         self.engine, self.steps = engine, []
         execute = engine.runner.execute
 
-        def recording(batch, prev_tokens=None, greedy=False):
+        def recording(batch, prev_tokens=None, draws=None):
             self._batch = (all(n == 1 for n in batch.num_new_tokens), len(batch.seqs),
                            sum(s.num_computed_tokens + n for s, n in
                                zip(batch.seqs, batch.num_new_tokens)), batch.num_tokens)
-            return execute(batch, prev_tokens, greedy)
+            return execute(batch, prev_tokens, draws)
         engine.runner.execute = recording
 
     def run(self) -> float:

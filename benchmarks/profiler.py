@@ -434,7 +434,7 @@ def measure(batch: int, steps: int, prompt_len: int) -> dict[str, float]:
     params = SamplingParams(temperature=0, max_tokens=steps + 16, ignore_eos=True)
     for i in range(batch):
         engine.add_request([5 + i % 100] * prompt_len, params)
-    engine.runner.execute = lambda b, prev=None, greedy=False: logits[: len(b.seqs)]
+    engine.runner.execute = lambda b, prev=None, draws=None: logits[: len(b.seqs)]
     for _ in range(5):  # prefill and a few decode steps
         engine.step()
     totals = dict.fromkeys(PHASES, 0.0)

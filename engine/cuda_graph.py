@@ -13,11 +13,11 @@ each replay (Baton's kernel's page table copied in with the step's inputs,
 replayed for them.
 
 A size of at most ``ARGMAX_MAX_ROWS`` rows has more graphs ("draw graphs"), for a step whose
-every row's token is drawn from its raw logits alone, greedy or at a temperature with nothing
-else asked (:meth:`DecodeGraphs.run`'s ``draws``): they also take their pending input ids from
-the graphs' own buffer of sampled ids at their head (:mod:`kernels.pending_ids`) and write the
-rows' tokens (the argmax, or a draw at the row's temperature: :mod:`kernels.argmax`) into that
-buffer at their end, so that neither runs as a launch of its own around the replay. On Baton's
+every row's token is drawn from its raw logits alone, greedy or at a temperature, cut or not
+to a top-k and top-p (:meth:`DecodeGraphs.run`'s ``draws``): they also take their pending input
+ids from the graphs' own buffer of sampled ids at their head (:mod:`kernels.pending_ids`) and
+write the rows' tokens (the argmax, or the row's draw: :mod:`kernels.argmax`) into that buffer
+at their end, so that neither runs as a launch of its own around the replay. On Baton's
 decode kernel (not a long step) there are two, one for each of :class:`StagedInputs`' pinned
 buffers: the graph's first kernel reads the step's inputs from that buffer itself and its
 argmax writes the ids into a pinned buffer of the same turn, so that no copy is queued before
@@ -33,6 +33,7 @@ import torch
 from tqdm import tqdm
 
 from engine.forward_context import AttentionMetadata, null_meta, set_forward_context
+from engine.sampler import GREEDY_DRAW, Draw, pack_draws
 from kernels.argmax import RowArgmax
 from kernels.decode_attention import MAX_ROWS, DecodeAttention
 from kernels.pending_ids import take_inputs, take_pending
@@ -108,10 +109,11 @@ class DecodeGraphs:
                                         pin_memory=True) for _ in range(2)] \
             if self.staged is not None and self.argmax_max_rows else None
         self.argmax = RowArgmax()  # its own workspace, held for the graphs
-        # The draw graphs' rows' inverse temperatures (float32, 0: the argmax) then salts
-        # (int32), as :meth:`run` last sent them (written again only when they change).
-        self.draw_params = torch.zeros(2 * self.argmax_max_rows, dtype=torch.int32, device=dev)
-        self.draws_sent: list[tuple[float, int]] = [(0.0, 0)] * self.argmax_max_rows
+        # The draw graphs' rows' :class:`Draw` fields, a row of ``argmax_max_rows`` each
+        # (float32 inverse temperatures and top-p, int32 salts and top-k), as :meth:`run` last
+        # sent them (written again only when they change).
+        self.draw_params = torch.zeros(4 * self.argmax_max_rows, dtype=torch.int32, device=dev)
+        self.draws_sent: list[Draw] = [GREEDY_DRAW] * self.argmax_max_rows
         # The last replay's ids, where it sampled them, on the device and, where a graph wrote
         # them there, on the host (valid once the replay has run, until the turn's next one).
         self.sampled: torch.Tensor | None = None
@@ -130,7 +132,8 @@ class DecodeGraphs:
                     for long in ((False, True) if size in self.long_wrappers else (False,))
                     for draw in ((False, True) if size <= self.argmax_max_rows else (False,))
                     for turn in ((0, 1) if draw and self._reads_host(size, long) else (None,))]
-        self.argmax.reserve(self.max_batch, model.config.vocab_size, self.tokens.device)
+        self.argmax.reserve(self.max_batch, model.config.vocab_size, self.tokens.device,
+                           cut=True)
         for size, long, draw, turn in tqdm(variants, desc="capturing decode graphs",
                                            disable=not progress, leave=False):
             meta = null_meta(size, 1, self.runner.block_size)
@@ -177,9 +180,9 @@ class DecodeGraphs:
             take_pending(ids, src, self.tokens)
         model.compute_logits(model(ids, pos), out=self.logits[:size])
         if draw:
-            rows = self.argmax_max_rows
-            params = (self.draw_params[:rows].view(torch.float32)[:size],
-                      self.draw_params[rows:rows + size], pos)
+            fields = self.draw_params.view(4, self.argmax_max_rows)[:, :size]
+            params = (fields[0].view(torch.float32), fields[1], pos, fields[2],
+                      fields[3].view(torch.float32))
             self.argmax(self.logits[:size], out=self.tokens[:size],
                         host=None if turn is None else self.host_tokens[turn][:size],
                         draw=params)
@@ -197,14 +200,13 @@ class DecodeGraphs:
         self.draw_graphs.clear()
 
     def run(self, step, prev_tokens: torch.Tensor | None = None,
-            draws: list[tuple[float, int]] | None = None) -> torch.Tensor:
+            draws: list[Draw] | None = None) -> torch.Tensor:
         """Queue a replay for the ``n`` sequences of ``step`` (:class:`StepInputs`); returns
         float32 logits ``[n, vocab]`` (valid once the replay has run). Sizes on Baton's decode
         kernel send inputs and page table in one copy (:class:`StagedInputs`); the others a
         freshly pinned buffer of inputs (the previous step's copy may still be queued behind
         the running step) and FlashInfer's plan. ``draws``: every row is due a token drawn from
-        its logits alone, ``(inverse temperature, salt)`` a row (``(0, 0)``: the argmax; else
-        Philox keyed by the salt and the row's position: :mod:`kernels.argmax`); where the size
+        its logits alone, a :class:`Draw` a row (:mod:`kernels.argmax`); where the size
         has a draw graph, ``sampled`` is then set to the ids it draws (``tokens[:n]``, valid
         until the next draw replay) and, where that graph wrote them to the host,
         ``sampled_host`` to those (else both to None). The rows' parameters are copied to the
@@ -248,17 +250,14 @@ class DecodeGraphs:
         self.sampled_host = self.host_tokens[turn][:n] if reads_host else None
         return self.logits[:n]
 
-    def _send_draws(self, draws: list[tuple[float, int]]) -> None:
+    def _send_draws(self, draws: list[Draw]) -> None:
         """Queue the copy of the rows' draw parameters where they changed since the last sent
         (rows past the step's keep theirs: padding, whose tokens nobody reads)."""
         if draws == self.draws_sent[:len(draws)]:
             return
         self.draws_sent[:len(draws)] = draws
-        rows = self.argmax_max_rows
-        host = torch.empty(2 * rows, dtype=torch.int32)
-        host[:rows].view(torch.float32).copy_(torch.tensor([t for t, _ in self.draws_sent]))
-        host[rows:] = torch.tensor([s for _, s in self.draws_sent], dtype=torch.int32)
-        self.draw_params.copy_(host.pin_memory(), non_blocking=True)
+        self.draw_params.copy_(pack_draws(self.draws_sent).view(-1).pin_memory(),
+                               non_blocking=True)
 
     def written_size(self, rows: int, context_len: int) -> int | None:
         """The size whose graph takes a step of ``rows`` rows (the longest reading

@@ -17,6 +17,7 @@ import weakref
 import torch
 
 from engine.config import EngineConfig
+from engine.sampler import Draw
 from engine.model_runner import ModelRunner
 from engine.parallel import TPGroup, broadcast, check_tp
 from engine.scheduler import ScheduledBatch
@@ -75,7 +76,7 @@ class Executor:
             self.others.warmed()
 
     def execute(self, batch: ScheduledBatch, prev_tokens: torch.Tensor | None = None,
-                draws: list[tuple[float, int]] | None = None) -> torch.Tensor | None:
+                draws: list[Draw] | None = None) -> torch.Tensor | None:
         """Queue ``batch`` on every rank; rank 0's float32 logits of the sequences due a token
         (``ModelRunner.execute``; with ``draws`` its ``sampled`` may hold their ids)."""
         return self.runner.execute(batch, prev_tokens, draws)

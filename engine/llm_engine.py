@@ -44,7 +44,7 @@ from engine.kv_cache_manager import KVCacheManager
 from engine.kv_offload import HostTier
 from engine.kv_layout import KVCacheSpec, KVLayout
 from engine.outputs import RequestOutput, TopLogprobs
-from engine.sampler import SampleOutput, Sampler
+from engine.sampler import Draw, SampleOutput, Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import FinishReason, Sequence, SequenceStatus
@@ -381,32 +381,25 @@ class LLMEngine:
         return self.config.tensor_parallel_size == 1 and not any(
             s.matcher is not None or s.params.changes_logits for s in seqs)
 
-    def _plain_draws(self, seqs: list[Sequence]) -> list[tuple[float, int]] | None:
+    def _plain_draws(self, seqs: list[Sequence]) -> list[Draw] | None:
         """Where every sequence's next token is drawn from its raw logits alone, nothing else
         asked of the draw (no penalty, bias, ``min_tokens``, grammar or logprobs), on an engine
-        of one rank without speculation, each sequence's ``(inverse temperature, salt)``: ``(0,
-        0)`` greedy, else a temperature with no top-k, top-p, min-p or seed. A decode graph may
-        then take the tokens itself (:class:`engine.cuda_graph.DecodeGraphs`), and its ids are
-        the step's tokens. None otherwise. Only asked of a batch such a graph can take
-        (``ARGMAX_MAX_ROWS``): a large batch's sequences are not walked every step for
-        nothing. A sampled sequence's salt is fixed for its life, from its arrival order and
-        the engine's seed (a seeded request stays with the sampler: its draws there are keyed
-        by its seed, whatever the batch)."""
+        of one rank without speculation, each sequence's :class:`~engine.sampler.Draw`
+        (:meth:`Sampler.draw_of`: greedy, or a temperature cut or not to a top-k and top-p). A
+        decode graph may then take the tokens itself (:class:`engine.cuda_graph.DecodeGraphs`),
+        and its ids are the step's tokens. None otherwise. Only asked of a batch such a graph
+        can take (``ARGMAX_MAX_ROWS``): a large batch's sequences are not walked every step for
+        nothing."""
         if len(seqs) > ARGMAX_MAX_ROWS or self.spec is not None \
                 or self.config.tensor_parallel_size != 1:
             return None
         draws = []
         for s in seqs:
             p = s.params
-            if p.changes_logits or s.matcher is not None or p.logprobs is not None:
+            if p.changes_logits or s.matcher is not None or p.logprobs is not None \
+                    or (draw := self.sampler.draw_of(s)) is None:
                 return None
-            if p.greedy:
-                draws.append((0.0, 0))
-            elif p.seed is None and p.top_k <= 0 and p.top_p >= 1 and p.min_p <= 0:
-                draws.append((1.0 / p.temperature, (s.arrival_order * 0x9E3779B1
-                                                     + self.config.seed) & 0x7FFFFFFF))
-            else:
-                return None
+            draws.append(draw)
         return draws
 
     def _grammars_for(self, seqs: list[Sequence]):

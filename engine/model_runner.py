@@ -22,6 +22,7 @@ from engine.cuda_graph import (DecodeGraphs, MixedGraphs, graph_max_tokens,
                                prompt_graph_max_tokens)
 from engine.forward_context import AttentionMetadata, null_meta, set_forward_context
 from engine.models.qwen3 import Qwen3ForCausalLM
+from engine.sampler import Draw
 from engine.scheduler import ScheduledBatch
 from engine.uploads import host_tensor, upload
 from kernels._triton import triton as _triton
@@ -377,12 +378,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, prev_tokens: torch.Tensor | None = None,
-                draws: list[tuple[float, int]] | None = None) -> torch.Tensor | None:
+                draws: list[Draw] | None = None) -> torch.Tensor | None:
         """Queue the batch on the device; return float32 logits of the sequences due a token
         (or None). ``prev_tokens``: the sampled tokens of the step still running, which pending
         inputs are read from. ``draws``: each sequence's token is drawn from its raw logits
-        alone, ``(inverse temperature, salt)`` a sequence (0: the argmax;
-        :meth:`engine.cuda_graph.DecodeGraphs.run`); a decode graph may then take it, and
+        alone, a :class:`~engine.sampler.Draw` a sequence
+        (:meth:`engine.cuda_graph.DecodeGraphs.run`); a decode graph may then take it, and
         ``sampled`` holds the ids (else None), and ``sampled_host`` their host copy where the
         graph wrote one (valid once the step has run, until the step after next). Nothing here
         waits for the device."""
@@ -393,7 +394,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, step: StepInputs, prev_tokens: torch.Tensor | None = None,
-            draws: list[tuple[float, int]] | None = None) -> torch.Tensor | None:
+            draws: list[Draw] | None = None) -> torch.Tensor | None:
         """Run prepared inputs (every rank of a tensor-parallel engine runs the same ones)."""
         self.prompt_out = self.sampled = self.sampled_host = None
         if step.gathers and prev_tokens is None:

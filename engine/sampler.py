@@ -10,6 +10,13 @@ sampled): a seeded request draws the same numbers however it is batched, split b
 prefill and a decode engine, or resumed on another replica with its tokens so far as the prompt.
 Logprobs (and the top ``k``) are of the raw logits.
 
+A step whose every row is greedy or unseeded, with no min-p and a top-k of at most
+``TOP_K_MAX`` (with or without a top-p) or no cut at all, is drawn instead in one launch
+(:class:`~kernels.argmax.RowArgmax`'s ``draw``, the kernel a decode graph draws with): Philox
+numbers keyed by the sequence's salt and the position, the same distribution (the cut of
+:func:`_apply_top_k_top_p`). The torch ops above cost the host ~1 ms a step on Qwen3's
+vocabulary with a top-k and top-p (docs/benchmarks.md).
+
 Per-row parameters go to the device without a host sync (:mod:`engine.uploads`), so sampling
 queues behind the forward pass. The penalties count the tokens of each penalized row, uploaded
 each step (prompt too for the repetition penalty); the newest output token may still be on the
@@ -22,13 +29,14 @@ from __future__ import annotations
 from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from engine.sequence import PENDING, Sequence
 from engine.structured import apply_bitmasks
 from engine.uploads import upload
-from kernels.argmax import RowArgmax
+from kernels.argmax import TOP_K_MAX, RowArgmax
 
 _MASK64 = (1 << 64) - 1
 
@@ -40,6 +48,30 @@ def position_seed(seed: int, position: int) -> int:
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
     return x ^ (x >> 31)
+
+
+class Draw(NamedTuple):
+    """How the one-launch draw (:class:`kernels.argmax.RowArgmax`'s ``draw``) takes a row's
+    token: ``inv_temp`` 0 the argmax; else a draw at that inverse temperature with Philox keyed
+    by ``salt`` and the row's position, cut to the row's ``top_k`` (0: none; at most
+    ``TOP_K_MAX``) and ``top_p`` (below 1 only with a ``top_k``)."""
+
+    inv_temp: float
+    salt: int
+    top_k: int = 0
+    top_p: float = 1.0
+
+
+GREEDY_DRAW = Draw(0.0, 0)
+
+
+def pack_draws(draws: Seq[Draw]) -> torch.Tensor:
+    """``draws`` as an int32 ``[4, len(draws)]`` host tensor, a row a field (the inverse
+    temperatures and top-p float32 bits)."""
+    host = torch.empty(4, len(draws), dtype=torch.int32)
+    for i, field in enumerate(zip(*draws)):
+        host[i].view(torch.float32 if i in (0, 3) else torch.int32).copy_(torch.tensor(field))
+    return host
 
 
 @dataclass
@@ -57,6 +89,7 @@ class SampleOutput:
 class Sampler:
     def __init__(self, device: torch.device, seed: int = 0):
         self.device = device
+        self.seed = seed
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.argmax = RowArgmax()  # rows' argmax, one launch on CUDA (on this engine's stream)
 
@@ -76,11 +109,13 @@ class Sampler:
         matchers = {i: s.matcher for i, s in enumerate(seqs) if s.matcher is not None}
         masks = (list(matchers), grammars.bitmasks(len(seqs), matchers)) if matchers else None
         logits = processed(logits, seqs, prev_tokens, frozenset(eos_ids), masks)
-        greedy_ids = self.argmax(logits)
         if all(p.greedy for p in params):
-            tokens = greedy_ids
+            tokens = self.argmax(logits)
+        elif None not in (draws := [self.draw_of(s) for s in seqs]):
+            tokens = self.argmax(logits, draw=self._draw_params(draws, [s.num_tokens - 1
+                                                                        for s in seqs]))
         else:
-            tokens = torch.where(self._greedy_mask(params, logits.device), greedy_ids,
+            tokens = torch.where(self._greedy_mask(params, logits.device), self.argmax(logits),
                                  self._sample(logits, params, [s.generator for s in seqs],
                                               [s.num_tokens for s in seqs]))
         out = SampleOutput(tokens)
@@ -91,6 +126,27 @@ class Sampler:
             if max(asked):
                 out.top_logprobs, out.top_ids = logprobs.topk(max(asked), dim=-1)
         return out
+
+    def draw_of(self, seq: Sequence) -> Draw | None:
+        """``seq``'s row of the one-launch draw, or None where its draw asks more: a seed (its
+        own generator's numbers, whatever the batch), min-p, a top-k past ``TOP_K_MAX`` or a
+        top-p without a top-k. A sampled sequence's salt is fixed for its life: its arrival
+        order mixed with the engine's seed."""
+        p = seq.params
+        if p.greedy:
+            return GREEDY_DRAW
+        if p.seed is not None or p.min_p > 0 \
+                or not (0 < p.top_k <= TOP_K_MAX or p.top_k <= 0 and p.top_p >= 1):
+            return None
+        return Draw(1.0 / p.temperature, (seq.arrival_order * 0x9E3779B1 + self.seed)
+                    & 0x7FFFFFFF, max(p.top_k, 0), p.top_p)
+
+    def _draw_params(self, draws: list[Draw], positions: list[int]) -> tuple:
+        """``draw`` of :class:`~kernels.argmax.RowArgmax` for ``draws`` keyed at ``positions``
+        (each row's input token's, as a decode graph keys it), in one upload."""
+        host = torch.cat([pack_draws(draws), torch.tensor([positions], dtype=torch.int32)])
+        dev = upload(host.view(-1), torch.int32, self.device).view(5, -1)
+        return (dev[0].view(torch.float32), dev[1], dev[4], dev[2], dev[3].view(torch.float32))
 
     @staticmethod
     def _greedy_mask(params, device) -> torch.Tensor:
@@ -104,8 +160,8 @@ class Sampler:
                        torch.float32, logits.device).to(logits.dtype)
         logits = logits / temps[:, None]
         logits = _apply_min_p(logits, [p.min_p for p in params])
-        logits = _apply_top_k(logits, [p.top_k for p in params])
-        logits = _apply_top_p(logits, [p.top_p for p in params])
+        logits = _apply_top_k_top_p(logits, [p.top_k for p in params],
+                                    [p.top_p for p in params])
         return torch.softmax(logits, dim=-1)
 
     def probabilities(self, logits: torch.Tensor, params) -> torch.Tensor:
@@ -246,23 +302,38 @@ def _apply_min_p(logits: torch.Tensor, min_p: list[float]) -> torch.Tensor:
     return logits.masked_fill(probs < floor, float("-inf"))
 
 
-def _apply_top_k(logits: torch.Tensor, top_k: list[int]) -> torch.Tensor:
+def _apply_top_k_top_p(logits: torch.Tensor, top_k: list[int],
+                       top_p: list[float]) -> torch.Tensor:
+    """Keep each row's ``top_k`` most likely tokens, ties with the k-th included (as vLLM
+    does), then those whose more likely tokens hold less than ``top_p`` of the kept mass (a
+    tie group stays or goes whole, as a probability threshold does; the most likely token
+    always stays): :func:`kernels.argmax.cut_reference`, which a decode graph's draw follows.
+    Tokens are ranked only as deep as the largest ``top_k`` unless a row cuts by ``top_p``
+    alone, which needs the whole vocabulary ranked."""
     vocab = logits.shape[-1]
-    ks = [k if 0 < k < vocab else vocab for k in top_k]
-    if all(k == vocab for k in ks):
+    ks = [k if 0 < k < vocab else 0 for k in top_k]  # 0: no top-k
+    by_p = [p < 1.0 for p in top_p]
+    if not any(ks) and not any(by_p):
         return logits
-    k_t = upload(ks, torch.int64, logits.device)
-    kth = logits.topk(max(ks), dim=-1).values.gather(1, (k_t - 1)[:, None])
-    return logits.masked_fill(logits < kth, float("-inf"))
-
-
-def _apply_top_p(logits: torch.Tensor, top_p: list[float]) -> torch.Tensor:
-    if all(p >= 1.0 for p in top_p):
+    deep = any(cut and not k for k, cut in zip(ks, by_p))
+    ranked, order = logits.sort(dim=-1, descending=True) if deep \
+        else logits.topk(max(ks), dim=-1)
+    if any(ks):
+        kth = ranked.gather(1, upload([max(k - 1, 0) for k in ks], torch.int64,
+                                      logits.device)[:, None])
+        if not all(ks):
+            kth = torch.where(upload([k > 0 for k in ks], torch.bool, logits.device)[:, None],
+                              kth, float("-inf"))
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if not any(by_p):
         return logits
-    p_t = upload(top_p, torch.float32, logits.device).to(logits.dtype)
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    probs = sorted_logits.softmax(dim=-1)
-    # Drop a token when the mass before it already reaches top_p (the first token always stays).
-    drop = (probs.cumsum(dim=-1) - probs) >= p_t[:, None]
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+    probs = logits.softmax(dim=-1).gather(1, order)  # (0 past the top-k)
+    ahead = probs.cumsum(dim=-1) - probs  # the mass ranked before each token
+    # The floor: the last token ranked with less than top_p ahead of it (its ties, ranked
+    # after it, hold the same mass above them and stay too)
+    cut = upload(top_p, torch.float32, logits.device)
+    last = ((ahead < cut[:, None]) & (probs > 0)).sum(dim=-1, keepdim=True).clamp_(min=1) - 1
+    floor = ranked.gather(1, last)
+    if not all(by_p):
+        floor = torch.where(cut[:, None] < 1.0, floor, float("-inf"))
+    return logits.masked_fill(logits < floor, float("-inf"))

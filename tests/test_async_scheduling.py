@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.sampler import GREEDY_DRAW
 from engine.llm_engine import LaunchedStep
 from engine.sequence import PENDING
 from tests.models import random_prompts
@@ -177,7 +178,7 @@ def test_greedy_steps_may_take_their_ids_from_one_buffer_the_next_overwrites():
     def recording_execute(batch, prev_tokens=None, draws=None):
         plain = all(s.params.greedy and not s.params.changes_logits and s.params.logprobs is None
                     for s in batch.seqs)
-        assert draws is None or draws == [(0.0, 0)] * len(batch.seqs)
+        assert draws is None or draws == [GREEDY_DRAW] * len(batch.seqs)
         asked.append((draws is not None, plain))
         return execute(batch, prev_tokens, draws)
 
@@ -206,28 +207,32 @@ def test_greedy_steps_may_take_their_ids_from_one_buffer_the_next_overwrites():
     assert engine.pool.num_used_blocks == 0
 
 
-def test_plain_draws_name_each_row_greedy_or_its_temperature():
+def test_plain_draws_name_each_row_greedy_or_its_draw():
     """What the engine asks a decode graph to draw (:meth:`LLMEngine._plain_draws`): each row's
-    inverse temperature (0 where greedy) and a salt fixed for its sequence's life, different
-    between sequences; nothing where a row asks more of the draw than its raw logits at a
-    temperature (a seed, top-k, top-p, min-p, logprobs, a penalty) or the batch is past the
+    inverse temperature (0 where greedy), a salt fixed for its sequence's life, different
+    between sequences, and its top-k and top-p; nothing where a row asks more of the draw than
+    its raw logits at a temperature cut to a top-k of at most ``TOP_K_MAX`` (a seed, a top-p
+    without a top-k, a larger top-k, min-p, logprobs, a penalty) or the batch is past the
     graphs' rows."""
     from engine.cuda_graph import ARGMAX_MAX_ROWS
     from engine.sequence import Sequence
+    from kernels.argmax import TOP_K_MAX
     engine = LLM("tiny").engine
 
     def seq(**kw):
         return Sequence("r", [1, 2, 3], SamplingParams(**kw))
     plain = [seq(temperature=0), seq(temperature=0.5), seq(temperature=2.0, top_k=-1, top_p=1.0),
-             seq(temperature=0.7, top_k=1), seq(temperature=1e-6)]
+             seq(temperature=0.7, top_k=1), seq(temperature=1e-6),
+             seq(temperature=0.6, top_k=20, top_p=0.95), seq(temperature=1.0, top_k=TOP_K_MAX)]
     draws = engine._plain_draws(plain)
-    assert [t for t, _ in draws] == [0.0, 2.0, 0.5, 0.0, 0.0]  # below SAMPLING_EPS: greedy
-    salts = [s for _, s in draws]
-    assert salts[0] == salts[3] == salts[4] == 0 and salts[1] != salts[2]
+    assert [d.inv_temp for d in draws] == [0.0, 2.0, 0.5, 0.0, 0.0, 1 / 0.6, 1.0]  # 1e-6: greedy
+    assert [(d.top_k, d.top_p) for d in draws][-3:] == [(0, 1.0), (20, 0.95), (TOP_K_MAX, 1.0)]
+    salts = [d.salt for d in draws]
+    assert salts[0] == salts[3] == salts[4] == 0 and len({salts[i] for i in (1, 2, 5, 6)}) == 4
     assert all(0 <= s < 2 ** 31 for s in salts)
     assert engine._plain_draws(plain[::-1]) == draws[::-1]  # a sequence's, whatever its row
     for kw in (dict(temperature=0.5, seed=3), dict(temperature=0.5, top_p=0.9),
-               dict(temperature=0.5, top_k=5), dict(temperature=0.5, min_p=0.1),
+               dict(temperature=0.5, top_k=TOP_K_MAX + 1), dict(temperature=0.5, min_p=0.1),
                dict(temperature=0, logprobs=1), dict(temperature=0.5, presence_penalty=0.5)):
         assert engine._plain_draws([plain[1], seq(**kw)]) is None, kw
     assert engine._plain_draws([seq(temperature=0) for _ in range(ARGMAX_MAX_ROWS + 1)]) is None
@@ -235,12 +240,13 @@ def test_plain_draws_name_each_row_greedy_or_its_temperature():
 
 def test_sampled_steps_may_take_the_draws_of_their_graph():
     """On a GPU a decode graph draws a plain step's sampled rows itself (Philox keyed by the
-    row's salt and position, :mod:`kernels.argmax`). Stood in for around the CPU runner with
-    :func:`kernels.argmax.draw_reference`: the engine asks for it on steps of sampled rows at a
-    temperature beside a greedy one, each sampled request's tokens after its first (the prompt
-    step's, drawn by the sampler) are the stand-in's draws for its salt, position by position,
-    requests of one prompt part ways (their salts differ), and the greedy request's tokens are
-    those it makes alone."""
+    row's salt and position, cut to its top-k and top-p: :mod:`kernels.argmax`). Stood in for
+    around the CPU runner with :func:`kernels.argmax.draw_reference`: the engine asks for it on
+    steps of sampled rows at a temperature, or cut to a top-k and top-p, beside a greedy one;
+    each sampled request's tokens after its first (the prompt step's, drawn by the sampler)
+    are the stand-in's draws for its salt, position by position, requests of one prompt part
+    ways (their salts differ), a request cut to its top 1 is greedy, and the greedy request's
+    tokens are those it makes alone."""
     from kernels.argmax import draw_reference
     llm = LLM("tiny")
     engine = llm.engine
@@ -251,20 +257,22 @@ def test_sampled_steps_may_take_the_draws_of_their_graph():
         if draws is not None and step.meta.is_decode_only:
             n = len(step.ids)
             positions = step.host_rows(n)[1]
-            runner.sampled = draw_reference(
-                logits, torch.tensor([t for t, _ in draws]),
-                torch.tensor([s for _, s in draws], dtype=torch.int32), positions)
-            for (t, salt), pos, tok in zip(draws, positions.tolist(), runner.sampled.tolist()):
-                if t:
-                    drawn.setdefault(salt, []).append((pos, tok))
+            inv_temp, salt, top_k, top_p = (torch.tensor(f) for f in zip(*draws))
+            runner.sampled = draw_reference(logits, inv_temp, salt.int(), positions,
+                                            top_k.int(), top_p)
+            for d, pos, tok in zip(draws, positions.tolist(), runner.sampled.tolist()):
+                if d.inv_temp:
+                    drawn.setdefault(d.salt, []).append((pos, tok))
         return logits
     greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     alone = llm.generate([PROMPTS[0]], greedy)[0].token_ids
     runner.run = graph_like_run
-    params = [SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)] * 3 + [greedy]
+    params = [SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)] * 2 + [
+        SamplingParams(temperature=0.6, top_k=20, top_p=0.95, max_tokens=16, ignore_eos=True),
+        greedy, SamplingParams(temperature=1.0, top_k=1, max_tokens=16, ignore_eos=True)]
     tokens = [o.token_ids for o in llm.generate([PROMPTS[0]] * len(params), params)]
     by_salt = sorted([tok for _, tok in sorted(draws)] for draws in drawn.values())
     assert len(by_salt) == 3 and sorted(t[1:] for t in tokens[:3]) == by_salt
     assert len({tuple(t[1:]) for t in tokens[:3]}) == 3
-    assert tokens[3] == alone
+    assert tokens[3] == tokens[4] == alone
     assert engine.pool.num_used_blocks == 0

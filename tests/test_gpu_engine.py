@@ -227,18 +227,20 @@ def test_greedy_steps_argmax_in_their_graph_gives_the_tokens_sampled_apart(flash
 
 
 def test_sampled_steps_draw_in_their_graph(flashinfer_engine):
-    """Steps whose rows are sampled at a temperature with nothing else asked replay the draw
-    graphs (Philox in the argmax kernel, ``kernels.argmax``) beside greedy rows: every request
-    runs to its length with in-vocabulary ids, requests of one prompt at temperature 1 part
-    ways, a greedy request among them gives the tokens it gives when the same batch samples
-    apart (its rows' numbers do not depend on the others'), and a greedy request alone after
-    them, in the row a sampled one held, the tokens of one alone before."""
+    """Steps whose rows are sampled at a temperature, or cut to a top-k and top-p (Qwen3's
+    recommended 0.6, 20, 0.95), with nothing else asked replay the draw graphs (Philox in the
+    argmax kernel, ``kernels.argmax``) beside greedy rows: every request runs to its length
+    with in-vocabulary ids, requests of one prompt part ways, a greedy request among them
+    gives the tokens it gives when the same batch samples apart (its rows' numbers do not
+    depend on the others'), and a greedy request alone after them, in the row a sampled one
+    held, the tokens of one alone before."""
     graphs = flashinfer_engine.runner.graphs
     saved, replays = dict(graphs.draw_graphs), []
     graphs.draw_graphs.update({k: _Counting(g, k, replays) for k, g in saved.items()})
     prompt = random_prompts([24], vocab=VOCAB, seed=11)[0]
     greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-    mix = [SamplingParams(temperature=1.0, max_tokens=20 + i, ignore_eos=True)
+    mix = [SamplingParams(temperature=1.0 if i < 2 else 0.6, top_k=-1 if i < 2 else 20,
+                          top_p=1.0 if i < 2 else 0.95, max_tokens=20 + i, ignore_eos=True)
            for i in range(4)] + [greedy]
 
     def run(params: list[SamplingParams], tag: str) -> list[list[int]]:

@@ -326,6 +326,60 @@ def check_draw(device: str, dtype: torch.dtype = None, rows: int = 1200) -> None
     assert set(draws.tolist()) == {17, 70000, 151935}
 
 
+def check_cut_draw(device: str, dtype: torch.dtype = None, freq_rows: int = 0) -> None:
+    """Sampled rows cut to a top-k and top-p (``draw``'s ``top_k``, ``top_p``): each row's id
+    is the uncut draw, with the same keys, over the columns
+    :func:`~kernels.argmax.cut_reference` keeps. Rows of three blocks, bfloat16-rounded (ties
+    with the k-th across blocks); a block holding more ties with the k-th than it keeps
+    candidates (read again), and a top-p floor above such ties; a row with fewer finite columns
+    than its k; top-k 1 and ``TOP_K_MAX``; greedy and uncut sampled rows in the same launch.
+    :func:`~kernels.argmax.draw_reference` (and, given ``freq_rows``, the kernel) draws a small
+    row's kept columns at the cut distribution's frequencies."""
+    from kernels.argmax import BLOCK, TOP_K_MAX, RowArgmax, cut_reference, draw_reference
+    g = torch.Generator().manual_seed(2)
+    n = 2 * BLOCK + 300
+
+    def row():
+        return (torch.randn(n, generator=g) * 2).to(torch.bfloat16).float()
+    ties = torch.full((n,), -5.0)
+    ties[BLOCK + 10:BLOCK + 60] = 9.0  # fifty ties with the 4th largest in one block
+    ties[[3, 2 * BLOCK + 5]] = 9.5
+    sparse = torch.full((n,), float("-inf"))
+    sparse[[7, BLOCK + 1]] = torch.tensor([1.0, 0.5])
+    cases = [(row(), 1.0, 20, 0.9), (row(), 0.5, TOP_K_MAX, 1.0), (row(), 2.0, 5, 0.5),
+             (ties, 1.0, 4, 1.0), (ties, 1.0, 4, 0.05), (sparse, 1.0, 8, 0.95),
+             (row(), 1.0, 1, 1.0), (row(), 0.0, 0, 1.0), (row(), 1.0, 0, 1.0)] * 2
+    x = torch.stack([c[0] for c in cases])
+    inv_temp = torch.tensor([c[1] for c in cases])
+    top_k = torch.tensor([c[2] for c in cases], dtype=torch.int32)
+    top_p = torch.tensor([c[3] for c in cases])
+    salt = torch.arange(len(cases), dtype=torch.int32) * 7919
+    pos = torch.randint(0, 2 ** 40, (len(cases),), generator=g)
+    masked = x.clone()
+    for r, (_, it, k, p) in enumerate(cases):
+        if it > 0:
+            masked[r][~cut_reference(x[r] * it, k, p)] = float("-inf")
+    dev = [t.to(device) for t in (x, masked, inv_temp, salt, pos, top_k, top_p)]
+    got = RowArgmax()(dev[0], draw=tuple(dev[2:])).cpu()
+    assert torch.equal(got, RowArgmax()(dev[1], draw=tuple(dev[2:5])).cpu())
+    assert got[7] == x[7].argmax() and got[6] == x[6].argmax()
+    assert 10 + BLOCK <= got[3] < BLOCK + 60 or got[3] in (3, 2 * BLOCK + 5)
+    assert got[4] in (3, 2 * BLOCK + 5) and got[5] in (7, BLOCK + 1)
+    base = torch.tensor([3.0, 2.0, 2.0, 2.0, 0.0, 1.0])
+    for k, p in ((3, 1.0), (5, 0.9), (5, 1.0)):  # the 3 and 2s; the 1 too where top-p is 1
+        want = torch.softmax(base.masked_fill(~cut_reference(base, k, p), float("-inf")), -1)
+        rows = max(freq_rows, 3000)
+        args = (base.repeat(rows, 1), torch.ones(rows), torch.arange(rows, dtype=torch.int32),
+                torch.full((rows,), 5), torch.full((rows,), k, dtype=torch.int32),
+                torch.full((rows,), p))
+        fns = [draw_reference] + ([lambda *a: RowArgmax()(a[0], draw=a[1:])] if freq_rows
+                                  else [])
+        for fn in fns:
+            drawn = fn(*[a.to(device) for a in args]).cpu()
+            freq = torch.bincount(drawn, minlength=6).float() / rows
+            assert (freq - want).abs().max() < 0.04, (k, p, freq, want)
+
+
 def check_take_pending(device: str, dtype: torch.dtype = None) -> None:
     """:func:`kernels.pending_ids.take_pending`: rows with a pending row take the running
     step's token from it (any row, in any order, one row twice), the others keep the id the host
@@ -477,6 +531,17 @@ def test_draw_kernel_in_the_interpreter():
 @pytest.mark.gpu
 def test_draw_kernel_on_the_gpu():
     check_draw("cuda", rows=20000)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU host runs the kernels themselves")
+def test_cut_draw_kernel_in_the_interpreter():
+    """Rows cut to a top-k and top-p, drawn in the one launch (Philox in the interpreter)."""
+    _interpreted("check_cut_draw")
+
+
+@pytest.mark.gpu
+def test_cut_draw_kernel_on_the_gpu():
+    check_cut_draw("cuda", freq_rows=20000)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU host runs the kernels themselves")

@@ -78,6 +78,65 @@ def test_top_k_and_top_p_keep_only_allowed_tokens():
     assert set(tokens.tolist()) == {0, 1}
 
 
+def test_top_k_and_top_p_keep_ties_together():
+    """The sampler's cut is :func:`kernels.argmax.cut_reference`'s, which a decode graph's draw
+    follows: every token tied with the k-th stays; a tie group stays or goes whole under top-p;
+    ranking only as deep as the largest top-k (every top-p row has one) keeps what ranking the
+    whole vocabulary keeps. bfloat16-rounded logits tie often."""
+    from engine.sampler import _apply_top_k_top_p
+    from kernels.argmax import cut_reference
+    # [3, 2, 2, 2, 0]: top_k=2 keeps the three 2s; softmax ~ [.46, .17, .17, .17, .02]: top_p
+    # 0.5 keeps the 3 and all the 2s (the 3 holds less than 0.5), 0.4 only the 3
+    row = torch.tensor([[3.0, 2.0, 2.0, 2.0, 0.0]])
+    for k, p, kept in ((2, 1.0, 4), (-1, 0.5, 4), (-1, 0.4, 1), (2, 0.39, 1)):
+        cut = _apply_top_k_top_p(row, [k], [p])[0] > float("-inf")
+        assert cut.sum() == kept and cut[0] and torch.equal(cut, cut_reference(row[0], k, p))
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(64, 3000, generator=g) * 3).to(torch.bfloat16).float()
+    x[0, :100] = float("-inf")
+    ks = torch.randint(-1, 60, (64,), generator=g).tolist()
+    ps = [1.0 if i % 3 == 0 else p for i, p in enumerate(torch.rand(64, generator=g).tolist())]
+    some = [k if p < 1 else -1 for k, p in zip([k if k > 0 else 20 for k in ks], ps)]
+    for top_k, top_p in ((ks, ps), ([k if k > 0 else 20 for k in ks], ps), (ks, [1.0] * 64),
+                         ([-1] * 64, ps), (some, ps)):  # (some: rows of neither beside)
+        out = _apply_top_k_top_p(x, top_k, top_p)
+        for r in range(64):
+            want = cut_reference(x[r], top_k[r], top_p[r]) & (x[r] > float("-inf"))
+            assert torch.equal(out[r] > float("-inf"), want), (r, top_k[r], top_p[r])
+
+
+def test_unseeded_rows_are_drawn_in_one_launch_at_the_cut_distribution():
+    """Rows at a temperature, cut or not to a top-k of at most ``TOP_K_MAX`` and a top-p, and
+    no seed or min-p are drawn by :class:`kernels.argmax.RowArgmax` (a decode graph's draw,
+    keyed by the sequence's salt and its input token's position), greedy rows beside them
+    taking the argmax; at the frequencies of the cut distribution. A seeded row among them
+    keeps its own generator's draws."""
+    from kernels.argmax import TOP_K_MAX, cut_reference, draw_reference
+    logits = torch.tensor([[3.0, 2.0, 2.0, 1.0, 0.0, -1.0]] * 3000)
+    s = Sampler(torch.device("cpu"), seed=0)
+    for params in (SamplingParams(temperature=0.7), SamplingParams(top_k=3, top_p=0.8),
+                   SamplingParams(temperature=1.5, top_k=TOP_K_MAX)):
+        rows = _rows(params, 3000, prompt=(1, 2))
+        draws = [s.draw_of(r) for r in rows]
+        assert None not in draws and len({d.salt for d in draws}) == 3000
+        tokens = s(logits, rows).tokens
+        inv_temp, salt, top_k, top_p = (torch.tensor(f) for f in zip(*draws))
+        at = torch.ones(3000, dtype=torch.int64)  # the prompt's last token's position
+        assert torch.equal(tokens, draw_reference(logits, inv_temp, salt, at, top_k, top_p))
+        z = logits[0] / params.temperature
+        p = torch.softmax(z.masked_fill(~cut_reference(z, params.top_k, params.top_p),
+                                        float("-inf")), -1)
+        freq = torch.bincount(tokens, minlength=6).float() / len(tokens)
+        assert (freq - p).abs().max() < 0.03, (params, freq, p)
+    seeded = SamplingParams(top_k=3, seed=7)
+    mixed = _rows(SamplingParams(temperature=0), 1) + _rows(seeded, 1)
+    assert s.draw_of(mixed[1]) is None and s.draw_of(mixed[0]).inv_temp == 0
+    alone = _rows(seeded, 1)
+    for row in (alone[0], mixed[1]):
+        row.generator = s.new_generator()  # (as the engine gives a seeded request)
+    assert s(logits[:2], mixed).tokens.tolist() == [0, s(logits[:1], alone).tokens.item()]
+
+
 def _rows(params, n, prompt=(1,)):
     return [Sequence(f"r{i}", list(prompt), params) for i in range(n)]
 

@@ -8,6 +8,7 @@
     ... --dashboard results/dashboard.png   # also draw the Grafana dashboard from the run
     ... --served-engine-option 'speculative_config={...}'  # served speculating, offline not
     ... --temperature 1   # sampled requests (then the "same" column is nan)
+    ... --temperature 0.6 --top-k 20 --top-p 0.95   # Qwen3's recommended sampling
 
 For each stream count the same requests (random token-id prompts, greedy, ``ignore_eos``) run
 through ``LLM.generate`` and through the served app (sent all at once by client processes),
@@ -58,6 +59,7 @@ from loadtests import sse, workloads
 from loadtests.layouts import Resources, parse_layout
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GREEDY = {"temperature": 0.0}  # a request's sampling fields where none are asked
 
 
 # -- the stub forward -----------------------------------------------------------------------
@@ -112,8 +114,8 @@ class Record:
 
 
 async def _http_one(session, url: str, index: int, prompt, max_tokens: int, timeout: float,
-                    timed: bool = True, temperature: float = 0.0) -> Record:
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": temperature,
+                    timed: bool = True, sampling: dict | None = None) -> Record:
+    body = {"prompt": prompt, "max_tokens": max_tokens, **(sampling or GREEDY),
             "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True, "include_timing": timed}}
     rec = Record(index, time.time(), len(prompt))
@@ -145,9 +147,9 @@ async def _http_one(session, url: str, index: int, prompt, max_tokens: int, time
 
 
 async def _grpc_one(stub, pb, index: int, prompt, max_tokens: int, timeout: float,
-                    temperature: float = 0.0) -> Record:
+                    sampling: dict | None = None) -> Record:
     req = pb.GenerateRequest(prompt_token_ids=prompt, max_tokens=max_tokens,
-                             temperature=temperature, ignore_eos=True)
+                             **(sampling or GREEDY), ignore_eos=True)
     rec = Record(index, time.time(), len(prompt))
     try:
         async for msg in stub.GenerateStream(req, timeout=timeout):
@@ -165,7 +167,8 @@ async def _grpc_one(stub, pb, index: int, prompt, max_tokens: int, timeout: floa
 
 
 async def _client(protocol: str, address: str, jobs, start_at: float, max_tokens: int,
-                  timeout: float, sequential: bool, temperature: float = 0.0) -> list[Record]:
+                  timeout: float, sequential: bool, sampling: dict | None = None
+                  ) -> list[Record]:
     """All ``jobs`` at once at ``start_at`` (or one after another over one warm connection,
     after a first request that is not recorded)."""
     if protocol.startswith("http"):  # "http-untimed": without the timings (no hops)
@@ -183,7 +186,7 @@ async def _client(protocol: str, address: str, jobs, start_at: float, max_tokens
 
             def one(i, p):
                 return _http_one(s, f"{address}/v1/completions", i, p, max_tokens, timeout,
-                                 protocol == "http", temperature)
+                                 protocol == "http", sampling)
             return await _run_jobs(one, jobs, start_at, sequential)
     import grpc
 
@@ -193,7 +196,7 @@ async def _client(protocol: str, address: str, jobs, start_at: float, max_tokens
         stub = baton_pb2_grpc.BatonStub(channel)
         await channel.channel_ready()
         return await _run_jobs(lambda i, p: _grpc_one(stub, baton_pb2, i, p, max_tokens, timeout,
-                                                      temperature), jobs, start_at, sequential)
+                                                      sampling), jobs, start_at, sequential)
 
 
 async def _run_jobs(one, jobs, start_at: float, sequential: bool) -> list[Record]:
@@ -209,12 +212,12 @@ async def _run_jobs(one, jobs, start_at: float, sequential: bool) -> list[Record
 
 
 def client_process(protocol, address, jobs, start_at, max_tokens, timeout,
-                   sequential=False, temperature=0.0) -> list[dict]:
+                   sequential=False, sampling=None) -> list[dict]:
     import sys
 
     sys.path.insert(0, HERE)
     records = asyncio.run(_client(protocol, address, jobs, start_at, max_tokens, timeout,
-                                  sequential, temperature))
+                                  sequential, sampling))
     return [asdict(r) for r in records]
 
 
@@ -399,15 +402,21 @@ def engine_rates(before: dict, after: dict, wall: float) -> dict:
             "busy": d["step_seconds"] / wall if wall > 0 else 0.0}
 
 
+def sampling_of(args) -> dict:
+    """The requests' sampling fields: the temperature, and top-k and top-p where asked."""
+    return {"temperature": args.temperature, **({"top_k": args.top_k} if args.top_k > 0 else {}),
+            **({"top_p": args.top_p} if args.top_p < 1 else {})}
+
+
 def offline_runs(engine_kw: dict, prompts, streams: list[int], max_tokens: int,
-                 ttft_prompts, temperature: float = 0.0) -> tuple[dict, dict, float]:
+                 ttft_prompts, sampling: dict | None = None) -> tuple[dict, dict, float]:
     """Per stream count: tok/s, every request's tokens and the engine's rates; and the engine's
     median time from a request's arrival to its first token alone (ms)."""
     from engine import LLM, SamplingParams
 
     llm = LLM(**engine_kw)
-    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True)
-    warm = SamplingParams(temperature=temperature, max_tokens=8, ignore_eos=True)
+    params = SamplingParams(**(sampling or GREEDY), max_tokens=max_tokens, ignore_eos=True)
+    warm = SamplingParams(**(sampling or GREEDY), max_tokens=8, ignore_eos=True)
     for n in warm_up_sizes(prompts, streams):
         llm.generate(prompts[:n], warm, use_tqdm=False)
     tok_s, tokens = {}, {}
@@ -491,14 +500,14 @@ def layout_config(layout: str, engine: dict, args) -> dict:
 
 
 def run_point(pool, protocol, address, prompts, n, max_tokens, clients, timeout,
-              offsets: list[float] | None = None, temperature: float = 0.0):
+              offsets: list[float] | None = None, sampling: dict | None = None):
     """``n`` requests at once, or each at its offset (seconds) after the start."""
     jobs = [(i, p, offsets[i] if offsets else 0.0) for i, p in enumerate(prompts[:n])]
     k = max(1, min(clients, n))
     parts = [jobs[i::k] for i in range(k)]
     start_at = time.time() + 1.0  # every client process ready and connected
     futures = [pool.submit(client_process, protocol, address, part, start_at, max_tokens, timeout,
-                           False, temperature) for part in parts]
+                           False, sampling) for part in parts]
     span = max(offsets[:n]) if offsets else 0.0
     records = [r for f in futures for r in f.result(timeout=timeout + span + 60)]
     wall = max(r["end"] for r in records) - start_at
@@ -576,10 +585,12 @@ def serve_layout(layout, config, args, pool, prompts, offline_tokens, fresh_prom
 def serve_protocol(layout, protocol, address, args, pool, prompts, offline_tokens,
                    fresh_prompts, out) -> None:
     """One protocol's points on a served layout: warm-up, zero load, each stream count."""
+    from engine import SamplingParams
+
     # Warm-up: connections, channels, graphs, and every point's batch shapes.
     for n in warm_up_sizes(prompts, args.streams):
         run_point(pool, protocol, address, prompts, n, 8, args.clients, args.timeout,
-                  temperature=args.temperature)
+                  sampling=sampling_of(args))
     reset_prefix_caches(layout)
     jobs = list(enumerate(fresh_prompts(args.zero_load + 1)))  # no prefix-cache hit
     early = early_starts()
@@ -601,7 +612,7 @@ def serve_protocol(layout, protocol, address, args, pool, prompts, offline_token
         before = {role: engine_stats(role) for role in roles}
         early = early_starts()
         records, wall = run_point(pool, protocol, address, prompts, n, args.output_len,
-                                  args.clients, args.timeout, args.offsets, args.temperature)
+                                  args.clients, args.timeout, args.offsets, sampling_of(args))
         rates = {role: engine_rates(before[role], engine_stats(role), wall)
                  for role in roles}
         engine_row = rates["DecodeServer"]
@@ -611,7 +622,7 @@ def serve_protocol(layout, protocol, address, args, pool, prompts, offline_token
                **summarize(records, offline_tokens[n], wall), "cpu": meter.stop(),
                "decode_engine": engine_row, "hops_ms": breakdown(records),
                "prefill_engine": rates.get("PrefillServer"), "early_starts": early_since(early)}
-        if args.temperature > 0:  # sampled tokens are compared with nothing
+        if not SamplingParams(**sampling_of(args)).greedy:  # sampled: compared with nothing
             row["same_tokens"] = float("nan")
         out["served"].append(row)
         print(f"  {layout} {protocol} {n:4d} streams: {row['tok_s']:9.0f} tok/s, TTFT p50 "
@@ -705,6 +716,8 @@ def main(argv=None) -> None:
     p.add_argument("--temperature", type=float, default=0.0,
                    help="of the requests, the warm-up's too (the zero-load ones stay greedy); "
                         "above 0 the 'same' column is nan")
+    p.add_argument("--top-k", type=int, default=-1, help="of the requests (-1: none)")
+    p.add_argument("--top-p", type=float, default=1.0, help="of the requests (1: none)")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--num-blocks", type=int, default=None)
@@ -807,7 +820,7 @@ def main(argv=None) -> None:
         offline_kw["gpu_memory_utilization"] = args.gpu_memory_utilization * args.colo_gpus
     off, offline_tokens, engine_ttft = offline_runs(offline_kw, prompts, args.streams,
                                                     args.output_len, fresh_prompts(args.zero_load),
-                                                    args.temperature)
+                                                    sampling_of(args))
     print(f"offline ({time.time() - t0:.0f}s): " + ", ".join(f"{n}: {v['tok_s']:.0f} tok/s"
                                                               for n, v in off.items()), flush=True)
     out = {"model": args.model, "input_len": args.input_len, "output_len": args.output_len,
@@ -820,7 +833,7 @@ def main(argv=None) -> None:
         t0 = time.time()
         split_off, tokens_by_tp[tp], split_ttft = offline_runs(
             {**offline_kw, "tensor_parallel_size": tp}, prompts, args.streams, args.output_len,
-            fresh_prompts(args.zero_load), args.temperature)
+            fresh_prompts(args.zero_load), sampling_of(args))
         out.setdefault("offline_split", {})[str(tp)] = {"offline": split_off,
                                                         "engine_ttft_ms": split_ttft}
         print(f"offline split over {tp} ranks ({time.time() - t0:.0f}s): " + ", ".join(

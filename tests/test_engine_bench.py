@@ -109,6 +109,24 @@ def test_served_engine_options_reach_the_served_engines_alone():
     assert served_config(offline, []) == offline
 
 
+def test_serving_bench_sampling_flags_make_one_set_of_fields_for_every_path():
+    """``serving_bench --temperature --top-k --top-p``: the fields every request carries, as
+    the offline engine's ``SamplingParams``, the HTTP body and gRPC's ``GenerateRequest`` take
+    them; unset flags add nothing (greedy by default)."""
+    from argparse import Namespace
+
+    from benchmarks.serving_bench import sampling_of
+    from proto import baton_pb2
+
+    qwen3 = sampling_of(Namespace(temperature=0.6, top_k=20, top_p=0.95))
+    assert qwen3 == {"temperature": 0.6, "top_k": 20, "top_p": 0.95}
+    assert sampling_of(Namespace(temperature=0.0, top_k=-1, top_p=1.0)) == {"temperature": 0.0}
+    params = SamplingParams(**qwen3)
+    assert (params.top_k, params.top_p, params.greedy) == (20, 0.95, False)
+    req = baton_pb2.GenerateRequest(prompt_token_ids=[1, 2], max_tokens=4, **qwen3)
+    assert (req.top_k, round(req.top_p, 6), round(req.temperature, 6)) == (20, 0.95, 0.6)
+
+
 @pytest.mark.parametrize("flags,wanted", [([], {}), (["--fp8-lm-head"], {"fp8_lm_head": True}),
                                           (["--quantization", "fp8", "--fp8-lm-head"],
                                            {"quantization": "fp8", "fp8_lm_head": True})])

@@ -587,10 +587,12 @@ def serve_protocol(layout, protocol, address, args, pool, prompts, offline_token
     """One protocol's points on a served layout: warm-up, zero load, each stream count."""
     from engine import SamplingParams
 
+    sampling = sampling_of(args)
+    sampled = not SamplingParams(**sampling).greedy  # (its tokens compared with nothing)
     # Warm-up: connections, channels, graphs, and every point's batch shapes.
     for n in warm_up_sizes(prompts, args.streams):
         run_point(pool, protocol, address, prompts, n, 8, args.clients, args.timeout,
-                  sampling=sampling_of(args))
+                  sampling=sampling)
     reset_prefix_caches(layout)
     jobs = list(enumerate(fresh_prompts(args.zero_load + 1)))  # no prefix-cache hit
     early = early_starts()
@@ -612,7 +614,7 @@ def serve_protocol(layout, protocol, address, args, pool, prompts, offline_token
         before = {role: engine_stats(role) for role in roles}
         early = early_starts()
         records, wall = run_point(pool, protocol, address, prompts, n, args.output_len,
-                                  args.clients, args.timeout, args.offsets, sampling_of(args))
+                                  args.clients, args.timeout, args.offsets, sampling)
         rates = {role: engine_rates(before[role], engine_stats(role), wall)
                  for role in roles}
         engine_row = rates["DecodeServer"]
@@ -622,7 +624,7 @@ def serve_protocol(layout, protocol, address, args, pool, prompts, offline_token
                **summarize(records, offline_tokens[n], wall), "cpu": meter.stop(),
                "decode_engine": engine_row, "hops_ms": breakdown(records),
                "prefill_engine": rates.get("PrefillServer"), "early_starts": early_since(early)}
-        if not SamplingParams(**sampling_of(args)).greedy:  # sampled: compared with nothing
+        if sampled:
             row["same_tokens"] = float("nan")
         out["served"].append(row)
         print(f"  {layout} {protocol} {n:4d} streams: {row['tok_s']:9.0f} tok/s, TTFT p50 "

@@ -403,9 +403,10 @@ def engine_rates(before: dict, after: dict, wall: float) -> dict:
 
 
 def sampling_of(args) -> dict:
-    """The requests' sampling fields: the temperature, and top-k and top-p where asked."""
-    return {"temperature": args.temperature, **({"top_k": args.top_k} if args.top_k > 0 else {}),
-            **({"top_p": args.top_p} if args.top_p < 1 else {})}
+    """The requests' sampling fields: the temperature, top-k and top-p, every one sent (an
+    unset field would take the served model's generation config, which the offline engine's
+    ``SamplingParams`` does not)."""
+    return {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p}
 
 
 def offline_runs(engine_kw: dict, prompts, streams: list[int], max_tokens: int,

@@ -67,5 +67,8 @@ def build_app(args: dict[str, Any] | BatonConfig | None = None) -> Application:
                   "decode_max_queued": cfg.max_queued("decode")}
     return router.bind(decode, cfg.engine.model, cfg.served_model_name, cfg.engine.max_model_len,
                        router_cfg, {"quantization": engine.quantization,
-                                                 "kv_cache_dtype": engine.kv_cache_dtype},
+                                    "kv_cache_dtype": engine.kv_cache_dtype,
+                                    "generation_config": engine.generation_config,
+                                    "override_generation_config":
+                                        engine.override_generation_config},
                        prefill)

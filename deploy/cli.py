@@ -267,15 +267,16 @@ def serve_config_from_flags(args) -> dict:
               "kv_cache_dtype": args.kv_cache_dtype}
     if ranks > 1:
         engine["tensor_parallel_size"] = ranks
-    for key in ("max_model_len", "max_num_seqs", "kv_offloading_size"):
+    for key in ("max_model_len", "max_num_seqs", "kv_offloading_size", "generation_config"):
         if getattr(args, key, None) is not None:
             engine[key] = getattr(args, key)
-    if getattr(args, "speculative_config", None):
-        try:
-            engine["speculative_config"] = json.loads(args.speculative_config)
-        except json.JSONDecodeError as exc:
-            raise SystemExit(f"--speculative-config is not JSON ({exc}): "
-                             f"{args.speculative_config!r}") from None
+    for key in ("speculative_config", "override_generation_config"):
+        if text := getattr(args, key, None):
+            try:
+                engine[key] = json.loads(text)
+            except json.JSONDecodeError as exc:
+                flag = "--" + key.replace("_", "-")
+                raise SystemExit(f"{flag} is not JSON ({exc}): {text!r}") from None
     if 0 < per_replica < 1:  # replicas sharing a GPU: each sizes its KV cache to its share
         engine["gpu_memory_utilization"] = round(0.9 * per_replica, 3)
     role = {"num_gpus": per_replica, "num_cpus": 0.5}
@@ -470,6 +471,14 @@ def _serve_parser(sub) -> None:
                                 "\"draft_model\", \"model\": \"dummy:Qwen3-0.6B\", "
                                 "\"num_speculative_tokens\": 4}' (default: off; the decode "
                                 "role's)")
+    serve_cmd.add_argument("--generation-config", default=None,
+                           help="the defaults of the sampling fields a request leaves unset "
+                                "(vLLM's name): auto (the model folder's "
+                                "generation_config.json, the default), vllm (none: temperature "
+                                "1, no top-k or top-p) or a folder holding such a file")
+    serve_cmd.add_argument("--override-generation-config", default=None, metavar="JSON",
+                           help="laid over the generation config (vLLM's name), e.g. "
+                                "'{\"temperature\": 0.7, \"max_new_tokens\": 512}'")
     _engine_flags(serve_cmd)
     serve_cmd.add_argument("--address", default=None,
                            help="join this Ray cluster (auto: the one `ray start` runs here) "

@@ -207,6 +207,21 @@ class EngineConfig(BaseModel):
     # Ranks the model is split over (engine.parallel): heads, columns and the vocabulary;
     # it must divide the attention and KV heads (Qwen3: 1, 2, 4 or 8).
     tensor_parallel_size: int = Field(1, ge=1)
+    # The model's recommended sampling for the fields a request leaves unset (vLLM's
+    # generation_config; engine.generation_config): "auto" reads the model folder's
+    # generation_config.json (Qwen3's: temperature 0.6, top-k 20, top-p 0.95), "vllm" reads
+    # none, a folder reads its file. Applied by the ingress and by LLM.generate without params.
+    generation_config: str = "auto"
+    # Laid over it (vLLM's override_generation_config), by the file's names, e.g.
+    # {"temperature": 0.7, "max_new_tokens": 512}.
+    override_generation_config: dict[str, float | int] = Field(default_factory=dict)
+
+    @field_validator("override_generation_config")
+    @classmethod
+    def _known_overrides(cls, v):
+        from engine.generation_config import check_override
+
+        return check_override(v)
 
     @field_validator("dtype", mode="before")
     @classmethod

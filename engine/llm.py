@@ -8,6 +8,7 @@ from tqdm.auto import tqdm
 
 from engine.config import EngineConfig
 from engine.errors import BadRequest
+from engine.generation_config import log_defaults, sampling_defaults
 from engine.llm_engine import LLMEngine, Prompt
 from engine.outputs import Completion, OutputCollector
 from engine.sampling_params import SamplingParams, best_indices, fan_out
@@ -23,7 +24,17 @@ class LLM:
     """
 
     def __init__(self, model: str = "tiny", **kwargs):
-        self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
+        config = EngineConfig(model=model, **kwargs)
+        self.engine = LLMEngine(config)
+        self._defaults = sampling_defaults(self.engine.source.path, config.generation_config,
+                                           config.override_generation_config)
+        log_defaults(self._defaults, "LLM")
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What :meth:`generate` samples with when given no parameters (vLLM's): the model's
+        generation config (``EngineConfig.generation_config``) over :class:`SamplingParams`'
+        defaults; its ``max_new_tokens`` is the ``max_tokens``."""
+        return SamplingParams(**self._defaults)
 
     @property
     def tokenizer(self):
@@ -39,7 +50,7 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params = [sampling_params or SamplingParams()] * len(prompts)
+            params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         else:
             params = list(sampling_params)
             if len(params) != len(prompts):

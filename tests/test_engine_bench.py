@@ -112,7 +112,8 @@ def test_served_engine_options_reach_the_served_engines_alone():
 def test_serving_bench_sampling_flags_make_one_set_of_fields_for_every_path():
     """``serving_bench --temperature --top-k --top-p``: the fields every request carries, as
     the offline engine's ``SamplingParams``, the HTTP body and gRPC's ``GenerateRequest`` take
-    them; unset flags add nothing (greedy by default)."""
+    them; unset flags send the engine's defaults (greedy by default), never nothing: an unset
+    field would take a served model's generation config."""
     from argparse import Namespace
 
     from benchmarks.serving_bench import sampling_of
@@ -120,7 +121,9 @@ def test_serving_bench_sampling_flags_make_one_set_of_fields_for_every_path():
 
     qwen3 = sampling_of(Namespace(temperature=0.6, top_k=20, top_p=0.95))
     assert qwen3 == {"temperature": 0.6, "top_k": 20, "top_p": 0.95}
-    assert sampling_of(Namespace(temperature=0.0, top_k=-1, top_p=1.0)) == {"temperature": 0.0}
+    plain = sampling_of(Namespace(temperature=0.0, top_k=-1, top_p=1.0))
+    assert plain == {"temperature": 0.0, "top_k": -1, "top_p": 1.0}
+    assert SamplingParams(**plain) == SamplingParams(temperature=0.0)
     params = SamplingParams(**qwen3)
     assert (params.top_k, params.top_p, params.greedy) == (20, 0.95, False)
     req = baton_pb2.GenerateRequest(prompt_token_ids=[1, 2], max_tokens=4, **qwen3)

@@ -80,6 +80,15 @@ def test_one_line_configs_and_the_open_port_warning():
     split = BatonConfig(**serve_config_from_flags(args)["applications"][0]["args"])
     assert split.engine_for("decode").speculative_config.model == "tiny"
     assert split.engine_for("prefill").speculative_config is None
+    # --generation-config, --override-generation-config (vLLM's): the engine's settings, which
+    # the ingress reads (tests/test_generation_config.py)
+    args.generation_config, args.override_generation_config = "vllm", '{"temperature": 0.5}'
+    engine = BatonConfig(**serve_config_from_flags(args)["applications"][0]["args"]).engine
+    assert (engine.generation_config, engine.override_generation_config) == \
+        ("vllm", {"temperature": 0.5})
+    args.override_generation_config = '{"temperature": 0.5'
+    with pytest.raises(SystemExit, match="--override-generation-config is not JSON"):
+        serve_config_from_flags(args)
 
 
 def _listening(proc) -> set[tuple[str, int]]:

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from engine.errors import BadRequest
+from engine.generation_config import resolve
 from engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from engine.structured import StructuredOutput
 
@@ -99,9 +102,11 @@ class _Common(BaseModel):
     model: str | None = None
     max_tokens: int | None = None
     max_completion_tokens: int | None = None  # what current OpenAI clients send; wins
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
+    # Unset (None): the model's generation config (engine.generation_config), else the
+    # engine's defaults (temperature 1, no top-k, top-p or min-p, no repetition penalty).
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -115,8 +120,8 @@ class _Common(BaseModel):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     # vLLM's extensions, as vLLM names them.
-    repetition_penalty: float = 1.0
-    min_p: float = 0.0
+    repetition_penalty: float | None = None
+    min_p: float | None = None
     min_tokens: int = 0
     priority: int = 0  # vLLM's: lower is scheduled first; equal ones in arrival order
     # vLLM's: each prompt token's logprob and the k most likely there, in the choice's
@@ -139,17 +144,22 @@ class _Common(BaseModel):
     safety_identifier: str | None = None
 
     def sampling_params(self, default_max_tokens: int, logprobs: int | None,
-                        best_of: int | None = None) -> SamplingParams:
-        """The request's sampling parameters (``BadRequest`` naming a bad field)."""
+                        best_of: int | None = None,
+                        defaults: Mapping = MappingProxyType({})) -> SamplingParams:
+        """The request's sampling parameters (``BadRequest`` naming a bad field); ``defaults``:
+        the model's generation config for the fields left unset
+        (:func:`engine.generation_config.sampling_defaults`)."""
         limit = next((v for v in (self.max_completion_tokens, self.max_tokens) if v is not None),
-                     default_max_tokens)
+                     None)
         return SamplingParams(
-            max_tokens=limit,
-            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
+            **resolve({"max_tokens": limit, "temperature": self.temperature, "top_p": self.top_p,
+                       "top_k": self.top_k, "min_p": self.min_p,
+                       "repetition_penalty": self.repetition_penalty}, defaults,
+                      default_max_tokens),
+            seed=self.seed,
             stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
             logprobs=logprobs, n=self.n, best_of=best_of,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty, min_p=self.min_p,
             min_tokens=self.min_tokens, logit_bias=self.logit_bias, priority=self.priority,
             prompt_logprobs=self.prompt_k(logprobs),
             structured_output=self.structured_output())

@@ -26,6 +26,7 @@ from engine.model_source import load_tokenizer, resolve_model
 from engine.quantization import resolve_scheme
 from engine.errors import BadRequest
 from engine.validation import RequestChecks
+from engine.generation_config import log_defaults, sampling_defaults
 from router.config import RouterConfig
 from router.ingress.errors import NotStarted, RequestTimeout, UnknownModel
 from router.ingress.logprobs import TokenTexts
@@ -227,6 +228,10 @@ class RequestService:
         self.first_token_timeout_s = cfg.first_token_timeout_s
         self.max_sequences = cfg.max_sequences_per_request
         self.default_max_tokens = cfg.max_tokens_default
+        self.sampling_defaults = sampling_defaults(
+            source.path, engine.get("generation_config", "auto"),
+            engine.get("override_generation_config"))
+        log_defaults(self.sampling_defaults, "ingress")
         self.reasoning_parser = cfg.reasoning_parser
         self.replica = replica_id()
         self.metrics = RouterMetrics()
@@ -339,7 +344,8 @@ class RequestService:
         """One prompt or a batch (text or ids), ``best_of``; with ``echo``, each prompt's text."""
         prompts = body.prompts()
         batch = [await self.prompt_ids(p) for p in prompts]
-        params = body.sampling_params(self.default_max_tokens, body.logprobs, body.best_of)
+        params = body.sampling_params(self.default_max_tokens, body.logprobs, body.best_of,
+                                     self.sampling_defaults)
         echo = [p if isinstance(p, str) else self._text(ids)
                 for p, ids in zip(prompts, batch)] if body.echo else None
         return batch, params, echo
@@ -347,7 +353,8 @@ class RequestService:
     async def chat_inputs(self, body: ChatCompletionRequest):
         """One prompt, the messages through the chat template; a forced tool call's grammar."""
         ids = await self.chat_ids(body)
-        params = body.sampling_params(self.default_max_tokens, body.logprobs_asked)
+        params = body.sampling_params(self.default_max_tokens, body.logprobs_asked,
+                                     defaults=self.sampling_defaults)
         if (calls := body.tool_grammar()) is not None:  # required / a named function
             params = params.model_copy(update={"structured_output": calls})
         return [ids], params, None

@@ -21,7 +21,8 @@ A sampled row may also be cut to its ``top_k`` most likely columns (``top_k`` at
 every column as likely as the k-th stays, and a column stays where the columns more likely
 than it hold less than ``top_p``). Each program then also keeps its block's ``TOP_K_MAX``
 largest values (``tl.topk`` of keys packing value and column) with their Gumbel scores, and
-the row's last program ranks those candidates, finds the k-th value and the top-p floor among
+the row's last program ranks those candidates (merging the blocks' sorted lists), finds the
+k-th value and the top-p floor among
 the first ``top_k``, and takes the best score at or above the floor. A block whose candidates
 all tie with the k-th value may hold more of those ties; that rare block is read again.
 """
@@ -107,9 +108,21 @@ if triton is not None:
         return v * inv_temp - tl.log(-tl.log(tl.rand(key, cols)))
 
     @triton.jit
+    def _top_of_sorted(keys, LEVELS: tl.constexpr, KEEP: tl.constexpr):
+        """The ``KEEP`` largest of ``keys`` (``[2 ** LEVELS, KEEP]``, each row sorted, the even
+        rows one way and the odd ones the other), largest first. Triton's bitonic top-k
+        (``tl.topk``) without its sorts: a level takes the larger of each pair of rows, the
+        top ``KEEP`` of both as a bitonic row, and merges it (odd rows the other way again)."""
+        h = keys
+        for i in tl.static_range(LEVELS):
+            h = tl.max(tl.reshape(h, [(1 << (LEVELS - i - 1)), 2, KEEP]), axis=1)
+            h = tl.bitonic_merge(h, descending=2 if i < LEVELS - 1 else 1)
+        return tl.reshape(h, [KEEP])
+
+    @triton.jit
     def _cut_draw(x_ptr, stride, n, key_ptr, score_ptr, row, inv_temp, top_k, top_p, key,
                   CHUNKS: tl.constexpr, CHUNKS_P2: tl.constexpr, BLOCK: tl.constexpr,
-                  KEEP: tl.constexpr):
+                  KEEP: tl.constexpr, LEVELS: tl.constexpr):
         """A row cut to its ``top_k`` (at most ``KEEP``) and ``top_p``, drawn from the blocks'
         candidates (each block's ``KEEP`` largest, with their Gumbel scores): the column."""
         chunk = tl.arange(0, CHUNKS_P2)[:, None]
@@ -119,7 +132,7 @@ if triton is not None:
         scores = tl.load(score_ptr + at, mask=chunk < CHUNKS, other=float("-inf"),
                          cache_modifier=".cg")
         v, cols = _unpack(keys, n)
-        ranked, ranked_cols = _unpack(tl.topk(tl.reshape(keys, [CHUNKS_P2 * KEEP]), KEEP), n)
+        ranked, ranked_cols = _unpack(_top_of_sorted(keys, LEVELS, KEEP), n)
         rank = tl.arange(0, KEEP)
         kth = tl.max(tl.where(rank == top_k - 1, ranked, float("-inf")), axis=0)
         top = tl.max(ranked, axis=0)
@@ -173,7 +186,7 @@ if triton is not None:
                        host_ptr, temp_ptr, salt_ptr, pos_ptr, top_k_ptr, top_p_ptr, key_ptr,
                        score_ptr, CHUNKS: tl.constexpr, CHUNKS_P2: tl.constexpr,
                        BLOCK: tl.constexpr, HOST: tl.constexpr, DRAW: tl.constexpr,
-                       KEEP: tl.constexpr):
+                       KEEP: tl.constexpr, LEVELS: tl.constexpr):
         row = tl.program_id(0)
         chunk = tl.program_id(1)
         cols = chunk * BLOCK + tl.arange(0, BLOCK)
@@ -190,7 +203,10 @@ if triton is not None:
                 if cut:  # cut to its top k: the block's KEEP largest, with their scores
                     keys = tl.topk(tl.where(live, _pack(v, cols), -9223372036854775808), KEEP)
                     kv, kc = _unpack(keys, n)
-                    at = (row * CHUNKS + chunk) * KEEP + tl.arange(0, KEEP)
+                    # (an odd block's in reverse: the merge takes rows sorted each way in turn)
+                    rank = tl.arange(0, KEEP)
+                    at = (row * CHUNKS + chunk) * KEEP + tl.where(chunk % 2 == 1, KEEP - 1 - rank,
+                                                                  rank)
                     tl.store(key_ptr + at, keys)
                     tl.store(score_ptr + at, _gumbel(kv, inv_temp, key, kc))
                 elif inv_temp > 0:
@@ -216,7 +232,7 @@ if triton is not None:
                 if cut:
                     winner = _cut_draw(x_ptr, stride, n, key_ptr, score_ptr, row, inv_temp,
                                        tl.load(top_k_ptr + row), tl.load(top_p_ptr + row), key,
-                                       CHUNKS, CHUNKS_P2, BLOCK, KEEP)
+                                       CHUNKS, CHUNKS_P2, BLOCK, KEEP, LEVELS)
             winner = winner.to(tl.int64)
             tl.store(out_ptr + row, winner)
             if HOST:  # (pinned host memory, written across the bus)
@@ -274,6 +290,7 @@ class RowArgmax:
             return ref if out is None else out.copy_(ref)
         rows, n = x.shape
         chunks = triton.cdiv(n, BLOCK)
+        p2 = triton.next_power_of_2(chunks)
         cut = draw is not None and len(draw) == 5
         part_val, part_idx, counters = self._workspace(rows, chunks, x.device, cut)
         if out is None:
@@ -282,7 +299,7 @@ class RowArgmax:
         _argmax_kernel[(rows, chunks)](
             x, x.stride(0), n, part_val, part_idx, counters, out,
             out if host is None else host, *params, *(self._cut if cut else (x, x)),
-            CHUNKS=chunks, CHUNKS_P2=triton.next_power_of_2(chunks), BLOCK=BLOCK,
+            CHUNKS=chunks, CHUNKS_P2=p2, LEVELS=p2.bit_length() - 1, BLOCK=BLOCK,
             HOST=host is not None, DRAW=draw is not None, KEEP=TOP_K_MAX if cut else 0,
             num_warps=NUM_WARPS)
         return out

@@ -326,7 +326,8 @@ def check_draw(device: str, dtype: torch.dtype = None, rows: int = 1200) -> None
     assert set(draws.tolist()) == {17, 70000, 151935}
 
 
-def check_cut_draw(device: str, dtype: torch.dtype = None, freq_rows: int = 0) -> None:
+def check_cut_draw(device: str, dtype: torch.dtype = None, freq_rows: int = 0,
+                   wide: bool = False) -> None:
     """Sampled rows cut to a top-k and top-p (``draw``'s ``top_k``, ``top_p``): each row's id
     is the uncut draw, with the same keys, over the columns
     :func:`~kernels.argmax.cut_reference` keeps. Rows of three blocks, bfloat16-rounded (ties
@@ -334,7 +335,8 @@ def check_cut_draw(device: str, dtype: torch.dtype = None, freq_rows: int = 0) -
     candidates (read again), and a top-p floor above such ties; a row with fewer finite columns
     than its k; top-k 1 and ``TOP_K_MAX``; greedy and uncut sampled rows in the same launch.
     :func:`~kernels.argmax.draw_reference` (and, given ``freq_rows``, the kernel) draws a small
-    row's kept columns at the cut distribution's frequencies."""
+    row's kept columns at the cut distribution's frequencies. ``wide``: rows of Qwen3's
+    vocabulary too (75 blocks, 7 levels of the merge; ~2 minutes in the interpreter)."""
     from kernels.argmax import BLOCK, TOP_K_MAX, RowArgmax, cut_reference, draw_reference
     g = torch.Generator().manual_seed(2)
     n = 2 * BLOCK + 300
@@ -366,6 +368,8 @@ def check_cut_draw(device: str, dtype: torch.dtype = None, freq_rows: int = 0) -
     assert got[7] == x[7].argmax() and got[6] == x[6].argmax()
     assert 10 + BLOCK <= got[3] < BLOCK + 60 or got[3] in (3, 2 * BLOCK + 5)
     assert got[4] in (3, 2 * BLOCK + 5) and got[5] in (7, BLOCK + 1)
+    if wide:
+        check_wide_cut_draw(device)
     base = torch.tensor([3.0, 2.0, 2.0, 2.0, 0.0, 1.0])
     for k, p in ((3, 1.0), (5, 0.9), (5, 1.0)):  # the 3 and 2s; the 1 too where top-p is 1
         want = torch.softmax(base.masked_fill(~cut_reference(base, k, p), float("-inf")), -1)
@@ -379,6 +383,30 @@ def check_cut_draw(device: str, dtype: torch.dtype = None, freq_rows: int = 0) -
             drawn = fn(*[a.to(device) for a in args]).cpu()
             freq = torch.bincount(drawn, minlength=6).float() / rows
             assert (freq - want).abs().max() < 0.04, (k, p, freq, want)
+
+
+def check_wide_cut_draw(device: str) -> None:
+    """Cut draws over Qwen3's 151,936 columns: each the uncut draw over the kept columns, with
+    the same keys (Qwen3's 0.6 / 20 / 0.95, top-k ``TOP_K_MAX``, ties with the k-th spread
+    over blocks, a row's top values in its last, partial block)."""
+    from kernels.argmax import TOP_K_MAX, RowArgmax, cut_reference
+    g = torch.Generator().manual_seed(3)
+    n = 151936
+    x = (torch.randn(8, n, generator=g) * 3).to(torch.bfloat16).float()
+    x[2] = x[2].round()  # many ties everywhere
+    x[3, -40:] += 20.0  # the best in the last block
+    cases = [(1 / 0.6, 20, 0.95), (1.0, TOP_K_MAX, 1.0), (1.0, 20, 0.95), (2.0, 7, 0.8)]
+    cases = [cases[r % 4] for r in range(8)]
+    inv_temp, top_k, top_p = (torch.tensor(c, dtype=d) for c, d in zip(
+        zip(*cases), (torch.float32, torch.int32, torch.float32)))
+    salt = torch.arange(8, dtype=torch.int32) * 31
+    pos = torch.randint(0, 2 ** 40, (8,), generator=g)
+    masked = x.clone()
+    for r, (it, k, p) in enumerate(cases):
+        masked[r][~cut_reference(x[r] * it, k, p)] = float("-inf")
+    dev = [t.to(device) for t in (x, masked, inv_temp, salt, pos, top_k, top_p)]
+    got = RowArgmax()(dev[0], draw=tuple(dev[2:])).cpu()
+    assert torch.equal(got, RowArgmax()(dev[1], draw=tuple(dev[2:5])).cpu()), got
 
 
 def check_take_pending(device: str, dtype: torch.dtype = None) -> None:
@@ -542,7 +570,7 @@ def test_cut_draw_kernel_in_the_interpreter():
 
 @pytest.mark.gpu
 def test_cut_draw_kernel_on_the_gpu():
-    check_cut_draw("cuda", freq_rows=20000)
+    check_cut_draw("cuda", freq_rows=20000, wide=True)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU host runs the kernels themselves")

@@ -82,8 +82,9 @@ def _scenario(url: str, prefill_replicas: int) -> dict:
     results = []
     with ThreadPoolExecutor(4) as pool:
         # Until both decode replicas received, and (two prefill replicas) a same-node and a
-        # cross-node pair were both used; bounded.
-        for rnd in range(4):
+        # cross-node pair were both used; bounded (8 rounds: on a loaded 2-core host, 4 rounds
+        # once ended with every request on one decode replica).
+        for rnd in range(8):
             results += list(pool.map(post, [f"{p} (round {rnd})" for p in PROMPTS]))
             moved = [r["transfer"] for r in results if r["transfer"] is not None]
             same = {t["src_node"] == t["dst_node"] for t in moved}

@@ -22,9 +22,9 @@ every column as likely as the k-th stays, and a column stays where the columns m
 than it hold less than ``top_p``). Each program then also keeps its block's ``TOP_K_MAX``
 largest values (``tl.topk`` of keys packing value and column) with their Gumbel scores, and
 the row's last program ranks those candidates (merging the blocks' sorted lists), finds the
-k-th value and the top-p floor among
-the first ``top_k``, and takes the best score at or above the floor. A block whose candidates
-all tie with the k-th value may hold more of those ties; that rare block is read again.
+k-th value and the top-p floor among the first ``top_k``, and takes the best score at or above
+the floor. A block whose candidates all tie with the k-th value may hold more of those ties;
+that rare block is read again.
 """
 
 from __future__ import annotations

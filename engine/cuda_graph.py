@@ -47,6 +47,13 @@ ARGMAX_MAX_ROWS = int(os.environ.get("BATON_GREEDY_GRAPH_ROWS", "8"))
 GREEDY_READS_HOST = True
 
 
+def graphs_draw(config) -> bool:
+    """Whether an engine of ``config`` (:class:`~engine.config.EngineConfig`) captures draw
+    graphs, which take a plain step's tokens themselves: one rank and no speculation (a
+    verification's rows and the other ranks' logits need the sampler)."""
+    return config.speculative_config is None and config.tensor_parallel_size == 1
+
+
 def capture_sizes(max_batch: int, step_rows: int = 1) -> list[int]:
     """1, 2, 4, then every 8 up to ``max_batch``. With speculation (``step_rows``: 1 + the
     proposals a sequence verifies), also the rows of 1, 2 and 4 sequences verifying a full set,

@@ -34,7 +34,7 @@ import torch
 
 from engine.block_pool import BlockPool
 from engine.config import EngineConfig
-from engine.cuda_graph import ARGMAX_MAX_ROWS
+from engine.cuda_graph import ARGMAX_MAX_ROWS, graphs_draw
 from engine import draft_model
 from engine.draft_model import DraftProposer
 from engine.errors import BadRequest
@@ -390,8 +390,7 @@ class LLMEngine:
         and its ids are the step's tokens. None otherwise. Only asked of a batch such a graph
         can take (``ARGMAX_MAX_ROWS``): a large batch's sequences are not walked every step for
         nothing."""
-        if len(seqs) > ARGMAX_MAX_ROWS or self.spec is not None \
-                or self.config.tensor_parallel_size != 1:
+        if len(seqs) > ARGMAX_MAX_ROWS or not graphs_draw(self.config):
             return None
         draws = []
         for s in seqs:

@@ -18,7 +18,7 @@ import torch
 
 from engine.attention import get_backend
 from engine.config import EngineConfig
-from engine.cuda_graph import (DecodeGraphs, MixedGraphs, graph_max_tokens,
+from engine.cuda_graph import (DecodeGraphs, MixedGraphs, graph_max_tokens, graphs_draw,
                                prompt_graph_max_tokens)
 from engine.forward_context import AttentionMetadata, null_meta, set_forward_context
 from engine.models.qwen3 import Qwen3ForCausalLM
@@ -110,7 +110,7 @@ class ModelRunner:
             self.graphs = DecodeGraphs(
                 self, min(config.max_num_seqs, config.cuda_graph_max_batch),
                 1 + spec.num_speculative_tokens if spec else 1,
-                draws=samples and spec is None and config.tensor_parallel_size == 1)
+                draws=samples and graphs_draw(config))
             self.rows_max = self.graphs.max_batch
             if max_tokens := graph_max_tokens(config.cuda_graph_max_tokens,
                                               model.quantization is not None):

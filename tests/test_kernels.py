@@ -336,7 +336,7 @@ def check_cut_draw(device: str, dtype: torch.dtype = None, freq_rows: int = 0,
     than its k; top-k 1 and ``TOP_K_MAX``; greedy and uncut sampled rows in the same launch.
     :func:`~kernels.argmax.draw_reference` (and, given ``freq_rows``, the kernel) draws a small
     row's kept columns at the cut distribution's frequencies. ``wide``: rows of Qwen3's
-    vocabulary too (75 blocks, 7 levels of the merge; ~2 minutes in the interpreter)."""
+    vocabulary too (75 blocks, 7 levels of the merge; ~7 minutes in the interpreter)."""
     from kernels.argmax import BLOCK, TOP_K_MAX, RowArgmax, cut_reference, draw_reference
     g = torch.Generator().manual_seed(2)
     n = 2 * BLOCK + 300
@@ -358,13 +358,7 @@ def check_cut_draw(device: str, dtype: torch.dtype = None, freq_rows: int = 0,
     top_p = torch.tensor([c[3] for c in cases])
     salt = torch.arange(len(cases), dtype=torch.int32) * 7919
     pos = torch.randint(0, 2 ** 40, (len(cases),), generator=g)
-    masked = x.clone()
-    for r, (_, it, k, p) in enumerate(cases):
-        if it > 0:
-            masked[r][~cut_reference(x[r] * it, k, p)] = float("-inf")
-    dev = [t.to(device) for t in (x, masked, inv_temp, salt, pos, top_k, top_p)]
-    got = RowArgmax()(dev[0], draw=tuple(dev[2:])).cpu()
-    assert torch.equal(got, RowArgmax()(dev[1], draw=tuple(dev[2:5])).cpu())
+    got = _cut_draws_as_uncut(device, x, inv_temp, salt, pos, top_k, top_p)
     assert got[7] == x[7].argmax() and got[6] == x[6].argmax()
     assert 10 + BLOCK <= got[3] < BLOCK + 60 or got[3] in (3, 2 * BLOCK + 5)
     assert got[4] in (3, 2 * BLOCK + 5) and got[5] in (7, BLOCK + 1)
@@ -389,7 +383,7 @@ def check_wide_cut_draw(device: str) -> None:
     """Cut draws over Qwen3's 151,936 columns: each the uncut draw over the kept columns, with
     the same keys (Qwen3's 0.6 / 20 / 0.95, top-k ``TOP_K_MAX``, ties with the k-th spread
     over blocks, a row's top values in its last, partial block)."""
-    from kernels.argmax import TOP_K_MAX, RowArgmax, cut_reference
+    from kernels.argmax import TOP_K_MAX
     g = torch.Generator().manual_seed(3)
     n = 151936
     x = (torch.randn(8, n, generator=g) * 3).to(torch.bfloat16).float()
@@ -401,12 +395,23 @@ def check_wide_cut_draw(device: str) -> None:
         zip(*cases), (torch.float32, torch.int32, torch.float32)))
     salt = torch.arange(8, dtype=torch.int32) * 31
     pos = torch.randint(0, 2 ** 40, (8,), generator=g)
+    _cut_draws_as_uncut(device, x, inv_temp, salt, pos, top_k, top_p)
+
+
+def _cut_draws_as_uncut(device, x, inv_temp, salt, pos, top_k, top_p) -> torch.Tensor:
+    """The kernel's cut draws of ``x``'s rows (returned on the CPU), asserted equal to its
+    uncut draws with the same keys over the columns :func:`~kernels.argmax.cut_reference` keeps
+    (sampled rows; greedy ones unmasked)."""
+    from kernels.argmax import RowArgmax, cut_reference
     masked = x.clone()
-    for r, (it, k, p) in enumerate(cases):
-        masked[r][~cut_reference(x[r] * it, k, p)] = float("-inf")
+    for r in range(x.shape[0]):
+        if inv_temp[r] > 0:
+            masked[r][~cut_reference(x[r] * inv_temp[r], int(top_k[r]), float(top_p[r]))] = \
+                float("-inf")
     dev = [t.to(device) for t in (x, masked, inv_temp, salt, pos, top_k, top_p)]
     got = RowArgmax()(dev[0], draw=tuple(dev[2:])).cpu()
     assert torch.equal(got, RowArgmax()(dev[1], draw=tuple(dev[2:5])).cpu()), got
+    return got
 
 
 def check_take_pending(device: str, dtype: torch.dtype = None) -> None:

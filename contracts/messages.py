@@ -3,7 +3,8 @@
 Per request, over Serve calls (placement, routing, cancellation, errors):
     ingress → decode:  :class:`GenerateRequest`  (the call returns nothing; a lost replica or a
                        fault of the server comes back as the call's exception)
-    decode → prefill:  :class:`PrefillRequest`   →  :class:`PrefillResult` once the KV is pushed;
+    decode → prefill:  :class:`PrefillRequest`   →  :class:`PrefillResult` once the KV is pushed
+                       (also sent on the decode replica's own token sink, ahead of the return);
                        :class:`FirstTokenRequest` → :class:`PrefillResult` (no KV moved): a
                        decode replica with no room yet has its first token made there
 Per engine step, over the token channel (:mod:`contracts.token_channel`):
@@ -11,6 +12,9 @@ Per engine step, over the token channel (:mod:`contracts.token_channel`):
                        after a request's last delta, its :class:`GenerateResult` (usage,
                        transfer, timings, or the refusal of a bad request): one path back for
                        an answer, in order behind its tokens
+    prefill → decode:  a hand-over's :class:`PrefillResult`, on the decode replica's own sink
+The other way on a connection (``router.early_start``), a request ahead of its Serve call:
+    ingress → decode:  :class:`GenerateRequest`;  decode → prefill:  :class:`PrefillRequest`
 """
 
 from __future__ import annotations
@@ -153,6 +157,13 @@ class PrefillRequest:
     params: SamplingParams
     dest: KVDestination
     peer: EndpointInfo  # the decode replica's endpoint
+    # The decode replica's token sink for its hand-overs: the prefill replica sends its answer
+    # there as soon as the push has ended, ahead of the call's return (None: the return only)
+    reply_to: StreamAddress | None = None
+
+    @property
+    def request_id(self) -> str:
+        return self.dest.request_id
 
 
 @dataclass(frozen=True)
@@ -178,6 +189,18 @@ class PrefillResult:
     prefill_seconds: float = 0.0
     first_top_logprobs: list[tuple[int, float]] | None = None
     timing: PrefillTiming = field(default_factory=PrefillTiming)
+
+    def to_wire(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_wire(cls, d: dict) -> PrefillResult:
+        """The answer as the token channel carried it; its push's stats as a
+        :class:`TransferSummary` (the same fields, without importing the transfer layer)."""
+        stats, top = d.get("stats"), d.get("first_top_logprobs")
+        return cls(**{**d, "stats": TransferSummary(**stats) if stats else None,
+                      "first_top_logprobs": [tuple(p) for p in top] if top is not None else None,
+                      "timing": PrefillTiming(**(d.get("timing") or {}))})
 
 
 # Each serving module logs under Serve's logger, so its lines land in the replica's Serve log

@@ -25,6 +25,7 @@ import contextvars
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from contracts.messages import (TIMELINE, DecodeTiming, GenerateRequest, GenerateResult,
@@ -50,6 +51,82 @@ class Placement:
     reason: str  # short | saturated | never | always | long | colocated | decode_down | ...
 
 
+class EarlyStarts:
+    """A replica's requests sent ahead of their Serve calls over its publisher's connections
+    (``router.early_start``): the runner of the request's type starts it at once, its frames
+    held by the publisher, and its Serve call claims it (:meth:`claim`). One never claimed
+    within ``EARLY_CLAIM_S``, or withdrawn by its sender (its call went to another replica),
+    is cancelled like a call that went away: nothing of it is sent. A request id is started
+    once: an early start that comes after its call (:meth:`remember`) is ignored.
+
+    A runner, ``runner(request, route) -> (coroutine, state)``, makes the request's run
+    (started in a context of its own) and what its claim hands back beside the task. Its type
+    is in ``runners`` (the runner and whether the publisher holds the request's frames until
+    the claim)."""
+
+    def __init__(self, publisher: TokenPublisher, replica: str | None = None):
+        self.publisher = publisher
+        self.runners: dict[type, tuple[Callable, bool]] = {}
+        self.unclaimed: dict[str, tuple[asyncio.Task, asyncio.TimerHandle, object]] = {}
+        self._recent: OrderedDict[str, None] = OrderedDict()
+        self.counts = {"claimed": 0, "dropped": 0}
+        self._metrics = EarlyStartMetrics() if replica else None
+        publisher.on_submit, publisher.on_withdraw = self._start, self.withdraw
+
+    def _start(self, conn, req) -> None:
+        """A request sent ahead of its Serve call over ``conn`` (event loop)."""
+        runner, held = self.runners.get(type(req), (None, True))
+        rid = req.request_id
+        if runner is None or rid in self._recent or req.reply_to is None or \
+                req.reply_to.sink_id != conn.address.sink_id:
+            return  # its call came first (or the request names another sink)
+        self.remember(rid)
+        route = self.publisher.route(rid, conn, held=held)
+        coro, state = runner(req, route)
+        # A context of its own: the connection's reader runs in the context of the call that
+        # dialled it, whose Serve request id the role's own calls (to a prefill replica) would
+        # otherwise share, and concurrent calls under one id collide in Serve's bookkeeping.
+        loop = asyncio.get_running_loop()
+        task = loop.create_task(coro, context=contextvars.Context())
+        task.add_done_callback(retrieved)  # a dropped one's outcome is nobody's
+        timer = loop.call_later(EARLY_CLAIM_S, self.withdraw, rid)
+        self.unclaimed[rid] = (task, timer, state)
+
+    def claim(self, rid: str) -> tuple[asyncio.Task, object] | None:
+        """The Serve call of ``rid`` has come: its early start's task and state (None if it
+        was not started early); what the start held goes out now."""
+        early = self.unclaimed.pop(rid, None)
+        if early is None:
+            return None
+        task, timer, state = early
+        timer.cancel()
+        self._count("claimed")
+        self.publisher.claim(rid)
+        return task, state
+
+    def withdraw(self, rid: str) -> None:
+        """An early start whose call went elsewhere, or never came: cancelled, nothing sent."""
+        early = self.unclaimed.pop(rid, None)
+        if early is None:
+            return
+        task, timer, _ = early
+        timer.cancel()
+        self._count("dropped")
+        self.publisher.drop(rid)
+        task.cancel()
+
+    def remember(self, rid: str) -> None:
+        """``rid``'s call has come (or its early start): it never starts again here."""
+        self._recent[rid] = None
+        if len(self._recent) > RECENT_IDS:
+            self._recent.popitem(last=False)
+
+    def _count(self, outcome: str) -> None:
+        self.counts[outcome] += 1
+        if self._metrics is not None:
+            self._metrics.record(outcome)
+
+
 class StreamedRequests:
     """Runs whole requests on ``aengine``, whose outputs go to ``publisher``; ``placement``:
     where and why the requests it prefills itself are said to be prefilled; ``placements``: the
@@ -59,11 +136,13 @@ class StreamedRequests:
                  replica: str | None = None, placements=None):
         self.aengine, self.publisher = aengine, publisher
         self.placement, self.replica, self.placements = placement, replica, placements
-        self._unclaimed: dict[str, tuple[asyncio.Task, asyncio.TimerHandle, DecodeTiming]] = {}
-        self._recent: OrderedDict[str, None] = OrderedDict()
-        self.early_starts = {"claimed": 0, "dropped": 0}
-        self._early_metrics = EarlyStartMetrics() if replica else None
-        publisher.on_submit, publisher.on_withdraw = self._start_early, self._withdraw
+        self.early = EarlyStarts(publisher, replica)
+        self.early.runners[GenerateRequest] = (self._start_early, True)
+
+    @property
+    def early_starts(self) -> dict:
+        """Requests started early here, by outcome (``claimed``, ``dropped``)."""
+        return self.early.counts
 
     async def generate(self, req: GenerateRequest) -> GenerateResult:
         """Run the request to its end; its tokens, then its :class:`GenerateResult`, go to
@@ -71,58 +150,21 @@ class StreamedRequests:
         does not compile, a prompt the KV cache cannot hold) gets its refusal there too; any
         other failure raises. A request started early is claimed and followed instead."""
         rid = req.request_id
-        early = self._unclaimed.pop(rid, None)
+        early = self.early.claim(rid)
         if early is not None:
-            task, timer, timing = early
+            task, timing = early
             if not task.done():  # an ended one's result went out (held) without it
                 timing.claimed = time.time()
-            timer.cancel()
-            self._count_early("claimed")
-            self.publisher.claim(rid)
             return await task  # cancelling this call cancels the request, as below
-        self._remember(rid)
+        self.early.remember(rid)
         timing = DecodeTiming(received=time.time(), replica=self.replica)
         route = self.publisher.route(rid, await self.publisher.connect(req.reply_to))
         return await self._run(req, route, timing)
 
-    def _start_early(self, conn, req: GenerateRequest) -> None:
-        """A request sent ahead of its Serve call over ``conn`` (event loop): run it, its
-        frames held until the call claims it."""
-        rid = req.request_id
-        if rid in self._recent or req.reply_to.sink_id != conn.address.sink_id:
-            return  # its call came first (or the request names another sink)
-        self._remember(rid)
+    def _start_early(self, req: GenerateRequest, route):
+        """An early start's run (:class:`EarlyStarts`): its timing is the claim's state."""
         timing = DecodeTiming(received=time.time(), replica=self.replica)
-        route = self.publisher.route(rid, conn, held=True)
-        # A context of its own: the connection's reader runs in the context of the call that
-        # dialled it, whose Serve request id the role's own calls (to a prefill replica) would
-        # otherwise share, and concurrent calls under one id collide in Serve's bookkeeping.
-        task = asyncio.get_running_loop().create_task(self._run(req, route, timing),
-                                                      context=contextvars.Context())
-        task.add_done_callback(_retrieved)  # a dropped one's outcome is nobody's
-        timer = asyncio.get_running_loop().call_later(EARLY_CLAIM_S, self._withdraw, rid)
-        self._unclaimed[rid] = (task, timer, timing)
-
-    def _withdraw(self, rid: str) -> None:
-        """An early start whose call went elsewhere, or never came: cancelled, nothing sent."""
-        early = self._unclaimed.pop(rid, None)
-        if early is None:
-            return
-        task, timer, _ = early
-        timer.cancel()
-        self._count_early("dropped")
-        self.publisher.drop(rid)
-        task.cancel()
-
-    def _count_early(self, outcome: str) -> None:
-        self.early_starts[outcome] += 1
-        if self._early_metrics is not None:
-            self._early_metrics.record(outcome)
-
-    def _remember(self, rid: str) -> None:
-        self._recent[rid] = None
-        if len(self._recent) > RECENT_IDS:
-            self._recent.popitem(last=False)
+        return self._run(req, route, timing), timing
 
     async def _run(self, req: GenerateRequest, route, timing: DecodeTiming) -> GenerateResult:
         rid, prompt = req.request_id, list(req.prompt_token_ids)
@@ -136,7 +178,7 @@ class StreamedRequests:
             prefilled, placement = await self._prefill_elsewhere(req, prompt, timing)
             if prefilled is None and not timing.queued:  # not handed over: prefill here
                 def add(engine):  # stamped here: the first token may come before the loop runs
-                    engine.add_request(prompt, req.params, rid)
+                    self._queue_here(engine, prompt, req.params, rid)
                     timing.queued = time.time()
                 await self.aengine.call(add)
             if self.placements is not None:
@@ -179,6 +221,10 @@ class StreamedRequests:
         to prefill it here (None; ``timing.queued`` set if the hook queued it already)."""
         return None, self.placement
 
+    def _queue_here(self, engine, prompt: list[int], params, rid: str) -> None:
+        """A role's hook (engine thread): queue the request's prompt on this engine."""
+        engine.add_request(prompt, params, rid)
+
     def _prefilled_here(self, uncached_tokens: int, seconds: float) -> None:
         """A role's hook: a prompt prefilled here took ``seconds`` to its first token."""
 
@@ -187,7 +233,7 @@ class StreamedRequests:
         self.aengine.abort(request_id)
 
 
-def _retrieved(task: asyncio.Task) -> None:
+def retrieved(task: asyncio.Task) -> None:
     if not task.cancelled():
         task.exception()
 

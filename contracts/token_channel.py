@@ -141,7 +141,7 @@ class TokenSink:
 
     async def start(self) -> StreamAddress:
         async with self._lock:
-            if self._server is None:
+            if self._server is None or self._loop is not asyncio.get_running_loop():
                 self._server = await asyncio.start_server(self._serve, self.host, 0)
                 self._loop = asyncio.get_running_loop()
                 port = self._server.sockets[0].getsockname()[1]
@@ -244,6 +244,16 @@ class TokenSink:
             await self._server.wait_closed()
 
 
+    def close_soon(self) -> None:
+        """:meth:`close` from any thread, on the sink's loop (if it was started and runs)."""
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self.close()))
+            except RuntimeError:  # closed meanwhile: its sockets went with it
+                pass
+
+
 class _Connection:
     def __init__(self, address: StreamAddress, writer: asyncio.StreamWriter,
                  loop: asyncio.AbstractEventLoop):
@@ -290,15 +300,29 @@ class TokenPublisher:
 
     async def connect(self, address: StreamAddress, timeout_s: float = 10.0) -> _Connection:
         """The live connection to ``address``, dialled once and shared by its requests."""
-        conn = self._conns.get(address.sink_id)
-        if conn is not None and conn.alive:
+        conn = self._live(address)
+        if conn is not None:
             return conn
         dialing = self._dialing.get(address.sink_id)
-        if dialing is None:
+        if dialing is None or dialing.get_loop() is not asyncio.get_running_loop():
             dialing = asyncio.ensure_future(self._dial(address, timeout_s))
             self._dialing[address.sink_id] = dialing
             dialing.add_done_callback(lambda _f: self._dialing.pop(address.sink_id, None))
         return await asyncio.shield(dialing)
+
+    def connection(self, address: StreamAddress) -> _Connection | None:
+        """The live connection to ``address`` if there is one; if not, it is dialled in the
+        background for the next request (event loop), and None: this one does without."""
+        conn = self._live(address)
+        if conn is None and address.sink_id not in self._dialing:
+            asyncio.ensure_future(self.connect(address)).add_done_callback(_dialled)
+        return conn
+
+    def _live(self, address: StreamAddress) -> _Connection | None:
+        conn = self._conns.get(address.sink_id)  # one on another loop (tests run several) is not
+        if conn is not None and conn.alive and conn.loop is asyncio.get_running_loop():
+            return conn
+        return None
 
     async def _dial(self, address: StreamAddress, timeout_s: float) -> _Connection:
         reader, writer = await asyncio.wait_for(
@@ -400,7 +424,10 @@ class TokenPublisher:
         if loop is None:
             return
         frames = [(conn, encode_step(at, outs)) for conn, outs in by_conn.items()]
-        loop.call_soon_threadsafe(self._flush, frames, finished, held)
+        try:
+            loop.call_soon_threadsafe(self._flush, frames, finished, held)
+        except RuntimeError:  # that loop has closed: nobody is left to send to
+            log.warning("token channel: outputs for a closed event loop dropped")
 
     def _flush(self, frames: list[tuple[_Connection, bytes]],
                finished: list[tuple[_Route, RequestOutput]],
@@ -438,6 +465,11 @@ class TokenPublisher:
         for conn in list(self._conns.values()):
             conn.writer.close()
         self._conns.clear()
+
+
+def _dialled(dial: asyncio.Future) -> None:
+    if not dial.cancelled() and (exc := dial.exception()) is not None:
+        log.warning("token channel: could not dial a sink in the background: %r", exc)
 
 
 def _write(writer: asyncio.StreamWriter, data: bytes) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ray
 from ray import serve
 
 from contracts.messages import GenerateRequest
@@ -17,11 +18,14 @@ from kvtransfer.directory import PeerDirectory
 class DecodeDeployment(RoleDeployment):
     def __init__(self, engine: dict, backend: str, prefill=None,
                  transfer_timeout_s: float = 30.0, warm_links: bool = True,
-                 disaggregation: dict | None = None):
+                 disaggregation: dict | None = None, early_start: bool = True):
+        """``early_start``: the app's ``router.early_start``, which also sends each hand-over
+        to its prefill replica ahead of the call."""
         directory = (PeerDirectory(serve.get_replica_context().app_name)
                      if warm_links and prefill is not None else None)
         self.server = DecodeServer(EngineConfig(**engine), backend, prefill, transfer_timeout_s,
-                                   directory, DisaggregationConfig(**(disaggregation or {})))
+                                   directory, DisaggregationConfig(**(disaggregation or {})),
+                                   ray.util.get_node_ip_address(), early_start)
         self.watch_engine()
 
     async def generate(self, req: GenerateRequest) -> None:

@@ -9,7 +9,8 @@ request, owned by its scheduler):
 - ``LANDED``: every byte has landed (the transport's notification, or the prefill replica's
   answer where the transport has none); the first token is still to come.
 - ``ADMITTED`` (terminal): the request joined the running batch with the prefill replica's first
-  token, which is published at once.
+  token, which is published at once unless it came ahead of the KV (:meth:`HandOvers.first_token`:
+  published then, in ``LEASED`` or ``LANDED``).
 - ``RELEASED`` (terminal): the lease ended without admission (the deadline passed, the push
   failed, the prefill replica could not deliver, or the request was abandoned) and the reserved
   blocks are free again.
@@ -79,6 +80,9 @@ class HandOvers:
     def __init__(self, endpoint, publish: Callable[[list[RequestOutput]], None]):
         self.endpoint, self.publish = endpoint, publish
         self._live: dict[str, HandOver] = {}
+        # First tokens published ahead of their KV, by request id, until admitted (or, where
+        # the hand-over was released, taken by the local prefill: :meth:`published_first`).
+        self._firsts: dict[str, tuple] = {}
 
     def get(self, request_id: str) -> HandOver | None:
         return self._live.get(request_id)
@@ -100,6 +104,24 @@ class HandOvers:
         h = self._live[request_id] = HandOver(request_id, dest, loop)
         h.transfer = self.endpoint.expect(dest, lambda t: self._lease_ended(engine, h, t))
         return h
+
+    def first_token(self, engine, request_id: str, token: int, logprob: float | None,
+                    top) -> None:
+        """The prefill replica's first token, sent as its step ended, ahead of the push: taken
+        and published now unless the request has one, is no longer wanted, or might end with
+        it (``engine.take_handed_first_token``); the answer brings it otherwise."""
+        h = self._live.get(request_id)
+        if h is None or h.state.is_terminal or h.abandoned:
+            return
+        out = engine.take_handed_first_token(request_id, token, logprob, top)
+        if out is not None:
+            self._firsts[request_id] = (token, logprob, top)
+            self.publish([out])
+
+    def published_first(self, request_id: str) -> tuple | None:
+        """The first token a released hand-over published ahead of its KV (its token, logprob
+        and top logprobs), for the local prefill to continue from; None if none was."""
+        return self._firsts.pop(request_id, None)
 
     def answered(self, engine, request_id: str, result: PrefillResult) -> None:
         """The prefill replica pushed the KV and sampled the first token."""
@@ -130,6 +152,7 @@ class HandOvers:
         prefill call is still running (the event loop's word) on a one-sided transport stays
         fenced: released when the call ends (:meth:`call_ended`) or the lease's deadline
         passes. Any other is released now, and a request already admitted is aborted."""
+        self._firsts.pop(request_id, None)
         h = self._live.get(request_id)
         if h is None:
             engine.abort_request(request_id)
@@ -160,8 +183,10 @@ class HandOvers:
         r = h.answer
         out = engine.admit(h.request_id, r.first_token, r.first_logprob, r.first_top_logprobs)
         del self._live[h.request_id]
+        self._firsts.pop(h.request_id, None)
         h._end(State.ADMITTED)
-        self.publish([out])  # the first token, before any later step's
+        if out is not None:  # the first token, before any later step's (unless it came ahead)
+            self.publish([out])
 
     def _release(self, engine, h: HandOver, reason: str) -> None:
         engine.abort_request(h.request_id)  # its reserved blocks go back to the pool

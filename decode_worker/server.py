@@ -31,8 +31,8 @@ import time
 
 from contracts.messages import (DecodeTiming, FirstTokenRequest, GenerateRequest,
                                 PrefillRequest, PrefillResult, serve_logger)
-from contracts.streamed import LOCAL, REMOTE, Placement, StreamedRequests
-from contracts.token_channel import TokenPublisher
+from contracts.streamed import LOCAL, REMOTE, Placement, StreamedRequests, retrieved
+from contracts.token_channel import TokenPublisher, TokenSink, early_router
 from contracts.metrics import EngineMetrics, PlacementMetrics, TransferMetrics, replica_id
 from contracts.role import SharedAnswer, any_replica_answers, load_report, role_gone
 from engine.async_engine import AsyncEngine
@@ -92,10 +92,14 @@ class DecodeServer(StreamedRequests):
 
     def __init__(self, config, backend: str, prefill=None, transfer_timeout_s: float = 30.0,
                  directory: PeerDirectory | None = None,
-                 disaggregation: DisaggregationConfig | None = None, **endpoint_kwargs):
+                 disaggregation: DisaggregationConfig | None = None,
+                 channel_host: str = "127.0.0.1", early_start: bool = True, **endpoint_kwargs):
         """``directory``: where this replica's KV endpoint is listed, so prefill replicas open
         their links to it before the first request (``kvtransfer.directory``);
-        ``disaggregation``: where each request is prefilled (``decode_worker.placement``)."""
+        ``disaggregation``: where each request is prefilled (``decode_worker.placement``);
+        ``channel_host``: the address of this replica's own token sink, where prefill replicas
+        answer hand-overs ahead of their calls' returns; ``early_start``: hand-overs are also
+        sent over it ahead of their calls (``router.early_start``)."""
         publisher = TokenPublisher(replica_id() or None)
         super().__init__(AsyncEngine(config, on_outputs=publisher.publish,
                                      on_error=publisher.fail_all), publisher, COLOCATED,
@@ -110,6 +114,7 @@ class DecodeServer(StreamedRequests):
         self.endpoint = self.handovers = None
         self._calls: dict[str, tuple] = {}  # request id -> (its hand-over, its prefill call)
         self._early: dict[str, asyncio.Future] = {}  # request id -> its first-token call (no room)
+        self.sink = TokenSink(channel_host, early_start) if prefill is not None else None
         if prefill is not None:
             self.endpoint = endpoint_for(self.aengine.engine.kv_cache_spec(), backend, polled=True,
                                          **endpoint_kwargs)
@@ -137,6 +142,8 @@ class DecodeServer(StreamedRequests):
         self.aengine.shutdown()
         if self.endpoint is not None:
             self.endpoint.close()
+        if self.sink is not None:
+            self.sink.close_soon()
 
     @property
     def held_blocks(self) -> int:
@@ -156,6 +163,24 @@ class DecodeServer(StreamedRequests):
     def _prefilled_here(self, uncached_tokens: int, seconds: float) -> None:
         self.placer.prefilled_here(uncached_tokens, seconds)
 
+    def _queue_here(self, engine, prompt: list[int], params, rid: str) -> None:
+        engine.add_request(prompt, params, rid)
+        first = self.handovers.published_first(rid) if self.handovers is not None else None
+        if first is not None:  # a released hand-over published it: the prompt goes on from it
+            engine.take_first_token(rid, *first)
+
+    def _first_token_ahead(self, delta, _produced_at: float) -> None:
+        """On the sink (event loop): a hand-over's first token, which its prefill replica sends
+        as the step that sampled it ends, ahead of the push. Published at once by the engine
+        thread (``HandOvers.first_token``); the answer brings it where it cannot be."""
+        if not delta.token_ids:
+            return
+        rid, token = delta.request_id, delta.token_ids[0]
+        logprob = delta.logprobs[0] if delta.logprobs else None
+        top = [tuple(p) for p in delta.top_logprobs[0]] if delta.top_logprobs else None
+        if self.aengine.error is None:
+            self.aengine.submit(lambda e: self.handovers.first_token(e, rid, token, logprob, top))
+
     async def _remote_prefill(self, req: GenerateRequest, prompt: list[int],
                               timing: DecodeTiming) -> tuple[PrefillResult | None, Placement]:
         """Decide where the request is prefilled; if by a prefill replica: reserve, have it
@@ -170,13 +195,22 @@ class DecodeServer(StreamedRequests):
                     self._first_token_by_prefill(req, prompt, uncached, timing))
             return None, placement
         timing.prefill_called = time.time()
-        call = asyncio.ensure_future(self.prefill.prefill.remote(  # a Serve response
-            PrefillRequest(tuple(prompt), req.params, h.dest, self.endpoint.info())))
+        preq = PrefillRequest(tuple(prompt), req.params, h.dest, self.endpoint.info(),
+                              await self.sink.start())
+        answer = asyncio.get_running_loop().create_future()
+        self.sink.register(rid, self._first_token_ahead,
+                           lambda d: answer.done() or answer.set_result(d))
+        if self.sink.early_start:  # the prefill replica starts while the call travels
+            router = early_router(getattr(self.prefill, "deployment_name", None))
+            if router is not None:
+                router.start_early(preq)
+        call = asyncio.ensure_future(self.prefill.prefill.remote(preq))  # a Serve response
         self._calls[rid] = (h, call)
         self.placer.sent(uncached)
         try:
-            result = await self._handed_over(rid, h, call, timing)
+            result = await self._handed_over(rid, h, call, answer, timing)
         finally:
+            self.sink.unregister(rid)
             self.placer.answered(uncached, delivered=bool(timing.prefill_returned))
         return result, (placement if result is not None else
                         Placement(LOCAL, "prefill_unavailable"))
@@ -258,17 +292,24 @@ class DecodeServer(StreamedRequests):
             self.abort(rid)
             raise
 
-    async def _handed_over(self, rid: str, h, call: asyncio.Future,
+    async def _handed_over(self, rid: str, h, call: asyncio.Future, answer: asyncio.Future,
                            timing: DecodeTiming) -> PrefillResult | None:
-        """The prefill call and the lease, to the admission; None: prefill here instead."""
-        # The call's answer carries the first token; the lease may end before it (its
-        # deadline: a frozen or slow prefill replica). A cancel here leaves the call running:
-        # the caller's abort decides about it.
-        while not (await asyncio.wait({call, h.outcome}, timeout=SILENT_CALL_S,
+        """The prefill call and the lease, to the admission; None: prefill here instead.
+        ``answer``: the prefill replica's answer on this replica's sink, which comes ahead of
+        the call's return (the same answer) when that replica is connected to the sink."""
+        # The answer carries the first token; the lease may end before it (its deadline: a
+        # frozen or slow prefill replica). A cancel here leaves the call running: the caller's
+        # abort decides about it.
+        while not (await asyncio.wait({call, answer, h.outcome}, timeout=SILENT_CALL_S,
                                       return_when=asyncio.FIRST_COMPLETED))[0]:
             if await self._prefill_gone.get():  # a dead writer writes no more
                 call.cancel()
                 return self._call_failed(rid, PrefillPoolGone("no prefill replica is alive"))
+        if answer.done():  # its push has ended DONE; the call's return (the same) follows
+            call.add_done_callback(retrieved)
+            self._calls.pop(rid, None)
+            result = PrefillResult.from_wire(answer.result())
+            return await self._answered(rid, h, result, timing)
         if not call.done():  # released (its deadline) while the call runs: the writer has
             call.cancel()  # stopped, it gives up at the deadline, before us
             self._calls.pop(rid, None)
@@ -279,7 +320,11 @@ class DecodeServer(StreamedRequests):
         if (exc := call.exception()) is not None:
             return self._call_failed(rid, exc)
         self._calls.pop(rid, None)
-        result = call.result()
+        return await self._answered(rid, h, call.result(), timing)
+
+    async def _answered(self, rid: str, h, result: PrefillResult,
+                        timing: DecodeTiming) -> PrefillResult:
+        """The prefill replica has pushed the KV and sampled the first token: admit."""
         timing.prefill_returned, timing.prefill = time.time(), result.timing
 
         def answered(engine):

@@ -55,7 +55,7 @@ def build_app(args: dict[str, Any] | BatonConfig | None = None) -> Application:
     decode = DecodeDeployment.options(**_options(
         cfg, "decode", ROUTER, block_size=cfg.engine.block_size)).bind(
         cfg.engine_for("decode").model_dump(), backend, prefill, cfg.transfer.timeout_s,
-        cfg.transfer.warm_links, cfg.disaggregation.model_dump())
+        cfg.transfer.warm_links, cfg.disaggregation.model_dump(), cfg.router.early_start)
     router = Ingress.options(num_replicas=cfg.router.num_replicas,
                             max_ongoing_requests=cfg.router.max_ongoing_requests,
                             max_queued_requests=cfg.router.max_queued_requests,

@@ -244,15 +244,32 @@ class LLMEngine:
         return seq.request_id, seq.block_ids[skip:], seq.num_present_tokens
 
     def admit(self, request_id: str, first_token: int, first_logprob: float | None = None,
-              first_top: TopLogprobs | None = None) -> RequestOutput:
+              first_top: TopLogprobs | None = None) -> RequestOutput | None:
         """The pushed KV has landed and the prefill engine sampled ``first_token`` (with its
         logprob and top logprobs where asked): join the running batch (or finish at once if
-        that token ends the request)."""
+        that token ends the request). None when the request took its first token ahead of
+        its KV (:meth:`take_handed_first_token`): it joins with that one, nothing new."""
         seq = self.scheduler.transferring.get(request_id)
         if seq is None:
             raise KeyError(f"request {request_id!r} has no reserved blocks")
-        self._check_token(first_token)
+        taken = seq.num_output_tokens > 0
+        if not taken:
+            self._check_token(first_token)
         self.scheduler.admit_transferred(seq)
+        return None if taken else self._take(seq, first_token, first_logprob, first_top)
+
+    def take_handed_first_token(self, request_id: str, first_token: int,
+                                first_logprob: float | None = None,
+                                first_top: TopLogprobs | None = None) -> RequestOutput | None:
+        """A request whose KV is still landing takes the first token the prefill engine sampled
+        (sent ahead of the KV), to be published at once; :meth:`admit` then adds nothing. None
+        (nothing changed) when the request is not waiting for its KV, has a first token, or
+        that token might end it (a stop, its length, a grammar): that one comes with the
+        admission, so blocks still being written are never given back early."""
+        seq = self.scheduler.transferring.get(request_id)
+        if seq is None or seq.num_output_tokens or not 0 <= first_token < self.vocab_size \
+                or self.updater.may_end(seq, first_token):
+            return None
         return self._take(seq, first_token, first_logprob, first_top)
 
     def take_first_token(self, request_id: str, first_token: int,

@@ -168,9 +168,10 @@ class Scheduler:
         return True
 
     def admit_transferred(self, seq: Sequence) -> None:
-        """The KV of every prompt token is in ``seq``'s blocks: join the running batch."""
+        """The KV of every prompt token is in ``seq``'s blocks: join the running batch (a first
+        token it took ahead of its KV is computed in its next step)."""
         del self.transferring[seq.request_id]
-        seq.num_computed_tokens = seq.num_tokens
+        seq.num_computed_tokens = seq.num_prompt_tokens
         self.kv.wait_for(seq.kv_load)  # blocks the host tier fills, in the next step it joins
         self.kv.commit(seq)
         seq.status = SequenceStatus.RUNNING

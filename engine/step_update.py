@@ -155,17 +155,22 @@ class StepUpdater:
         if (reason := self._stop_reason(seq, token)) is not None:
             self.scheduler.finish(seq, reason)
 
-    def _stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
+    def _stop_reason(self, seq: Sequence, token: int, added: int = 0) -> FinishReason | None:
         """Whether ``token``, just added, ends ``seq`` (its ``stop_reason`` set where a token
-        does)."""
+        does); ``added`` 1: whether it would, were it added next (nothing set)."""
         p = seq.params
         if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
-            seq.stop_reason = token
+            if not added:
+                seq.stop_reason = token
             return FinishReason.STOP
-        if (seq.num_output_tokens - seq.num_pending >= p.max_tokens
-                or seq.num_resolved_tokens >= self.max_model_len):
+        if (seq.num_output_tokens + added - seq.num_pending >= p.max_tokens
+                or seq.num_resolved_tokens + added >= self.max_model_len):
             return FinishReason.LENGTH
         return None
+
+    def may_end(self, seq: Sequence, token: int) -> bool:
+        """Whether ``token``, added next, would end ``seq``, or might (a grammar decides)."""
+        return seq.matcher is not None or self._stop_reason(seq, token, added=1) is not None
 
 
 def _store_prompt_logprobs(p) -> None:

@@ -25,7 +25,7 @@ from contracts.messages import (TIMELINE, FirstTokenRequest, PrefillRequest, Pre
                                 PrefillTiming, timeline)
 from contracts.metrics import EngineMetrics, PlacementMetrics, TransferMetrics, replica_id
 from contracts.role import load_report
-from contracts.streamed import LOCAL, Placement, StreamedRequests
+from contracts.streamed import LOCAL, Placement, StreamedRequests, retrieved
 from contracts.token_channel import TokenPublisher
 from engine.async_engine import AsyncEngine
 from kvtransfer import (EndpointInfo, PushNotStarted, TransferError, TransferState,
@@ -58,6 +58,10 @@ class PrefillServer:
         self.whole = StreamedRequests(self.aengine, self.publisher,
                                       Placement(LOCAL, "decode_down"), self.replica,
                                       PlacementMetrics() if self.replica else None)
+        # Hand-overs a decode replica sends ahead of their calls (``router.early_start``). Their
+        # frames are not held: the first token may go ahead (it writes nothing), the answer
+        # follows the push, which waits for the call's claim.
+        self.whole.early.runners[PrefillRequest] = (self._start_early, False)
         self.warmer = (LinkWarmer(self.endpoint, directory, self.aengine.submit,
                                   on_mismatch=self._count_mismatch).start()
                        if directory is not None else None)
@@ -94,36 +98,85 @@ class PrefillServer:
 
     async def prefill(self, req: PrefillRequest) -> PrefillResult:
         """Prefill the prompt (its first token sampled, its blocks held), push the blocks the
-        decode replica lacks, then answer with the first token and the push's stats."""
-        rid = req.dest.request_id
+        decode replica lacks, then answer with the first token and the push's stats: on the
+        decode replica's sink (``req.reply_to``) as soon as the push has ended, if this replica
+        is connected to it already, and as the call's return. A hand-over the decode replica
+        sent ahead of this call is claimed and followed instead."""
+        rid = req.request_id
+        early = self.whole.early.claim(rid)
+        if early is not None:
+            task, claimed = early
+            if not claimed.done():
+                claimed.set_result(None)  # its push may start
+            return await task  # cancelling this call cancels the hand-over, as below
+        self.whole.early.remember(rid)
+        route = None
+        conn = self.publisher.connection(req.reply_to) if req.reply_to is not None else None
+        if conn is not None:
+            route = self.publisher.route(rid, conn)
+            route.done.add_done_callback(retrieved)  # nobody awaits it: the answer is sent
+        return await self._prefill(req, route)
+
+    def _start_early(self, req: PrefillRequest, route):
+        """A hand-over sent ahead of its call (:class:`~contracts.streamed.EarlyStarts`): its
+        prompt is computed at once; its push waits for the call's claim (the state), so only
+        the replica the call chose ever writes into the lease."""
+        route.done.add_done_callback(retrieved)
+        claimed = asyncio.get_running_loop().create_future()
+        return self._prefill(req, route, claimed), claimed
+
+    async def _prefill(self, req: PrefillRequest, route, claimed: asyncio.Future | None = None
+                       ) -> PrefillResult:
+        rid = req.request_id
         received, t0 = time.time(), time.perf_counter()
-        try:  # no transport to this receiver, or another KV layout: refuse before any work
-            self.endpoint.choose(req.peer)
-            self.endpoint.plan(req.peer)
-        except TransferError as exc:
-            self._count(None, type(exc).__name__)
+        try:
+            try:  # no transport to this receiver, or another KV layout: refuse before any work
+                self.endpoint.choose(req.peer)
+                self.endpoint.plan(req.peer)
+            except TransferError as exc:
+                self._count(None, type(exc).__name__)
+                raise
+            push = _Push(self, req)
+            first = await self._first_token(req, rid, received, push,
+                                             at_step_end=claimed is None)
+            prefill_s = time.perf_counter() - t0
+            timing = PrefillTiming(received=received, prefilled=time.time(),
+                                   replica=self.replica)
+            if claimed is not None:
+                await self._claimed(claimed, rid, push)
+            transfer = await push.result()
+            timing.pushed = time.time()
+            st = transfer.stats
+            TIMELINE.info("request %s prefill: push %s, %d prompt tokens (%d cached), %d blocks "
+                          "(%d B) over %s; %s", rid, transfer.state.name.lower(),
+                          len(req.prompt_token_ids), first.num_cached_tokens, st.blocks_sent,
+                          st.bytes, st.backend, timeline(received=received,
+                                                         prefilled=timing.prefilled,
+                                                         pushed=timing.pushed))
+            if transfer.state is not TransferState.DONE:
+                failed = "not_started" if transfer.handle is None else "failed"
+                self._count(None, failed)
+                # Nothing written (never started): the decode replica can prefill it itself.
+                raise (PushNotStarted if transfer.handle is None else TransferError)(
+                    f"push of {rid} failed: {transfer.error}")
+            self._count(st)
+            result = _result(rid, req.prompt_token_ids, first, prefill_s, timing, st)
+            if route is not None:  # the answer, ahead of the call's return
+                self.publisher.end(route, rid, result.to_wire())
+            return result
+        finally:
+            if route is not None:
+                self.publisher.unroute(rid)
+
+    async def _claimed(self, claimed: asyncio.Future, rid: str, push: "_Push") -> None:
+        """An early hand-over, prefilled: wait for its call. Withdrawn (the call went to another
+        replica) or never claimed, it is cancelled here: its held blocks go back, unpushed."""
+        try:
+            await claimed
+        except BaseException:
+            if self.aengine.error is None:
+                self.aengine.submit(lambda e: push.started or e.release_held_blocks(rid))
             raise
-        push = _Push(self, req)
-        first = await self._first_token(req, rid, received, push)
-        prefill_s = time.perf_counter() - t0
-        timing = PrefillTiming(received=received, prefilled=time.time(), replica=self.replica)
-        transfer = await push.result()
-        timing.pushed = time.time()
-        st = transfer.stats
-        TIMELINE.info("request %s prefill: push %s, %d prompt tokens (%d cached), %d blocks "
-                      "(%d B) over %s; %s", rid, transfer.state.name.lower(),
-                      len(req.prompt_token_ids), first.num_cached_tokens, st.blocks_sent,
-                      st.bytes, st.backend, timeline(received=received,
-                                                     prefilled=timing.prefilled,
-                                                     pushed=timing.pushed))
-        if transfer.state is not TransferState.DONE:
-            failed = "not_started" if transfer.handle is None else "failed"
-            self._count(None, failed)
-            # Nothing written (never started): the decode replica can prefill it itself.
-            raise (PushNotStarted if transfer.handle is None else TransferError)(
-                f"push of {rid} failed: {transfer.error}")
-        self._count(st)
-        return _result(rid, req.prompt_token_ids, first, prefill_s, timing, st)
 
     async def first_token(self, req: FirstTokenRequest) -> PrefillResult:
         """The prompt's first token alone (a decode replica with no room for the prompt yet
@@ -140,14 +193,16 @@ class PrefillServer:
                       timeline(received=received, prefilled=timing.prefilled))
         return _result(rid, req.prompt_token_ids, first, time.perf_counter() - t0, timing)
 
-    async def _first_token(self, req: PrefillRequest, rid: str, received: float, push: "_Push"):
+    async def _first_token(self, req: PrefillRequest, rid: str, received: float, push: "_Push",
+                           at_step_end: bool = True):
         """The request through the engine's batch, stopped after its first token with its blocks
-        held for the push (started there with ``push_at_step_end``)."""
+        held for the push (started there with ``push_at_step_end``, unless ``at_step_end`` is
+        off: an early hand-over's push waits for its call)."""
         params = req.params.model_copy(update={"max_tokens": 1})
+        then = push.start if self.push_at_step_end and at_step_end else None
         try:
             return await self.aengine.run(list(req.prompt_token_ids), params, rid,
-                                          hold_blocks=True,
-                                          then=push.start if self.push_at_step_end else None)
+                                          hold_blocks=True, then=then)
         except BaseException as exc:  # it may have finished, blocks held, just before the cancel
             if self.aengine.error is None:  # on the engine thread, after any push.start
                 self.aengine.submit(lambda e: push.started or e.release_held_blocks(rid))

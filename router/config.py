@@ -52,7 +52,9 @@ class RouterConfig(BaseModel):
     # the call then goes to, so its engine starts while the call travels; the call claims the
     # running request (router/replica_choice.py, docs/serving.md). Only to a replica with few
     # requests in flight. Colocated on H200s the app's share of a zero-load first token fell by
-    # about 1 ms (5.7 to 4.7 ms); false: requests start when their calls arrive.
+    # about 1 ms (5.7 to 4.7 ms). In a disaggregated app a decode replica sends each hand-over
+    # to its prefill replica the same way, over its own token sink. false: requests and
+    # hand-overs start when their calls arrive.
     early_start: bool = True
     # POST /v1/completions and /v1/chat/completions whose JSON body parses and validates go
     # from the door straight to the handler, past FastAPI's per-request routing and dependency

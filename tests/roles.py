@@ -18,6 +18,18 @@ from contracts.messages import GenerateResult, PrefillRequest, PrefillResult
 from engine import EngineConfig, SamplingParams
 
 
+# The roles' engine in these tests, and the requests they compare with the offline engine's.
+ROLE_CONFIG = EngineConfig(model="tiny", num_blocks=256, max_num_seqs=8, show_progress=False)
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+def offline_tokens(prompts: list[list[int]], params: SamplingParams = GREEDY) -> list[list[int]]:
+    """The offline engine's tokens for ``prompts`` (``tiny``)."""
+    from engine import LLM
+
+    return [o.token_ids for o in LLM("tiny").generate(prompts, params)]
+
+
 class PrefillHandle:
     """Stands in for the prefill deployment's handle in one process: ``.prefill.remote(req)``
     runs ``server.prefill`` after ``delay`` seconds (or raises ``fail``; ``hang`` never
@@ -30,6 +42,8 @@ class PrefillHandle:
         self.server, self.fail, self.hang, self.delay = server, fail, hang, delay
         self.calls = 0
         self.answered = 0
+        self.arrived: list[float] = []  # when each call reached the server
+        self.hold_return: asyncio.Event | None = None  # set: calls return once it is set
         self.first_token_calls = 0
         self.first_token = _FirstTokenMethod(self)
         self.kv_load = _Probe(self)  # a trivial call: it answers unless failing or hanging
@@ -45,10 +59,14 @@ class PrefillHandle:
             await asyncio.sleep(self.delay)
             if self.fail is not None:
                 raise self.fail
+            self.arrived.append(time.time())
             try:
-                return await getattr(self.server, method)(req)
+                result = await getattr(self.server, method)(req)
             finally:
                 self.answered += 1
+            if self.hold_return is not None:
+                await self.hold_return.wait()
+            return result
         return asyncio.ensure_future(call())
 
 

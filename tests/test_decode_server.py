@@ -22,17 +22,16 @@ from kvtransfer import LayoutMismatchError, PushNotStarted, TransportUnavailable
 from kvtransfer.backends.local import LocalFabric
 from prefill_worker.server import PrefillServer
 from tests.models import random_prompts
-from tests.roles import PrefillHandle, generate, until_idle
+from tests.roles import (GREEDY, ROLE_CONFIG, PrefillHandle, generate, offline_tokens,
+                         until_idle)
 
-CONFIG = EngineConfig(model="tiny", num_blocks=256, max_num_seqs=8, show_progress=False)
-GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+CONFIG = ROLE_CONFIG
 PROMPTS = random_prompts([5, 40], vocab=512, seed=71)
 
 
 @pytest.fixture(scope="module")
 def offline():
-    llm = LLM("tiny")
-    return [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    return offline_tokens(PROMPTS)
 
 
 @pytest.fixture
@@ -624,7 +623,7 @@ async def _early(decode, prompt, rid, params, sink=None):
         await asyncio.sleep(0.01)
     req = GenerateRequest(tuple(prompt), params, rid, address)
     assert sink.submit(decode.publisher.publisher_id, req)
-    while rid not in decode._unclaimed:
+    while rid not in decode.early.unclaimed:
         await asyncio.sleep(0.005)
     return sink, req
 
@@ -733,7 +732,7 @@ def test_an_early_start_that_comes_after_its_call_is_ignored(roles, offline):
         assert sink.submit(decode.publisher.publisher_id,
                            GenerateRequest(tuple(PROMPTS[0]), GREEDY, "r0", address))
         await asyncio.sleep(0.3)
-        assert tokens == offline[0] and not decode._unclaimed
+        assert tokens == offline[0] and not decode.early.unclaimed
         assert not decode.aengine.engine.has_unfinished_requests()
         await sink.close()
 
@@ -748,7 +747,7 @@ def test_bad_input_started_early_is_refused_once_its_call_claims_it(roles):
 
     async def main():
         sink, _ = await _early(decode, too_long, "bad", GREEDY)
-        while not decode._unclaimed["bad"][0].done():  # refused before its call came
+        while not decode.early.unclaimed["bad"][0].done():  # refused before its call came
             await asyncio.sleep(0.01)
         assert sink.num_frames == 0
         tokens, result = await generate(decode, sink, too_long, "bad", GREEDY)

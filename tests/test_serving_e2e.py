@@ -860,7 +860,9 @@ def test_timing_fields_when_asked(server):
     router, decode = timing["router"], timing["decode"]
     assert t0 <= router["arrived"] <= router["received"] <= router["submitted"] \
         <= decode["received"]
-    assert decode["received"] <= decode["queued"] <= decode["first_token"] <= decode["finished"]
+    # a hand-over's first token may come ahead of its KV's landing (``queued``)
+    assert decode["received"] <= min(decode["queued"], decode["first_token"])
+    assert max(decode["queued"], decode["first_token"]) <= decode["finished"]
     # an early start's Serve call reaches the replica after the start (0.0: started by its call)
     assert decode["claimed"] == 0.0 or decode["received"] <= decode["claimed"]
     assert decode["first_token"] <= router["first_token"] <= router["finished"]
@@ -883,12 +885,15 @@ def test_one_timeline_across_the_roles(server):
     timing = body["usage"]["timing"]
     names = [name for name, _ in timing["phases"]]
     expected = ["arrived", "received", "submitted", "decode_received"]
-    if mode == "disaggregated":
-        expected += ["prefill_called", "prefill_received", "prefilled", "pushed",
-                     "prefill_returned", "admitted"]
+    if mode == "disaggregated":  # the first token may come ahead of the push: by time
+        expected += ["prefill_called", "prefill_received", "prefilled"]
+        assert names[:len(expected)] == expected and names[-1] == "finished"
+        assert sorted(names[len(expected):-1]) == sorted(
+            ["pushed", "prefill_returned", "admitted", "decode_first_token", "first_token"])
+        assert names.index("decode_first_token") < names.index("first_token")
     else:
         expected += ["queued"]
-    assert names == expected + ["decode_first_token", "first_token", "finished"]
+        assert names == expected + ["decode_first_token", "first_token", "finished"]
     stamps = [at for _, at in timing["phases"]]
     assert stamps == sorted(stamps)
     durations = [b - a for a, b in zip(stamps, stamps[1:])]

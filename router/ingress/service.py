@@ -76,8 +76,9 @@ def log_timeline(stream: RequestStream, outcome: str, ingress: str) -> None:
 
 
 def phases(stream: RequestStream, result: GenerateResult | None) -> list[tuple[str, float]]:
-    """The request's milestones across the roles, in causal order (``time.time()`` of each
-    replica's host: on several nodes, as far apart as their clocks)."""
+    """The request's milestones across the roles, in the order they happened (``time.time()``
+    of each replica's host: on several nodes, as far apart as their clocks). A hand-over's
+    first token may come ahead of its push and admission (docs/serving.md)."""
     t, d = stream.timing, result.timing if result is not None else None
     p = d.prefill if d is not None else None
     marks = [("arrived", t.arrived), ("received", t.received), ("submitted", t.submitted)]
@@ -93,7 +94,7 @@ def phases(stream: RequestStream, result: GenerateResult | None) -> list[tuple[s
     marks += [("first_token", t.first_token)]
     marks += [(f"moved{i + 1}", at) for i, at in enumerate(stream.moved_at)]
     marks += [("finished", t.finished or time.time())]
-    return [(name, at) for name, at in marks if at]
+    return sorted([(name, at) for name, at in marks if at], key=lambda m: m[1])
 
 
 def replicas_of(result: GenerateResult | None, ingress: str) -> dict:

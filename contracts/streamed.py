@@ -10,12 +10,14 @@ ended, its :class:`GenerateResult` follows its last tokens on the same connectio
 call returns nothing). Bad input only a replica can check (:class:`BadRequest`) is answered the
 same way; any other failure aborts the request here and raises.
 
-Early starts (:mod:`contracts.token_channel`): a request the ingress sent ahead of its Serve call
-over the token channel starts at once, its frames held by the publisher; its Serve call claims
-it (the frames go out, the call then follows the running request as if it had started it). One
-never claimed within ``EARLY_CLAIM_S``, or withdrawn by the ingress (its call went to another
-replica), is cancelled like a call that went away: aborted, its blocks freed, nothing of it
-sent. A request id is started once: an early start that comes after its call is ignored.
+Early starts (:mod:`contracts.token_channel`, :class:`EarlyStarts`): a request the ingress sent
+ahead of its Serve call over the token channel starts at once, its frames held by the publisher;
+its Serve call claims it (the frames go out, the call then follows the running request as if it
+had started it). One never claimed within ``EARLY_CLAIM_S``, or withdrawn by the ingress (its
+call went to another replica), is cancelled like a call that went away: aborted, its blocks
+freed, nothing of it sent. A request id is started once: an early start that comes after its
+call is ignored. A prefill replica's :class:`EarlyStarts` also takes hand-overs sent ahead by
+decode replicas (``prefill_worker.server``).
 """
 
 from __future__ import annotations

@@ -1,6 +1,9 @@
 """The token channel: one TCP connection per (decode replica, ingress replica) pair that carries,
 per engine step, one frame holding every new token of that ingress's requests. Serving costs
 O(engine steps) messages this way, not O(streams × tokens) as one Serve item per token would.
+The same kind of connection joins a prefill replica (publisher) to each decode replica's own
+sink: a hand-over's first token and answer one way, hand-overs sent ahead the other
+(``decode_worker.server``, ``prefill_worker.server``).
 
 Lifecycle: an ingress replica runs a :class:`TokenSink` and names it (``StreamAddress``) in each
 request → the decode replica's :class:`TokenPublisher` dials the sink once and says hello with

@@ -6,9 +6,11 @@ where its prompt is prefilled. Queues per request: the Serve call arrives naming
 token sink → dial it (once per ingress replica) and route the request to that connection →
 :meth:`DecodeServer.reserve`
 reserves blocks (local prefix hits are kept, not asked for) and leases them to the KV endpoint
-in one engine command → call a prefill replica with the destination → :meth:`DecodeServer.admit`
-waits for the KV to land and admits the request into the running batch with the prefill's first
-token → after each engine step the publisher packs that step's tokens, one frame per ingress
+in one engine command → call a prefill replica with the destination (with ``early_start``, also
+sent to it ahead of the call over this replica's own token sink) → the prefill's first token,
+which comes on that sink as the prefill step ends, is published at once → the KV lands and the
+answer comes (on the sink, ahead of the call's return) → the request joins the running batch →
+after each engine step the publisher packs that step's tokens, one frame per ingress
 replica, on the engine thread → once the request has ended, its :class:`GenerateResult` follows
 its last tokens on the same connection (the Serve call returns nothing). In colocated mode, when
 blocks cannot be reserved right now, or when the prefill replica refuses the call (its queue is

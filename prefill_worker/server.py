@@ -8,6 +8,14 @@ back to the prefix cache once the push is terminal → ``PrefillResult`` returns
 away before the push starts gets its held blocks released; a push once started runs to its end
 (the decode side's deadline bounds it) and releases them itself.
 
+The decode replica's own token sink (``PrefillRequest.reply_to``), once this replica has
+dialled it (in the background, on the first hand-over from that replica): the request's first
+token goes there as its step ends (the engine's outputs are published like any streamed
+request's), and the ``PrefillResult`` as soon as the push has ended, ahead of the return. A
+hand-over sent there ahead of its call (``router.early_start``) is prefilled at once; its push
+waits for the call's claim, so only the replica the call chose writes into the lease, and one
+never claimed gives its held blocks back unpushed.
+
 Where the push starts (``push_at_step_end``, the app's ``transfer.push_at_step_end``): by
 default the event loop, woken by the request's end, asks the engine thread for it, which runs
 it at its next turn (after the step in flight) and learns of the copy's end a turn later. With

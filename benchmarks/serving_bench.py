@@ -606,6 +606,8 @@ def serve_protocol(layout, protocol, address, args, pool, prompts, offline_token
     reset_prefix_caches(layout)
     jobs = list(enumerate(fresh_prompts(args.zero_load + 1)))  # no prefix-cache hit
     early = early_starts()
+    # hand-overs a decode replica sent ahead of their calls (disaggregated layouts)
+    handed = None if colocated(layout) else early_starts("PrefillServer")
     zero = pool.submit(client_process, protocol, address, jobs, 0.0, 2, args.timeout,
                        True).result(timeout=args.timeout + 60)
     ok = [r for r in zero if not r["error"]]
@@ -613,7 +615,8 @@ def serve_protocol(layout, protocol, address, args, pool, prompts, offline_token
         "ttft_ms": statistics.median([(r["first"] - r["sent"]) * 1e3 for r in ok])
         if ok else float("nan"),
         "errors": len(zero) - len(ok), "hops_ms": breakdown(ok),
-        "early_starts": early_since(early)}
+        "early_starts": early_since(early),
+        "prefill_early_starts": None if handed is None else early_since(handed, "PrefillServer")}
     for n in args.streams:
         out["marks"].append((time.time(), f"{layout} {protocol} {n}"))
         meter = CpuMeter()
@@ -704,9 +707,13 @@ def report(out: dict) -> None:
         engine_ttft = offline_of(out, key.split("/")[0])[1]
         hops = ", ".join(f"{k} {v:.2f}" for k, v in z["hops_ms"].items())
         early = z.get("early_starts") or {}
+        handed = z.get("prefill_early_starts")
+        handed = "" if handed is None else (f", hand-overs started early claimed "
+                                           f"{handed.get('claimed', 0)} dropped "
+                                           f"{handed.get('dropped', 0)}")
         print(f"  {key:12} TTFT {z['ttft_ms']:.1f} ms, added "
               f"{z['ttft_ms'] - engine_ttft:.1f} ms, early starts claimed "
-              f"{early.get('claimed', 0)} dropped {early.get('dropped', 0)}  [{hops}]")
+              f"{early.get('claimed', 0)} dropped {early.get('dropped', 0)}{handed}  [{hops}]")
 
 
 def main(argv=None) -> None:

@@ -98,6 +98,31 @@ def test_requests_start_on_the_decode_replica_ahead_of_their_calls(server, offli
     _wait_idle(url)
 
 
+def test_hand_overs_start_on_the_prefill_replica_ahead_of_their_calls(server, offline):
+    """Disaggregated: once a first hand-over has had the prefill replica dial the decode
+    replica's own sink, each hand-over is sent over it as the Serve call leaves and claimed by
+    that call, and its first token reaches the client ahead of its KV's landing: the offline
+    engine's tokens, nothing dropped, no block left held."""
+    mode, url, _ = server
+    if mode != "disaggregated":
+        pytest.skip("colocated: nothing is handed over")
+    early = driver_handle("PrefillServer").early_starts
+    _post(f"{url}/v1/completions", {"prompt": PROMPTS[2], **GREEDY})  # the prefill replica dials
+    before = early.remote().result(timeout_s=30)
+    expected = offline.generate(PROMPTS, SamplingParams(**GREEDY))
+    ahead = 0
+    for prompt, want in zip(PROMPTS, expected):
+        body = _post(f"{url}/v1/completions", {"prompt": prompt, **GREEDY,
+                                               "include_timing": True}).json()
+        assert body["choices"][0]["token_ids"] == want.token_ids
+        decode = body["usage"]["timing"]["decode"]
+        ahead += decode["first_token"] < decode["queued"]  # published before the KV landed
+    after = early.remote().result(timeout_s=30)
+    assert after["claimed"] > before["claimed"] and after["dropped"] == before["dropped"]
+    assert ahead > 0
+    _wait_idle(url)
+
+
 def _usage(stream: bool) -> dict:
     """A usage chunk at the end of a stream, which OpenAI (and vLLM) send only when asked."""
     return {"stream_options": {"include_usage": True}} if stream else {}

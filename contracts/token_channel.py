@@ -246,7 +246,6 @@ class TokenSink:
         if self._server is not None:
             await self._server.wait_closed()
 
-
     def close_soon(self) -> None:
         """:meth:`close` from any thread, on the sink's loop (if it was started and runs)."""
         loop = self._loop

@@ -7,7 +7,7 @@ request, owned by its scheduler):
   engine (``Scheduler.transferring``) and leased to the KV endpoint until a deadline; the
   prefill call is under way.
 - ``LANDED``: every byte has landed (the transport's notification, or the prefill replica's
-  answer where the transport has none); the first token is still to come.
+  answer where the transport has none); the answer is still to come.
 - ``ADMITTED`` (terminal): the request joined the running batch with the prefill replica's first
   token, which is published at once unless it came ahead of the KV (:meth:`HandOvers.first_token`:
   published then, in ``LEASED`` or ``LANDED``).
@@ -16,13 +16,15 @@ request, owned by its scheduler):
   blocks are free again.
 
 Events, every one on the engine thread: the lease's end (the endpoint's ``on_finish``, from its
-poll: a transport's notification can land it before the answer), the prefill call's answer
+poll: a transport's notification can land it before the answer), the prefill replica's answer,
+on the decode replica's sink or as the call's return, whichever comes first
 (:meth:`HandOvers.answered`: the sender's word that its push ended DONE, so it lands the KV
 whatever became of the notification; measured on CPU: after a prefill replica died and was
 replaced, NIXL's notifications from the new one never arrived and every hand-over ran to its
 deadline), the end of a call that delivered
 nothing (:meth:`HandOvers.call_ended`: nothing can still write), and abandonment
-(:meth:`HandOvers.abandon`). A hand-over abandoned while a one-sided push may still write into
+(:meth:`HandOvers.abandon`). The first token, when it comes ahead of the KV
+(:meth:`HandOvers.first_token`), moves no state. A hand-over abandoned while a one-sided push may still write into
 its blocks keeps them fenced until its call has ended or its lease's deadline has passed, so a
 late write never lands in blocks another request has been given.
 

@@ -21,12 +21,12 @@ on the decode replica's sink or as the call's return, whichever comes first
 (:meth:`HandOvers.answered`: the sender's word that its push ended DONE, so it lands the KV
 whatever became of the notification; measured on CPU: after a prefill replica died and was
 replaced, NIXL's notifications from the new one never arrived and every hand-over ran to its
-deadline), the end of a call that delivered
-nothing (:meth:`HandOvers.call_ended`: nothing can still write), and abandonment
-(:meth:`HandOvers.abandon`). The first token, when it comes ahead of the KV
-(:meth:`HandOvers.first_token`), moves no state. A hand-over abandoned while a one-sided push may still write into
-its blocks keeps them fenced until its call has ended or its lease's deadline has passed, so a
-late write never lands in blocks another request has been given.
+deadline), the end of a call that delivered nothing (:meth:`HandOvers.call_ended`: nothing can
+still write), and abandonment (:meth:`HandOvers.abandon`). The first token, when it comes ahead
+of the KV (:meth:`HandOvers.first_token`), moves no state. A hand-over abandoned while a
+one-sided push may still write into its blocks keeps them fenced until its call has ended or its
+lease's deadline has passed, so a late write never lands in blocks another request has been
+given.
 
 The event loop holds one future per hand-over (``HandOver.outcome``), resolved once, with the
 hand-over itself, when it reaches a terminal state.

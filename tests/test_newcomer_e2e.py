@@ -147,9 +147,12 @@ def test_baton_serve_tiny_streams_to_the_openai_client_and_ctrl_c_stops_it(ray_c
     # a home of its own: the token file its local Ray writes is this test's to check
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", "HOME": str(tmp_path)}
     env.pop("RAY_ADDRESS", None)
+    # --override-generation-config: the served defaults of the sampling fields (vLLM's; the
+    # README's examples set their own, which max_new_tokens caps)
     proc = subprocess.Popen(
         [str(BIN / "baton"), "serve", "tiny", "--port", str(http), "--grpc-port",
-         str(grpc_port), "--max-num-seqs", "8", "--timeout", "240"],
+         str(grpc_port), "--max-num-seqs", "8", "--timeout", "240",
+         "--override-generation-config", '{"temperature": 0, "max_new_tokens": 6}'],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         start_new_session=True)
     seen: list[str] = []
@@ -186,6 +189,15 @@ def test_baton_serve_tiny_streams_to_the_openai_client_and_ctrl_c_stops_it(ray_c
         chunks = list(client.completions.create(model="tiny", prompt="The quick brown fox",
                                                 max_tokens=8, temperature=0, stream=True))
         assert "".join(c.choices[0].text for c in chunks if c.choices)
+        # a request that leaves temperature and max_tokens unset gets the served defaults:
+        # greedy, 6 tokens, as one that sets them
+        unset = client.completions.create(model="tiny", prompt="The quick brown fox",
+                                          extra_body={"ignore_eos": True})
+        given = client.completions.create(model="tiny", prompt="The quick brown fox",
+                                          max_tokens=6, temperature=0,
+                                          extra_body={"ignore_eos": True})
+        assert unset.usage.completion_tokens == given.usage.completion_tokens == 6
+        assert unset.choices[0].text == given.choices[0].text
         # the README's client examples (OpenAI, gRPC), as written but for the ports
         for code in readme_python_blocks():
             code = code.replace("8000", str(http)).replace("9000", str(grpc_port))

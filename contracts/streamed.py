@@ -56,10 +56,11 @@ class Placement:
 class EarlyStarts:
     """A replica's requests sent ahead of their Serve calls over its publisher's connections
     (``router.early_start``): the runner of the request's type starts it at once (its frames
-    held by the publisher where that type asks), and its Serve call claims it (:meth:`claim`). One never claimed
-    within ``EARLY_CLAIM_S``, or withdrawn by its sender (its call went to another replica),
-    is cancelled like a call that went away: nothing of it is sent. A request id is started
-    once: an early start that comes after its call (:meth:`remember`) is ignored.
+    held by the publisher where that type asks), and its Serve call claims it
+    (:meth:`claim`). One never claimed within ``EARLY_CLAIM_S``, or withdrawn by its sender
+    (its call went to another replica), is cancelled like a call that went away: nothing of it
+    is sent. A request id is started once: an early start that comes after its call
+    (:meth:`remember`) is ignored.
 
     A runner, ``runner(request, route) -> (coroutine, state)``, makes the request's run
     (started in a context of its own) and what its claim hands back beside the task. Its type

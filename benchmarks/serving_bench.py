@@ -362,24 +362,26 @@ def breakdown(records: list[dict]) -> dict[str, float]:
             add("decode: no room, queue here", dt["received"], dt["queued"])
             add("first-token call to prefill", dt["prefill_called"], dt["prefill_returned"])
             add("decode: publish that token", dt["prefill_returned"], dt["first_token"])
-        elif dt["prefill_called"] and (pt := dt.get("prefill")) and \
-                dt["first_token"] < dt["prefill_returned"]:  # the first token ahead of the KV
-            add("decode: reserve, lease", dt["received"], dt["prefill_called"])
-            add("hand-over to the first token", dt["prefill_called"], dt["first_token"])
-            add("(of which) early start or call -> prefill", dt["prefill_called"], pt["received"])
-            add("(of which) prefill: queue, compute", pt["received"], pt["prefilled"])
-            add("(of which) first token -> decode, published", pt["prefilled"], dt["first_token"])
-            add("(after it) prefill: push", pt["prefilled"], pt["pushed"])
-            add("(after it) answer -> decode", pt["pushed"], dt["prefill_returned"])
         elif dt["prefill_called"]:
             add("decode: reserve, lease", dt["received"], dt["prefill_called"])
-            add("prefill call (prefill + push)", dt["prefill_called"], dt["prefill_returned"])
-            if pt := dt.get("prefill"):  # the call's parts, as the prefill replica saw them
-                add("(of which) Serve call -> prefill", dt["prefill_called"], pt["received"])
+            pt = dt.get("prefill") or {}  # the hand-over's parts, as the prefill replica saw them
+            if pt and dt["first_token"] < dt["prefill_returned"]:  # the first token ahead of KV
+                add("hand-over to the first token", dt["prefill_called"], dt["first_token"])
+                add("(of which) early start or call -> prefill", dt["prefill_called"],
+                    pt["received"])
                 add("(of which) prefill: queue, compute", pt["received"], pt["prefilled"])
-                add("(of which) prefill: push", pt["prefilled"], pt["pushed"])
-                add("(of which) answer -> decode", pt["pushed"], dt["prefill_returned"])
-            add("decode: land, admit", dt["prefill_returned"], dt["first_token"])
+                add("(of which) first token -> decode, published", pt["prefilled"],
+                    dt["first_token"])
+                add("(after it) prefill: push", pt["prefilled"], pt["pushed"])
+                add("(after it) answer -> decode", pt["pushed"], dt["prefill_returned"])
+            else:
+                add("prefill call (prefill + push)", dt["prefill_called"], dt["prefill_returned"])
+                if pt:
+                    add("(of which) Serve call -> prefill", dt["prefill_called"], pt["received"])
+                    add("(of which) prefill: queue, compute", pt["received"], pt["prefilled"])
+                    add("(of which) prefill: push", pt["prefilled"], pt["pushed"])
+                    add("(of which) answer -> decode", pt["pushed"], dt["prefill_returned"])
+                add("decode: land, admit", dt["prefill_returned"], dt["first_token"])
         else:
             add("decode: queue", dt["received"], dt["queued"])
             add("engine: to first token", dt["queued"], dt["first_token"])

@@ -92,15 +92,19 @@ class _Probe:
 
 
 async def generate(decode, sink: TokenSink, prompt: list[int], rid: str,
-                   params: SamplingParams) -> tuple[list[int], GenerateResult]:
+                   params: SamplingParams, arrivals: list[float] | None = None
+                   ) -> tuple[list[int], GenerateResult]:
     """One request through ``decode.generate``: every token the sink received, and the result as
     it came on the channel behind them (the ingress's one path; asserted equal to the one
-    ``generate`` returns)."""
+    ``generate`` returns). ``arrivals`` gets the ``time.time()`` at which each delta with tokens
+    reached the sink."""
     tokens, ends, done = [], [], asyncio.Event()
 
     def on_delta(delta, _at):
         assert not ends, "a delta after the request's result"
         tokens.extend(delta.token_ids)
+        if arrivals is not None and delta.token_ids:
+            arrivals.append(time.time())
 
     def on_end(record):
         ends.append(GenerateResult.from_wire(record))

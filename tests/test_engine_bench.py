@@ -94,6 +94,36 @@ def test_serving_bench_hops_split_the_way_in_and_time_an_early_start_s_claim():
     assert plain["client -> ingress"] == pytest.approx(2.0)
 
 
+def test_serving_bench_hops_of_a_hand_over_follow_its_first_token():
+    """A hand-over whose first token came ahead of its KV: the hops to the first token end at
+    its publication, and the push and the answer are counted after it; one whose first token
+    came with the admission keeps the call's hops (the push and the answer before it)."""
+    from benchmarks.serving_bench import breakdown
+
+    prefill = {"received": 10.003, "prefilled": 10.005, "pushed": 10.006}
+    decode = {"received": 10.0, "prefill_called": 10.001, "prefill_returned": 10.0065,
+              "queued": 10.0066, "first_token": 10.0052, "prefill": prefill}
+
+    def record(d):
+        return {"sent": 9.990, "first": 10.010, "timing": {
+            "router": {"received": 9.992, "submitted": 9.9925, "first_token": 10.009},
+            "decode": d}}
+
+    ahead = breakdown([record(decode)])
+    assert ahead["decode: reserve, lease"] == pytest.approx(1.0)
+    assert ahead["hand-over to the first token"] == pytest.approx(4.2)
+    assert ahead["(of which) early start or call -> prefill"] == pytest.approx(2.0)
+    assert ahead["(of which) first token -> decode, published"] == pytest.approx(0.2)
+    assert ahead["(after it) prefill: push"] == pytest.approx(1.0)
+    assert ahead["(after it) answer -> decode"] == pytest.approx(0.5)
+    assert "prefill call (prefill + push)" not in ahead and "decode: land, admit" not in ahead
+    late = breakdown([record(dict(decode, first_token=10.007))])
+    assert late["prefill call (prefill + push)"] == pytest.approx(5.5)
+    assert late["(of which) prefill: push"] == pytest.approx(1.0)
+    assert late["decode: land, admit"] == pytest.approx(0.5)
+    assert "hand-over to the first token" not in late
+
+
 def test_served_engine_options_reach_the_served_engines_alone():
     """``serving_bench --served-engine-option``: the served engines take the field over the
     offline reference's, which keeps its own (the served tokens with speculation against the

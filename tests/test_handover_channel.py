@@ -186,26 +186,6 @@ def test_without_early_start_the_sink_takes_no_hand_over(offline):
             server.close()
 
 
-async def _timed(decode, sink, prompt, rid, params):
-    """:func:`generate`, with when the first token reached the sink (``time.time()``)."""
-    first = []
-    real = sink.register
-
-    def register(request_id, handler, *rest):
-        def timed(delta, at):
-            if delta.token_ids and not first:
-                first.append(time.time())
-            handler(delta, at)
-        real(request_id, timed, *rest)
-
-    sink.register = register
-    try:
-        tokens, result = await generate(decode, sink, prompt, rid, params)
-    finally:
-        sink.register = real
-    return tokens, result, first[0]
-
-
 def test_the_first_token_is_published_ahead_of_the_kv(roles, offline, monkeypatch):
     """The prefill replica's first token reaches the ingress as the prefill step ends, while
     the push has not even started: the request then has the offline tokens, once each."""
@@ -221,9 +201,10 @@ def test_the_first_token_is_published_ahead_of_the_kv(roles, offline, monkeypatc
     async def main():
         await _connected(decode, prefill, offline)
         monkeypatch.setattr(prefill.endpoint, "push", push)
-        tokens, result, first_at = await _timed(decode, TokenSink(), PROMPTS[1], "r1", GREEDY)
+        at = []
+        tokens, result = await generate(decode, TokenSink(), PROMPTS[1], "r1", GREEDY, at)
         assert tokens == offline[1] and result.prefilled_where == "remote"
-        assert first_at < slow[0] < result.timing.prefill_returned
+        assert at[0] < slow[0] < result.timing.prefill_returned
         await until_idle(prefill, decode)
 
     asyncio.run(main())
@@ -245,7 +226,7 @@ def test_a_hand_over_released_after_its_first_token_goes_on_from_it(roles, offli
     async def main():
         await _connected(decode, prefill, offline)
         monkeypatch.setattr(prefill.endpoint, "push", push)
-        tokens, result, _ = await _timed(decode, TokenSink(), PROMPTS[1], "r1", GREEDY)
+        tokens, result = await generate(decode, TokenSink(), PROMPTS[1], "r1", GREEDY)
         assert tokens == offline[1] and result.num_output_tokens == len(tokens)
         assert (result.prefilled_where, result.prefilled_why) == ("local",
                                                                    "prefill_unavailable")
@@ -262,9 +243,10 @@ def test_a_first_token_that_ends_the_request_comes_with_the_admission(roles, off
 
     async def main():
         await _connected(decode, prefill, offline)
-        tokens, result, first_at = await _timed(decode, TokenSink(), PROMPTS[1], "r1", one)
+        at = []
+        tokens, result = await generate(decode, TokenSink(), PROMPTS[1], "r1", one, at)
         assert tokens == offline[1][:1] and result.finish_reason == "length"
-        assert first_at >= result.timing.prefill_returned
+        assert at[0] >= result.timing.prefill_returned
         await until_idle(prefill, decode)
 
     asyncio.run(main())

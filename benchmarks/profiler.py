@@ -68,8 +68,8 @@ the step's memory floor; a wall over the kernel time is the device waiting for t
 The same fresh prompts (no prefix-cache hit) one at a time, timed from "add" to the first
 output token:
 
-- ``direct``: ``LLMEngine.add_request`` then ``step()`` on this thread (the offline figure
-  ``serving_bench`` subtracts);
+- ``direct``: ``LLMEngine.add_request`` then ``step()`` on this thread, back to back (the
+  offline figure ``serving_bench`` subtracts), then again 20 ms apart, as the others run;
 - ``thread``: the engine on :class:`AsyncEngine`'s thread, requests posted from a plain thread;
 - ``asyncio``: the same driven from an event loop, as a serving replica drives it.
 
@@ -77,6 +77,14 @@ Per variant it prints the median and the wall time of each of the first steps, s
 between the variants shows which part of the serving structure costs what.
 
     python -m benchmarks.profiler ttft --model dummy:Qwen3-0.6B --n 16
+
+With ``--busy AT:MS`` (several allowed) the asyncio variant is run again with the event loop
+busy in pure Python for ``MS`` ms from ``AT`` ms after each request is posted, as a replica's
+loop is while Serve hands it a call (the call's Python and the engine's step share the
+process's one GIL), at each of ``--switch-intervals`` (seconds, Python's GIL switch interval).
+
+    python -m benchmarks.profiler ttft --model dummy:Qwen3-0.6B --busy 0.3:1.0 1.0:1.0 \
+        --switch-intervals 0.005 0.0002
 
 """
 
@@ -489,9 +497,11 @@ def timed_steps(engine: LLMEngine, log: list[tuple[float, float]]) -> None:
 def steps_before(log, t0: float, t1: float) -> str:
     return "/".join(f"{(b - a) * 1e3:.2f}" for a, b in log if t0 <= a < t1)
 
-def direct(engine: LLMEngine, prompts) -> tuple[list[float], list[list[float]]]:
+def direct(engine: LLMEngine, prompts, gap_s: float = 0.0
+           ) -> tuple[list[float], list[list[float]]]:
     firsts, steps = [], []
     for p in prompts:
+        time.sleep(gap_s)
         log: list[float] = []
         t0 = time.perf_counter()
         rid = engine.add_request(p, ONE)
@@ -537,7 +547,19 @@ def threaded(ae: AsyncEngine, stamps: Stamps, prompts, tag: str) -> list[float]:
         time.sleep(0.02)
     return firsts
 
-def driven_by_asyncio(ae: AsyncEngine, stamps: Stamps, prompts, tag: str) -> list[float]:
+def burn(ms: float) -> None:
+    """Pure Python for ``ms`` ms: the GIL is given up only when another thread asks for it and
+    the switch interval has passed."""
+    end = time.perf_counter() + ms / 1e3
+    while time.perf_counter() < end:
+        pass
+
+
+def driven_by_asyncio(ae: AsyncEngine, stamps: Stamps, prompts, tag: str,
+                      busy: tuple[float, float] | None = None) -> list[float]:
+    """Requests posted from an event loop, each awaited to its first token. With ``busy``
+    (``(at_ms, ms)``) each is posted without waiting for the add (as ``AsyncEngine.run``
+    does) and the loop is busy in Python for ``ms`` ms from ``at_ms`` after the post."""
     async def main():
         loop = asyncio.get_running_loop()
         waiting: dict[str, asyncio.Future] = {}
@@ -551,7 +573,11 @@ def driven_by_asyncio(ae: AsyncEngine, stamps: Stamps, prompts, tag: str) -> lis
             rid = f"{tag}{i}"
             waiting[rid] = loop.create_future()
             t0 = time.perf_counter()
-            await ae.call(lambda e, p=p, rid=rid: e.add_request(p, ONE, rid))
+            add = ae.submit(lambda e, p=p, rid=rid: e.add_request(p, ONE, rid))
+            if busy is None:
+                await asyncio.wrap_future(add)
+            elif busy[1]:
+                loop.call_later(busy[0] / 1e3, burn, busy[1])
             await asyncio.wait_for(waiting[rid], 10)
             firsts.append((stamps.first[rid] - t0) * 1e3)
             stamps.steps.append(steps_before(stamps.log, t0, stamps.first[rid]))
@@ -559,12 +585,17 @@ def driven_by_asyncio(ae: AsyncEngine, stamps: Stamps, prompts, tag: str) -> lis
         return firsts
     return asyncio.run(main())
 
+
 def ttft_main(argv=None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="tiny")
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--n", type=int, default=16)
     p.add_argument("--switch-interval", type=float, default=None)
+    p.add_argument("--busy", nargs="*", default=[], metavar="AT:MS",
+                   help="the asyncio variant again, its loop busy MS ms from AT ms after a post")
+    p.add_argument("--switch-intervals", type=float, nargs="*", default=[],
+                   help="GIL switch intervals (s) the busy variants run at (default: as set)")
     p.add_argument("--profile", action="store_true",
                    help="torch.profiler table of one direct request (CPU self time)")
     args = p.parse_args(argv)
@@ -587,6 +618,10 @@ def ttft_main(argv=None) -> None:
     firsts, steps = direct(engine, fresh(args.n))
     print(f"direct : median {statistics.median(firsts):6.2f} ms; steps to the first token (ms): "
           + ", ".join("/".join(f"{x:.2f}" for x in s) for s in steps[:4]))
+    # The served requests of a zero-load run come apart, as the other variants' do (20 ms).
+    firsts, steps = direct(engine, fresh(args.n), gap_s=0.02)
+    print(f"direct, 20 ms apart: median {statistics.median(firsts):6.2f} ms; steps (ms): "
+          + ", ".join("/".join(f"{x:.2f}" for x in s) for s in steps[:4]))
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
@@ -607,6 +642,16 @@ def ttft_main(argv=None) -> None:
             firsts = fn(ae, stamps, fresh(args.n), name)
             print(f"{name:7s}: median {statistics.median(firsts):6.2f} ms; steps to the first "
                   f"token (ms): " + ", ".join(stamps.steps[:4]))
+        for interval in args.switch_intervals or [sys.getswitchinterval()]:
+            sys.setswitchinterval(interval)
+            for busy in ["0:0"] + args.busy:
+                at_ms, ms = (float(x) for x in busy.split(":"))
+                stamps.steps.clear()
+                firsts = driven_by_asyncio(ae, stamps, fresh(args.n), f"b{interval}{busy}",
+                                           (at_ms, ms))
+                print(f"posted, loop busy {ms:.1f} ms from {at_ms:.1f} ms, switch interval "
+                      f"{interval * 1e3:.2f} ms: median {statistics.median(firsts):6.2f} ms, "
+                      f"max {max(firsts):6.2f}; steps (ms): " + ", ".join(stamps.steps[:3]))
     finally:
         ae.shutdown()
 

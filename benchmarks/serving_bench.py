@@ -363,15 +363,31 @@ def breakdown(records: list[dict]) -> dict[str, float]:
             add("first-token call to prefill", dt["prefill_called"], dt["prefill_returned"])
             add("decode: publish that token", dt["prefill_returned"], dt["first_token"])
         elif dt["prefill_called"]:
-            add("decode: reserve, lease", dt["received"], dt["prefill_called"])
+            if (dt.get("reserved") or 0) > dt["prefill_called"]:  # sent ahead of its reservation
+                add("decode: to the hand-over's send", dt["received"], dt["prefill_called"])
+                add("(beside it) to the engine, reserve", dt["received"], dt["reserved"])
+            else:
+                add("decode: reserve, lease", dt["received"], dt["prefill_called"])
+                add("(of which) to the engine, reserve", dt["received"], dt.get("reserved"))
+                add("(of which) back to the loop, send", dt.get("reserved"),
+                    dt["prefill_called"])
             pt = dt.get("prefill") or {}  # the hand-over's parts, as the prefill replica saw them
             if pt and dt["first_token"] < dt["prefill_returned"]:  # the first token ahead of KV
                 add("hand-over to the first token", dt["prefill_called"], dt["first_token"])
                 add("(of which) early start or call -> prefill", dt["prefill_called"],
                     pt["received"])
-                add("(of which) prefill: queue, compute", pt["received"], pt["prefilled"])
-                add("(of which) first token -> decode, published", pt["prefilled"],
-                    dt["first_token"])
+                if pt.get("sampled"):  # the prefill's engine thread published the token
+                    add("(of which) prefill: to its engine", pt["received"], pt.get("added"))
+                    add("(of which) prefill: engine to the first token", pt.get("added"),
+                        pt["sampled"])
+                    add("(of which) first token -> decode", pt["sampled"],
+                        dt.get("first_arrived"))
+                    add("(of which) decode: publish it", dt.get("first_arrived"),
+                        dt["first_token"])
+                else:
+                    add("(of which) prefill: queue, compute", pt["received"], pt["prefilled"])
+                    add("(of which) first token -> decode, published", pt["prefilled"],
+                        dt["first_token"])
                 add("(after it) prefill: push", pt["prefilled"], pt["pushed"])
                 add("(after it) answer -> decode", pt["pushed"], dt["prefill_returned"])
             else:

@@ -72,8 +72,10 @@ class TokenDelta:
 class PrefillTiming:
     """When the prefill replica saw a request's milestones (``time.time()`` seconds)."""
 
-    received: float = 0.0  # the Serve call arrived
-    prefilled: float = 0.0  # the first token was sampled (the KV is complete)
+    received: float = 0.0  # the Serve call arrived (started early: the early start did)
+    added: float = 0.0  # the engine thread took the request
+    sampled: float = 0.0  # its first token was published (engine thread; 0.0: no sink)
+    prefilled: float = 0.0  # the event loop had the first token (the KV is complete)
     pushed: float = 0.0  # the push of its KV ended
     replica: str = ""  # the replica's id
 
@@ -87,7 +89,9 @@ class DecodeTiming:
     received: float = 0.0  # the Serve call arrived (started early: the early start did)
     claimed: float = 0.0  # started early: its Serve call reached the replica (0.0: it had ended)
     queued: float = 0.0  # handed to the engine: its prefill queued here, or its KV landed
+    reserved: float = 0.0  # disaggregated: its blocks were reserved (engine thread)
     prefill_called: float = 0.0  # disaggregated: the prefill replica was called
+    first_arrived: float = 0.0  # handed over: the prefill replica's first token came, ahead
     prefill_returned: float = 0.0  # disaggregated: its result came back (KV pushed)
     first_token: float = 0.0  # the first token left in a frame
     finished: float = 0.0
@@ -155,6 +159,9 @@ class GenerateResult:
 class PrefillRequest:
     prompt_token_ids: tuple[int, ...]
     params: SamplingParams
+    # Where the push writes. A hand-over sent ahead of its call may name no blocks yet (sent
+    # before the decode replica's reservation): its push waits for the call, whose request's
+    # ``dest`` it writes into.
     dest: KVDestination
     peer: EndpointInfo  # the decode replica's endpoint
     # The decode replica's token sink for its hand-overs: the prefill replica sends its answer

@@ -164,6 +164,13 @@ class Placer:
         return placement
 
     @property
+    def remote_for_certain(self) -> bool:
+        """Every prompt is handed over unless its blocks or a sequence slot are short here
+        (``always``, no prefill replica known dead): nothing of the engine's state but its room
+        bears on the decision, so the hand-over may be sent before the reservation."""
+        return self.config.mode == "always" and not self.prefill_down
+
+    @property
     def outstanding(self) -> int:
         """Prompt tokens sent to prefill replicas, not answered yet."""
         return self.remote_rate.outstanding

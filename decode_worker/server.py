@@ -171,12 +171,13 @@ class DecodeServer(StreamedRequests):
         if first is not None:  # a released hand-over published it: the prompt goes on from it
             engine.take_first_token(rid, *first)
 
-    def _first_token_ahead(self, delta, _produced_at: float) -> None:
+    def _first_token_ahead(self, delta, timing: DecodeTiming) -> None:
         """On the sink (event loop): a hand-over's first token, which its prefill replica sends
         as the step that sampled it ends, ahead of the push. Published at once by the engine
         thread (``HandOvers.first_token``); the answer brings it where it cannot be."""
         if not delta.token_ids:
             return
+        timing.first_arrived = timing.first_arrived or time.time()
         rid, token = delta.request_id, delta.token_ids[0]
         logprob = delta.logprobs[0] if delta.logprobs else None
         top = [tuple(p) for p in delta.top_logprobs[0]] if delta.top_logprobs else None
@@ -188,23 +189,45 @@ class DecodeServer(StreamedRequests):
         """Decide where the request is prefilled; if by a prefill replica: reserve, have it
         push, admit (publishing the prefill's first token). The result is None when the
         request is prefilled here: decided so (it is queued here already), no blocks could be
-        reserved right now, or the prefill replica could not deliver."""
+        reserved right now, or the prefill replica could not deliver.
+
+        With ``early_start``, the hand-over goes to the prefill replica over this replica's
+        sink ahead of its call: after the reservation, or, where nothing here can keep the
+        prompt from being handed over but a lack of room (``Placer.remote_for_certain``),
+        before it, while the engine thread reserves (its blocks then come with the call, whose
+        claim the push waits for anyway). A reservation that finds no room withdraws it."""
         rid = req.request_id
-        placement, h, uncached = await self._place(prompt, req.params, rid, timing)
+        router = early_router(getattr(self.prefill, "deployment_name", None)) \
+            if self.sink.early_start else None
+        answer = asyncio.get_running_loop().create_future()
+        ahead, sent = router is not None and self.placer.remote_for_certain, False
+        reply_to = await self.sink.start() if ahead else None
+        if ahead:
+            self._expect_answer(rid, answer, timing)
+        placing = self._place(prompt, req.params, rid, timing)  # queued on the engine now
+        if ahead:  # its first token's command is queued after the reservation's
+            dest = KVDestination(rid, self.endpoint.endpoint_id, (), 0,
+                                 time.time() + self.timeout_s)
+            sent = router.start_early(PrefillRequest(tuple(prompt), req.params, dest,
+                                                     self.endpoint.info(), reply_to))
+            sent_at = time.time()
+        try:
+            placement, h, uncached = await placing
+        except BaseException:
+            self._withdraw_early(router, rid, sent)
+            raise
         if h is None:
+            self._withdraw_early(router, rid, sent)
             if placement is NO_ROOM and self.placer.config.first_token_while_queued:
                 self._early[rid] = asyncio.ensure_future(
                     self._first_token_by_prefill(req, prompt, uncached, timing))
             return None, placement
-        timing.prefill_called = time.time()
-        preq = PrefillRequest(tuple(prompt), req.params, h.dest, self.endpoint.info(),
-                              await self.sink.start())
-        answer = asyncio.get_running_loop().create_future()
-        self.sink.register(rid, self._first_token_ahead,
-                           lambda d: answer.done() or answer.set_result(d))
-        if self.sink.early_start:  # the prefill replica starts while the call travels
-            router = early_router(getattr(self.prefill, "deployment_name", None))
-            if router is not None:
+        timing.prefill_called = sent_at if sent else time.time()  # its hand-over's first send
+        reply_to = reply_to or await self.sink.start()
+        preq = PrefillRequest(tuple(prompt), req.params, h.dest, self.endpoint.info(), reply_to)
+        if not ahead:
+            self._expect_answer(rid, answer, timing)
+            if router is not None:  # the prefill replica starts while the call travels
                 router.start_early(preq)
         call = asyncio.ensure_future(self.prefill.prefill.remote(preq))  # a Serve response
         self._calls[rid] = (h, call)
@@ -217,12 +240,24 @@ class DecodeServer(StreamedRequests):
         return result, (placement if result is not None else
                         Placement(LOCAL, "prefill_unavailable"))
 
-    async def _place(self, prompt: list[int], params: SamplingParams, rid: str,
-                     timing: DecodeTiming) -> tuple[Placement, object | None, int]:
-        """One engine command: where the prompt is prefilled (its uncached part against the
-        local queue, :class:`~decode_worker.placement.Placer`), then either queued here or its
-        blocks reserved and leased for a hand-over (``(placement, hand-over, uncached
-        tokens)``)."""
+    def _expect_answer(self, rid: str, answer: asyncio.Future, timing: DecodeTiming) -> None:
+        """The sink takes the hand-over's first token and its answer from now on."""
+        self.sink.register(rid, lambda d, _at: self._first_token_ahead(d, timing),
+                           lambda d: answer.done() or answer.set_result(d))
+
+    def _withdraw_early(self, router, rid: str, sent: bool) -> None:
+        """A hand-over sent ahead of its reservation, which found no room (or was abandoned):
+        no call follows, so its prefill replica drops it and frees its blocks now."""
+        self.sink.unregister(rid)
+        if sent:
+            router.withdraw_early(rid)
+
+    def _place(self, prompt: list[int], params: SamplingParams, rid: str,
+               timing: DecodeTiming):
+        """One engine command, queued now: where the prompt is prefilled (its uncached part
+        against the local queue, :class:`~decode_worker.placement.Placer`), then either queued
+        here or its blocks reserved and leased for a hand-over (an awaitable of
+        ``(placement, hand-over, uncached tokens)``)."""
         deadline = time.time() + self.timeout_s
         loop = asyncio.get_running_loop()
 
@@ -234,13 +269,14 @@ class DecodeServer(StreamedRequests):
             if placement.where == REMOTE:
                 h = self.handovers.reserve(engine, prompt, params, rid, deadline, loop)
                 if h is not None:
+                    timing.reserved = time.time()
                     return placement, h, len(prompt) - h.dest.num_present_tokens
                 placement = NO_ROOM  # blocks or slots short right now
             engine.add_request(prompt, params, rid)
             timing.queued = time.time()
             return placement, None, uncached
 
-        return await self._request_command(rid, place)
+        return self._request_command(rid, asyncio.wrap_future(self.aengine.submit(place)))
 
     async def _first_token_by_prefill(self, req: GenerateRequest, prompt: list[int],
                                       uncached: int, timing: DecodeTiming) -> None:
@@ -285,11 +321,11 @@ class DecodeServer(StreamedRequests):
                 early.cancel()
 
     async def _request_command(self, rid: str, fn):
-        """``fn(engine)`` on the engine thread for request ``rid``; if this caller goes away
-        (or it fails), the request is aborted: the command may still run, the abort is queued
-        after it."""
+        """``fn(engine)`` on the engine thread for request ``rid`` (or the future of one
+        submitted already); if this caller goes away (or it fails), the request is aborted:
+        the command may still run, the abort is queued after it."""
         try:
-            return await self.aengine.call(fn)
+            return await (fn if isinstance(fn, asyncio.Future) else self.aengine.call(fn))
         except BaseException:
             self.abort(rid)
             raise

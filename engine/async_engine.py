@@ -92,17 +92,33 @@ class AsyncEngine:
             await asyncio.to_thread(self.inputs.compile_grammar, params.structured_output)
 
     async def run(self, prompt: Prompt, params: SamplingParams, request_id: str,
-                  hold_blocks: bool = False, then: FinishedHook | None = None) -> RequestOutput:
+                  hold_blocks: bool = False, then: FinishedHook | None = None,
+                  added: Callable[[], None] | None = None) -> RequestOutput:
         """Run a request to its end and return its last output; a caller that goes away
         aborts it. ``then(engine, output)`` runs on the engine thread as the step that finished
         the request returns, before the next step (a prefill replica can start its push there
-        rather than a loop turn later); what it raises, the caller gets."""
+        rather than a loop turn later); what it raises, the caller gets. ``added()`` runs on
+        the engine thread once it has taken the request.
+
+        The event loop is woken only by the request's end (or the add's failure), not by the
+        add itself: a wake-up there would run this coroutine's Python on the loop while the
+        engine thread launches the request's first step, both under the process's one GIL."""
         loop = asyncio.get_running_loop()
         done = loop.create_future()
         self._waiters[request_id] = (loop, done, then)
+
+        def add(engine: LLMEngine) -> None:
+            try:
+                engine.add_request(prompt, params, request_id, hold_blocks)
+            except Exception as exc:  # noqa: BLE001 - the caller gets it
+                loop.call_soon_threadsafe(_set_exception, done, exc)
+                return
+            if added is not None:
+                added()
+
         try:
             await self.compile_grammar(params)
-            await self.call(lambda e: e.add_request(prompt, params, request_id, hold_blocks))
+            self.submit(add)
             return await done
         except BaseException:
             # Always: a cancel also cancels ``done``, so "done" cannot tell whether the request

@@ -14,7 +14,8 @@ token goes there as its step ends (the engine's outputs are published like any s
 request's), and the ``PrefillResult`` as soon as the push has ended, ahead of the return. A
 hand-over sent there ahead of its call (``router.early_start``) is prefilled at once; its push
 waits for the call's claim, so only the replica the call chose writes into the lease, and one
-never claimed gives its held blocks back unpushed.
+never claimed gives its held blocks back unpushed. The push writes into the blocks the call's
+request names: a decode replica may send the hand-over before it has reserved them.
 
 Where the push starts (``push_at_step_end``, the app's ``transfer.push_at_step_end``): by
 default the event loop, woken by the request's end, asks the engine thread for it, which runs
@@ -115,7 +116,7 @@ class PrefillServer:
         if early is not None:
             task, claimed = early
             if not claimed.done():
-                claimed.set_result(None)  # its push may start
+                claimed.set_result(req)  # its push may start, into the blocks this call names
             return await task  # cancelling this call cancels the hand-over, as below
         self.whole.early.remember(rid)
         route = None
@@ -145,13 +146,14 @@ class PrefillServer:
                 self._count(None, type(exc).__name__)
                 raise
             push = _Push(self, req)
-            first = await self._first_token(req, rid, received, push,
-                                             at_step_end=claimed is None)
+            timing = PrefillTiming(received=received, replica=self.replica)
+            first = await self._first_token(req, rid, received, push, timing,
+                                            at_step_end=claimed is None)
             prefill_s = time.perf_counter() - t0
-            timing = PrefillTiming(received=received, prefilled=time.time(),
-                                   replica=self.replica)
-            if claimed is not None:
-                await self._claimed(claimed, rid, push)
+            timing.prefilled = time.time()
+            timing.sampled = route.first_at if route is not None else 0.0
+            if claimed is not None:  # the call's request names the blocks to fill
+                push.req = req = await self._claimed(claimed, rid, push)
             transfer = await push.result()
             timing.pushed = time.time()
             st = transfer.stats
@@ -176,11 +178,14 @@ class PrefillServer:
             if route is not None:
                 self.publisher.unroute(rid)
 
-    async def _claimed(self, claimed: asyncio.Future, rid: str, push: "_Push") -> None:
-        """An early hand-over, prefilled: wait for its call. Withdrawn (the call went to another
-        replica) or never claimed, it is cancelled here: its held blocks go back, unpushed."""
+    async def _claimed(self, claimed: asyncio.Future, rid: str, push: "_Push"
+                       ) -> PrefillRequest:
+        """An early hand-over, prefilled: wait for its call, whose request it returns (a
+        hand-over sent ahead of the decode replica's reservation names its blocks only there).
+        Withdrawn (the call went to another replica, or none follows) or never claimed, it is
+        cancelled here: its held blocks go back, unpushed."""
         try:
-            await claimed
+            return await claimed
         except BaseException:
             if self.aengine.error is None:
                 self.aengine.submit(lambda e: push.started or e.release_held_blocks(rid))
@@ -202,7 +207,7 @@ class PrefillServer:
         return _result(rid, req.prompt_token_ids, first, time.perf_counter() - t0, timing)
 
     async def _first_token(self, req: PrefillRequest, rid: str, received: float, push: "_Push",
-                           at_step_end: bool = True):
+                           timing: PrefillTiming, at_step_end: bool = True):
         """The request through the engine's batch, stopped after its first token with its blocks
         held for the push (started there with ``push_at_step_end``, unless ``at_step_end`` is
         off: an early hand-over's push waits for its call)."""
@@ -210,7 +215,8 @@ class PrefillServer:
         then = push.start if self.push_at_step_end and at_step_end else None
         try:
             return await self.aengine.run(list(req.prompt_token_ids), params, rid,
-                                          hold_blocks=True, then=then)
+                                          hold_blocks=True, then=then,
+                                          added=lambda: setattr(timing, "added", time.time()))
         except BaseException as exc:  # it may have finished, blocks held, just before the cancel
             if self.aengine.error is None:  # on the engine thread, after any push.start
                 self.aengine.submit(lambda e: push.started or e.release_held_blocks(rid))

@@ -144,6 +144,13 @@ class KVAwareRouter(RequestRouter):
         self.early[req.request_id] = (uid, sink, hashes, now)
         return True
 
+    def withdraw_early(self, request_id: str) -> None:
+        """The sender of an early start will not call after all (a hand-over sent ahead of
+        its reservation, which found no room): its replica drops it now."""
+        early = self.early.pop(request_id, None)
+        if early is not None:
+            early[1].withdraw(early[0], request_id)
+
     def cost(self, replica: RunningReplica, hashes: list[int]) -> float:
         """Blocks ``replica`` would compute or receive for the prompt, host-tier hits at
         ``host_hit_cost`` each, plus the blocks in use there (the larger of what it last

@@ -84,6 +84,24 @@ def test_a_failing_command_fails_its_caller_only(aengine, offline):
     assert aengine.error is None
 
 
+def test_a_request_the_engine_refuses_fails_its_run_and_added_runs_once_taken(aengine):
+    """``run`` posts the add without waiting for it: a refusal still reaches its caller (and
+    leaves nothing behind), and ``added`` runs on the engine thread once the request is in."""
+    async def main():
+        with pytest.raises(ValueError, match="already in use"):
+            await aengine.call(lambda e: e.add_request(PROMPTS[0], GREEDY, "taken"))
+            await asyncio.wait_for(aengine.run(PROMPTS[1], GREEDY, "taken"), 10)
+        await aengine.call(lambda e: e.abort_request("taken"))
+        threads = []
+        out = await aengine.run(PROMPTS[0], GREEDY, "next",
+                                added=lambda: threads.append(threading.current_thread().name))
+        return out, threads
+
+    out, threads = asyncio.run(main())
+    assert out.finish_reason == "length" and threads == ["baton-engine"]
+    assert _idle(aengine)
+
+
 def test_a_dying_engine_thread_fails_every_waiter_and_later_calls():
     told = []
     aengine = AsyncEngine(EngineConfig(**CONFIG), on_error=told.append)

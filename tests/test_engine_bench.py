@@ -122,6 +122,22 @@ def test_serving_bench_hops_of_a_hand_over_follow_its_first_token():
     assert late["(of which) prefill: push"] == pytest.approx(1.0)
     assert late["decode: land, admit"] == pytest.approx(0.5)
     assert "hand-over to the first token" not in late
+    # The engine threads' stamps, where the prefill replica published the token itself: the
+    # prefill's part splits at its engine, and the token's way ends where the decode has it.
+    stamped = breakdown([record(dict(decode, reserved=10.0004, first_arrived=10.0047,
+                                     prefill=dict(prefill, added=10.0032, sampled=10.0045)))])
+    assert stamped["(of which) to the engine, reserve"] == pytest.approx(0.4)
+    assert stamped["(of which) back to the loop, send"] == pytest.approx(0.6)
+    assert stamped["(of which) prefill: to its engine"] == pytest.approx(0.2)
+    assert stamped["(of which) prefill: engine to the first token"] == pytest.approx(1.3)
+    assert stamped["(of which) first token -> decode"] == pytest.approx(0.2)
+    assert stamped["(of which) decode: publish it"] == pytest.approx(0.5)
+    assert "(of which) prefill: queue, compute" not in stamped
+    # Sent ahead of its reservation: the reservation is beside the hand-over, not before it.
+    ahead = breakdown([record(dict(decode, reserved=10.0015))])
+    assert ahead["decode: to the hand-over's send"] == pytest.approx(1.0)
+    assert ahead["(beside it) to the engine, reserve"] == pytest.approx(1.5)
+    assert "decode: reserve, lease" not in ahead
 
 
 def test_served_engine_options_reach_the_served_engines_alone():

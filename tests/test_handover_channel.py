@@ -56,12 +56,26 @@ class EarlyRouter:
     hand-over ahead of its call to ``target`` (the replica it ranks first)."""
 
     def __init__(self, target: PrefillServer):
-        self.target, self.sent = target, []
+        self.target, self.sent, self.requests, self.withdrawn = target, [], {}, []
 
     def start_early(self, req) -> bool:
         sent = early_sink(req.reply_to).submit(self.target.publisher.publisher_id, req)
         self.sent.append(sent)
+        self.requests[req.request_id] = req
         return sent
+
+    def withdraw_early(self, request_id: str) -> None:
+        self.withdrawn.append(request_id)
+        early_sink(self.requests[request_id].reply_to).withdraw(
+            self.target.publisher.publisher_id, request_id)
+
+
+def _pushes(server: PrefillServer, monkeypatch) -> list:
+    """The pushes ``server`` starts from now on (their arguments), each still made."""
+    pushes, push = [], server.endpoint.push
+    monkeypatch.setattr(server.endpoint, "push", lambda *a, **k: pushes.append(a) or
+                        push(*a, **k))
+    return pushes
 
 
 async def _connected(decode, prefill, offline) -> None:
@@ -113,6 +127,11 @@ def test_a_hand_over_sent_ahead_of_its_call_is_claimed_by_it(roles, offline):
         assert router.sent == [False, True]
         assert prefill.whole.early_starts == {"claimed": 1, "dropped": 0}
         assert result.timing.prefill.prefilled < handle.arrived[-1]  # computed before the call
+        # ``always``: sent before the decode replica's reservation, so it named no blocks; the
+        # push filled the ones the call named, and the hand-over was sent before they were
+        assert router.requests["r2"].dest.block_ids == ()
+        assert result.transfer is not None and result.transfer.blocks_sent > 0
+        assert result.timing.prefill_called < result.timing.reserved
         await until_idle(prefill, decode)
         await sink.close()
 
@@ -129,12 +148,9 @@ def test_an_early_hand_over_its_call_does_not_claim_never_pushes(roles, offline,
 
     monkeypatch.setattr(streamed, "EARLY_CLAIM_S", 0.3)
     prefill, other, handle, decode = roles
-    router = EarlyRouter(other)
+    router = EarlyRouter(other)  # (the registry holds it weakly)
     register_early_router(handle.deployment_name, router)
-    pushes = []
-    real_push = other.endpoint.push
-    monkeypatch.setattr(other.endpoint, "push", lambda *a, **k: pushes.append(a) or
-                        real_push(*a, **k))
+    pushes = _pushes(other, monkeypatch)
 
     async def main():
         handle.server = other
@@ -153,6 +169,37 @@ def test_an_early_hand_over_its_call_does_not_claim_never_pushes(roles, offline,
             await asyncio.sleep(0.01)
         await until_idle(prefill, other, decode)
         assert pushes == [] and other.whole.early_starts["claimed"] == 0
+        await sink.close()
+
+    asyncio.run(main())
+
+
+def test_an_early_hand_over_whose_reservation_finds_no_room_is_withdrawn(roles, offline,
+                                                                        monkeypatch):
+    """Sent ahead of the reservation, which then finds no room: no call follows, so the
+    hand-over is withdrawn at once and its prefill replica gives its blocks back unpushed; the
+    request is prefilled on the decode replica (its first token by a prefill replica meanwhile)
+    with the offline tokens."""
+    prefill, _, handle, decode = roles
+    router = EarlyRouter(prefill)
+    register_early_router(handle.deployment_name, router)
+    pushes = _pushes(prefill, monkeypatch)
+
+    async def main():
+        await _connected(decode, prefill, offline)
+        del pushes[:]
+        engine = decode.aengine.engine
+        monkeypatch.setattr(engine, "reserve", lambda *a, **k: None)  # no room right now
+        sink = TokenSink()
+        tokens, result = await asyncio.wait_for(
+            generate(decode, sink, PROMPTS[1], "r1", GREEDY), 4.0)
+        assert tokens == offline[1]
+        assert (result.prefilled_where, result.prefilled_why) == ("local", "no_room")
+        assert router.sent == [False, True] and router.withdrawn == ["r1"]
+        while not prefill.whole.early_starts["dropped"]:
+            await asyncio.sleep(0.01)
+        await until_idle(prefill, decode)
+        assert pushes == [] and prefill.whole.early_starts["claimed"] == 0
         await sink.close()
 
     asyncio.run(main())

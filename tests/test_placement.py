@@ -69,6 +69,22 @@ def test_an_idle_pool_is_never_saturated_whatever_its_measured_rate():
     assert placer.counts == {("remote", "long"): 1}
 
 
+@pytest.mark.parametrize("mode, down, certain", [("always", False, True),
+                                                  ("always", True, False),
+                                                  ("auto", False, False),
+                                                  ("never", False, False)])
+def test_a_hand_over_is_certain_before_the_reservation_only_where_room_alone_decides(
+        mode, down, certain):
+    """``always`` hands every prompt over unless room is short, so the decode replica may send
+    the hand-over before it reserves; ``auto`` reads its prefix cache and queue first, and a
+    dead prefill pool keeps every prompt here."""
+    placer = Placer(DisaggregationConfig(mode=mode))
+    placer.prefill_down = down
+    assert placer.remote_for_certain is certain
+    if certain:
+        assert placer.decide(10**6, 0).where == "remote" == placer.decide(1, 10**6).where
+
+
 def test_an_inter_token_target_hands_over_what_would_stretch_the_step_past_it():
     """With ``itl_target_ms`` a prompt kept here by the short or saturated rule is handed over
     ('itl') when the step computing it would exceed the target; not before the step is

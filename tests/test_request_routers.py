@@ -195,6 +195,14 @@ def test_an_early_start_goes_to_the_first_replica_and_its_call_follows_it(monkey
     _, pending = _call("c2")  # no early start: ranked as ever
     assert asyncio.run(router.choose_replicas(replicas, pending))[0][0].replica_id.unique_id \
         == "idle"
+    # A sender whose call will not follow (a hand-over sent ahead of a reservation that found
+    # no room) withdraws it from the replica it went to; a second withdrawal does nothing.
+    req, _ = _call("c3")
+    assert router.start_early(req)
+    router.withdraw_early("c3")
+    router.withdraw_early("c3")
+    assert sink.withdrawn[-1] == ("idle", "c3") and len(sink.withdrawn) == 2
+    assert router.early == {}
 
 
 @pytest.mark.parametrize("case", ["no early-start sink", "busy by Serve's count",

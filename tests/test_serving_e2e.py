@@ -100,9 +100,10 @@ def test_requests_start_on_the_decode_replica_ahead_of_their_calls(server, offli
 
 def test_hand_overs_start_on_the_prefill_replica_ahead_of_their_calls(server, offline):
     """Disaggregated: once a first hand-over has had the prefill replica dial the decode
-    replica's own sink, each hand-over is sent over it as the Serve call leaves and claimed by
-    that call, and its first token reaches the client ahead of its KV's landing: the offline
-    engine's tokens, nothing dropped, no block left held."""
+    replica's own sink, each hand-over is sent over it ahead of its Serve call (and of the
+    decode replica's reservation) and claimed by that call, and its first token reaches the
+    client ahead of its KV's landing: the offline engine's tokens, nothing dropped, no block
+    left held."""
     mode, url, _ = server
     if mode != "disaggregated":
         pytest.skip("colocated: nothing is handed over")
@@ -110,16 +111,18 @@ def test_hand_overs_start_on_the_prefill_replica_ahead_of_their_calls(server, of
     _post(f"{url}/v1/completions", {"prompt": PROMPTS[2], **GREEDY})  # the prefill replica dials
     before = early.remote().result(timeout_s=30)
     expected = offline.generate(PROMPTS, SamplingParams(**GREEDY))
-    ahead = 0
+    ahead = before_reserving = 0
     for prompt, want in zip(PROMPTS, expected):
         body = _post(f"{url}/v1/completions", {"prompt": prompt, **GREEDY,
                                                "include_timing": True}).json()
         assert body["choices"][0]["token_ids"] == want.token_ids
         decode = body["usage"]["timing"]["decode"]
         ahead += decode["first_token"] < decode["queued"]  # published before the KV landed
+        # ``always``: sent while the decode replica's engine reserved the blocks
+        before_reserving += decode["prefill_called"] < decode["reserved"]
     after = early.remote().result(timeout_s=30)
     assert after["claimed"] > before["claimed"] and after["dropped"] == before["dropped"]
-    assert ahead > 0
+    assert ahead > 0 and before_reserving > 0
     _wait_idle(url)
 
 

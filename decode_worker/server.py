@@ -208,9 +208,9 @@ class DecodeServer(StreamedRequests):
         if ahead:  # its first token's command is queued after the reservation's
             dest = KVDestination(rid, self.endpoint.endpoint_id, (), 0,
                                  time.time() + self.timeout_s)
+            sent_at = time.time()  # (before the send: the prefill replica stamps its arrival)
             sent = router.start_early(PrefillRequest(tuple(prompt), req.params, dest,
                                                      self.endpoint.info(), reply_to))
-            sent_at = time.time()
         try:
             placement, h, uncached = await placing
         except BaseException:

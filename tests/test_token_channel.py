@@ -51,6 +51,22 @@ def test_one_frame_per_step_carries_every_request_of_that_ingress():
     _run(main())
 
 
+def test_outputs_for_a_closed_event_loop_are_dropped_not_raised(caplog):
+    """The engine thread publishes a step whose request's connection belongs to an event loop
+    that has closed (a replica shutting down): the outputs are dropped with a warning, and the
+    engine thread, which would otherwise die of it, goes on."""
+    from contracts.token_channel import _Connection
+
+    loop = asyncio.new_event_loop()
+    publisher = TokenPublisher()
+    conn = _Connection(StreamAddress("127.0.0.1", 1, b"k", "s"), None, loop)
+    publisher.route("r1", conn)
+    loop.close()
+    with caplog.at_level("WARNING", logger="contracts.token_channel"):
+        publisher.publish([RequestOutput("r1", [7], finished=True)])
+    assert "closed event loop" in caplog.text
+
+
 def test_unrouted_and_unregistered_requests_are_dropped():
     async def main():
         sink, pub = TokenSink(), TokenPublisher()

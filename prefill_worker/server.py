@@ -86,9 +86,11 @@ class PrefillServer:
         self.aengine.shutdown()
         self.endpoint.close()
 
-    def _outputs(self, outputs) -> None:  # engine thread: prefills' waiters, streamed tokens
-        self.aengine.resolve_waiters(outputs)
+    def _outputs(self, outputs) -> None:  # engine thread: streamed tokens, prefills' waiters
+        # The tokens first: a hand-over's first token is then written before the event loop
+        # runs the waiting prefill's next step (both are the loop's callbacks, in this order).
         self.publisher.publish(outputs)
+        self.aengine.resolve_waiters(outputs)
 
     async def generate(self, req):
         """A whole request (``contracts.streamed``), prefilled and decoded here: the ingress

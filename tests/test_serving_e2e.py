@@ -913,12 +913,24 @@ def test_one_timeline_across_the_roles(server):
     timing = body["usage"]["timing"]
     names = [name for name, _ in timing["phases"]]
     expected = ["arrived", "received", "submitted", "decode_received"]
-    if mode == "disaggregated":  # the first token may come ahead of the push: by time
-        expected += ["prefill_called", "prefill_received", "prefilled"]
+    if mode == "disaggregated":  # in time order: the roles' paths run side by side
+        expected += ["prefill_called"]
         assert names[:len(expected)] == expected and names[-1] == "finished"
+        ahead = "prefill_sampled" in names  # its first token came over the decode's sink
         assert sorted(names[len(expected):-1]) == sorted(
-            ["pushed", "prefill_returned", "admitted", "decode_first_token", "first_token"])
-        assert names.index("decode_first_token") < names.index("first_token")
+            ["reserved", "prefill_received", "prefill_added", "prefilled", "pushed",
+             "prefill_returned", "admitted", "decode_first_token", "first_token"]
+            + (["prefill_sampled", "first_arrived"] if ahead else []))
+        # what causes what comes after it, each chain on the clocks of one host
+        chains = [["prefill_called", "prefill_received", "prefill_added", "prefilled",
+                   "pushed", "prefill_returned", "admitted"], ["reserved", "admitted"],
+                  ["decode_first_token", "first_token"]]
+        if ahead:
+            chains.append(["prefill_added", "prefill_sampled", "first_arrived",
+                           "decode_first_token"])
+            chains.append(["prefill_sampled", "prefilled"])
+        for chain in chains:
+            assert [names.index(n) for n in chain] == sorted(names.index(n) for n in chain)
     else:
         expected += ["queued"]
         assert names == expected + ["decode_first_token", "first_token", "finished"]

@@ -83,9 +83,11 @@ def phases(stream: RequestStream, result: GenerateResult | None) -> list[tuple[s
     p = d.prefill if d is not None else None
     marks = [("arrived", t.arrived), ("received", t.received), ("submitted", t.submitted)]
     if d is not None:
-        marks += [("decode_received", d.received), ("prefill_called", d.prefill_called)]
-    if p is not None:
-        marks += [("prefill_received", p.received), ("prefilled", p.prefilled),
+        marks += [("decode_received", d.received), ("prefill_called", d.prefill_called),
+                  ("reserved", d.reserved), ("first_arrived", d.first_arrived)]
+    if p is not None:  # ``added`` and ``sampled``: the prefill replica's engine thread
+        marks += [("prefill_received", p.received), ("prefill_added", p.added),
+                  ("prefill_sampled", p.sampled), ("prefilled", p.prefilled),
                   ("pushed", p.pushed)]
     if d is not None:
         marks += [("prefill_returned", d.prefill_returned),

@@ -83,6 +83,9 @@ class EarlyStarts:
         if runner is None or rid in self._recent or req.reply_to is None or \
                 req.reply_to.sink_id != conn.address.sink_id:
             return  # its call came first (or the request names another sink)
+        dest = getattr(req, "dest", None)
+        if dest is not None and dest.expired():  # a hand-over whose lease has ended (read by a
+            return  # replica that was stopped): nothing of it could be pushed any more
         self.remember(rid)
         route = self.publisher.route(rid, conn, held=held)
         coro, state = runner(req, route)

@@ -205,6 +205,31 @@ def test_an_early_hand_over_whose_reservation_finds_no_room_is_withdrawn(roles, 
     asyncio.run(main())
 
 
+def test_a_hand_over_whose_lease_has_ended_is_not_started_early(roles, offline):
+    """A hand-over read after its lease's deadline (its prefill replica was stopped while it
+    was sent) is not computed: nothing of it could be pushed any more."""
+    from kvtransfer import KVDestination
+    from contracts.messages import PrefillRequest
+
+    prefill, _, _, decode = roles
+
+    async def main():
+        await _connected(decode, prefill, offline)
+        address = await decode.sink.start()
+        for rid, deadline in (("stale", time.time() - 1), ("live", time.time() + 5)):
+            dest = KVDestination(rid, decode.endpoint.endpoint_id, (), 0, deadline)
+            assert early_sink(address).submit(prefill.publisher.publisher_id, PrefillRequest(
+                tuple(PROMPTS[1]), GREEDY, dest,
+                decode.endpoint.info(), address))
+        while "live" not in prefill.whole.early.unclaimed:
+            await asyncio.sleep(0.01)
+        assert "stale" not in prefill.whole.early.unclaimed
+        prefill.whole.early.withdraw("live")
+        await until_idle(prefill, decode)
+
+    asyncio.run(main())
+
+
 def test_without_early_start_the_sink_takes_no_hand_over(offline):
     """``early_start`` off: the decode replica's sink refuses early starts (the replica choice
     finds no sink to send through), and the answer still comes on it."""

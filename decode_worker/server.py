@@ -276,7 +276,7 @@ class DecodeServer(StreamedRequests):
             timing.queued = time.time()
             return placement, None, uncached
 
-        return self._request_command(rid, asyncio.wrap_future(self.aengine.submit(place)))
+        return self._request_command(rid, place)
 
     async def _first_token_by_prefill(self, req: GenerateRequest, prompt: list[int],
                                       uncached: int, timing: DecodeTiming) -> None:
@@ -320,12 +320,15 @@ class DecodeServer(StreamedRequests):
             if (early := self._early.pop(req.request_id, None)) is not None:
                 early.cancel()
 
-    async def _request_command(self, rid: str, fn):
-        """``fn(engine)`` on the engine thread for request ``rid`` (or the future of one
-        submitted already); if this caller goes away (or it fails), the request is aborted:
-        the command may still run, the abort is queued after it."""
+    def _request_command(self, rid: str, fn):
+        """``fn(engine)`` for request ``rid``, queued on the engine thread now; an awaitable of
+        its result. If the caller goes away while it waits (or the command fails), the request
+        is aborted: the command may still run, the abort is queued after it."""
+        return self._aborting(rid, asyncio.wrap_future(self.aengine.submit(fn)))
+
+    async def _aborting(self, rid: str, result: asyncio.Future):
         try:
-            return await (fn if isinstance(fn, asyncio.Future) else self.aengine.call(fn))
+            return await result
         except BaseException:
             self.abort(rid)
             raise

@@ -86,6 +86,17 @@ process's one GIL), at each of ``--switch-intervals`` (seconds, Python's GIL swi
     python -m benchmarks.profiler ttft --model dummy:Qwen3-0.6B --busy 0.3:1.0 1.0:1.0 \
         --switch-intervals 0.005 0.0002
 
+With ``--gaps KIND:MS`` (several allowed) direct requests run again, the variants taking turns
+one request each, each request after ``MS`` ms of ``sleep`` (host and GPU idle), ``spin`` (the
+host's thread busy in Python), ``gpu`` (the host asleep, one SM busy on a side stream) or
+``both``: what an idle gap before a request costs, and whether keeping either side busy takes it
+back. ``--profile-gap MS`` then prints the host operations that grow after such a gap (the
+torch profiler's CPU time a request, back to back against ``MS`` ms apart, twice each);
+``--gaps-only`` stops there.
+
+    python -m benchmarks.profiler ttft --model dummy:Qwen3-0.6B --n 24 \
+        --gaps sleep:0 sleep:20 spin:20 gpu:20 both:20 --gaps-only --profile-gap 20
+
 """
 
 from __future__ import annotations
@@ -497,11 +508,28 @@ def timed_steps(engine: LLMEngine, log: list[tuple[float, float]]) -> None:
 def steps_before(log, t0: float, t1: float) -> str:
     return "/".join(f"{(b - a) * 1e3:.2f}" for a, b in log if t0 <= a < t1)
 
-def direct(engine: LLMEngine, prompts, gap_s: float = 0.0
+def idle(kind: str, gap_s: float) -> None:
+    """The gap before a request: ``sleep`` (the host and the GPU idle), ``spin`` (the host's
+    thread busy in Python, the GPU idle), ``gpu`` (the host asleep, one SM kept busy on a
+    side stream until the request comes) or ``both``."""
+    if kind in ("gpu", "both") and gap_s > 0 and torch.cuda.is_available():
+        global _SIDE
+        if _SIDE is None:
+            _SIDE = torch.cuda.Stream()
+        with torch.cuda.stream(_SIDE):  # cycles at 1.98 GHz for 80% of the gap
+            torch.cuda._sleep(int(gap_s * 0.8 * 1.98e9))
+    if kind in ("spin", "both"):
+        burn(gap_s * 1e3)
+        return
+    time.sleep(gap_s)
+
+_SIDE = None
+
+def direct(engine: LLMEngine, prompts, gap_s: float = 0.0, kind: str = "sleep"
            ) -> tuple[list[float], list[list[float]]]:
     firsts, steps = [], []
     for p in prompts:
-        time.sleep(gap_s)
+        idle(kind, gap_s)
         log: list[float] = []
         t0 = time.perf_counter()
         rid = engine.add_request(p, ONE)
@@ -586,6 +614,29 @@ def driven_by_asyncio(ae: AsyncEngine, stamps: Stamps, prompts, tag: str,
     return asyncio.run(main())
 
 
+def profile_gap(engine: LLMEngine, fresh, ms: float, n: int = 12) -> None:
+    """Which host operations of a request's steps grow after an idle gap: each operation's CPU
+    time a request, back to back against ``ms`` ms apart, largest growth first."""
+    from torch.profiler import ProfilerActivity, profile
+    per = []
+    for gap_s in (0.0, ms / 1e3, 0.0, ms / 1e3):
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            direct(engine, fresh(n), gap_s=gap_s)
+        per.append({e.key: (e.self_cpu_time_total / n, e.count / n)
+                    for e in prof.key_averages()})
+    keys = set().union(*per)
+
+    def us(i, k):
+        return per[i].get(k, (0.0, 0))[0]
+    grow = sorted(keys, key=lambda k: -(us(1, k) + us(3, k) - us(0, k) - us(2, k)))
+    total = [sum(v[0] for v in d.values()) for d in per]
+    print(f"host time a request (us), back to back / {ms:g} ms apart, twice: "
+          + " / ".join(f"{t:.0f}" for t in total))
+    for k in grow[:14]:
+        print(f"  {k[:48]:48s} " + " ".join(f"{us(i, k):8.1f}" for i in range(4))
+              + f"  x{per[0].get(k, (0, 0))[1]:.0f}")
+
+
 def ttft_main(argv=None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="tiny")
@@ -598,6 +649,12 @@ def ttft_main(argv=None) -> None:
                    help="GIL switch intervals (s) the busy variants run at (default: as set)")
     p.add_argument("--profile", action="store_true",
                    help="torch.profiler table of one direct request (CPU self time)")
+    p.add_argument("--gaps", nargs="*", default=[], metavar="KIND:MS",
+                   help="direct requests again, each after MS ms of KIND: sleep (host and GPU "
+                        "idle), spin (the host busy in Python) or gpu (one SM busy)")
+    p.add_argument("--gaps-only", action="store_true", help="stop after the --gaps variants")
+    p.add_argument("--profile-gap", type=float, default=0.0, metavar="MS",
+                   help="the host's operations of requests back to back against MS ms apart")
     args = p.parse_args(argv)
     if args.switch_interval:
         sys.setswitchinterval(args.switch_interval)
@@ -622,6 +679,23 @@ def ttft_main(argv=None) -> None:
     firsts, steps = direct(engine, fresh(args.n), gap_s=0.02)
     print(f"direct, 20 ms apart: median {statistics.median(firsts):6.2f} ms; steps (ms): "
           + ", ".join("/".join(f"{x:.2f}" for x in s) for s in steps[:4]))
+    # The gap variants take turns, one request each, so that the host's drift is shared.
+    got = {gap: ([], []) for gap in args.gaps}
+    for _ in range(args.n if args.gaps else 0):
+        for gap in args.gaps:
+            kind, ms = gap.split(":")
+            firsts, steps = direct(engine, fresh(1), gap_s=float(ms) / 1e3, kind=kind)
+            got[gap][0].extend(firsts)
+            got[gap][1].extend(steps)
+    for gap, (firsts, steps) in got.items():
+        print(f"direct, {gap:9s} before: median {statistics.median(firsts):6.2f} ms "
+              f"(p25 {statistics.quantiles(firsts, n=4)[0]:5.2f}), first step "
+              f"{statistics.median(s[0] for s in steps):5.2f}, the rest "
+              f"{statistics.median(sum(s[1:]) for s in steps):5.2f} ms", flush=True)
+    if args.profile_gap:
+        profile_gap(engine, fresh, args.profile_gap)
+    if args.gaps_only:
+        return
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])

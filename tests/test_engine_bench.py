@@ -195,3 +195,26 @@ def test_profiler_timeline_builds_the_engine_it_is_asked_for(monkeypatch, flags,
     with pytest.raises(Built) as built:
         timeline_main(["--model", "tiny", *flags])
     assert built.value.args == ("tiny", {"max_num_seqs": 8, **wanted})
+
+
+def test_profiler_ttft_gaps_take_turns_and_report_every_variant(monkeypatch, capsys):
+    """``profiler ttft --gaps``: each variant's requests interleave with the others' (one
+    request a variant in turn, each after its own idle), every variant reports its median, and
+    ``--profile-gap`` names the host operations of a request, back to back and apart."""
+    import benchmarks.profiler as profiler
+
+    seen = []
+    idle = profiler.idle
+    monkeypatch.setattr(profiler, "idle", lambda kind, gap_s: (seen.append((kind, gap_s)),
+                                                               idle(kind, gap_s)))
+    profiler.ttft_main(["--model", "tiny", "--n", "3", "--gaps", "sleep:0", "spin:2", "both:1",
+                        "--gaps-only", "--profile-gap", "1"])
+    out = capsys.readouterr().out
+    # before them: the warm-up (4), back to back (3) and 20 ms apart (3); after them, the
+    # profile's four rounds of 12
+    assert seen[10:19] == [("sleep", 0.0), ("spin", 0.002), ("both", 0.001)] * 3
+    assert seen[19:] == [("sleep", gap) for gap in (0.0, 0.001, 0.0, 0.001) for _ in range(12)]
+    for variant in ("sleep:0", "spin:2", "both:1"):
+        assert f"direct, {variant:9s} before: median" in out
+    assert "host time a request (us), back to back / 1 ms apart" in out
+    assert "aten::" in out

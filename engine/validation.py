@@ -32,7 +32,10 @@ class RequestChecks:
         """Token ids the model can run: not empty, in its vocabulary, room left to generate."""
         if not ids:
             raise BadRequest("prompt: must not be empty")
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        # Both passes run in C when every id is a plain int (~10x faster than a generator over
+        # a long prompt; the ingress and the engine each check every prompt on its way in).
+        if set(map(type, ids)) != {int} and not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in ids):
             raise BadRequest("prompt: token ids must be integers")
         self.in_vocabulary(ids, "prompt")
         if len(ids) >= self.max_model_len:
@@ -41,6 +44,9 @@ class RequestChecks:
         return ids
 
     def in_vocabulary(self, ids: Iterable[int], field: str) -> None:
+        ids = ids if isinstance(ids, (list, tuple)) else list(ids)
+        if not ids or (min(ids) >= 0 and max(ids) < self.vocab_size):
+            return
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise BadRequest(f"{field}: token ids {bad[:5]} are outside the vocabulary "

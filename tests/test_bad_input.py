@@ -32,11 +32,38 @@ def test_bad_sampling_params(kwargs, field):
     ([1, 2, 512], "outside the vocabulary"),
     ([-1], "outside the vocabulary"),
     ([1.5], "must be integers"),
+    ([1, True], "must be integers"),
+    ([3, "4"], "must be integers"),
+    ([1, 2, 1.0], "must be integers"),
 ])
 def test_bad_prompts(llm, prompt, match):
     with pytest.raises(ValueError, match=match):
         llm.generate([prompt])
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_the_prompt_checks_name_the_same_ids_on_their_fast_and_slow_paths():
+    """The checks run in C over plain ints and fall back to a per-id pass for anything else:
+    an int subclass other than bool is an id, the first five ids outside the vocabulary are
+    named in order, and ids from any iterable (a generator: the parameters' own) are checked."""
+    import enum
+
+    from engine.errors import BadRequest
+    from engine.validation import RequestChecks
+
+    class Tok(enum.IntEnum):
+        A = 7
+
+    checks = RequestChecks("m", vocab_size=100, max_model_len=1000, has_tokenizer=False)
+    assert checks.prompt([Tok.A, 1, 99]) == [Tok.A, 1, 99]
+    assert checks.prompt(list(range(100))) == list(range(100))
+    with pytest.raises(BadRequest, match=r"token ids \[100, -1, 250, 101, 102\] are outside "
+                                         r"the vocabulary \[0, 100\)"):
+        checks.prompt([5, 100, -1, 250, 6, 101, 102, 103, 99])
+    with pytest.raises(BadRequest, match=r"stop: token ids \[-3\]"):
+        checks.in_vocabulary((t for t in (1, -3, 2)), "stop")
+    checks.in_vocabulary((t for t in ()), "stop")
+    checks.in_vocabulary(iter([0, 99]), "stop")
 
 
 def test_one_bad_prompt_queues_nothing(llm):

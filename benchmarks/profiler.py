@@ -651,8 +651,9 @@ def ttft_main(argv=None) -> None:
                    help="torch.profiler table of one direct request (CPU self time)")
     p.add_argument("--gaps", nargs="*", default=[], metavar="KIND:MS",
                    help="direct requests again, each after MS ms of KIND: sleep (host and GPU "
-                        "idle), spin (the host busy in Python) or gpu (one SM busy)")
-    p.add_argument("--gaps-only", action="store_true", help="stop after the --gaps variants")
+                        "idle), spin (the host busy in Python), gpu (one SM busy) or both")
+    p.add_argument("--gaps-only", action="store_true",
+                   help="stop after the --gaps variants (and --profile-gap)")
     p.add_argument("--profile-gap", type=float, default=0.0, metavar="MS",
                    help="the host's operations of requests back to back against MS ms apart")
     args = p.parse_args(argv)

@@ -17,7 +17,8 @@ prefix caches, so no protocol gets the prompts of another's point from the cache
 p50/p99, the delay from the engine step that produced a token to the client (p50/p99), tokens
 per streamed chunk, whether the served tokens equal the offline ones, the CPU each process kind
 used, and at zero load the served TTFT minus the engine's own time to first token with where
-that time goes (HTTP, from the timings the app returns when asked).
+that time goes (from the timings the app returns when asked: HTTP's ``include_timing``, gRPC's
+``include_timing`` field; ``--protocols http-untimed,grpc-untimed`` do not ask).
 
 ``--stub-forward`` (CPU only) replaces the model's forward pass with fixed logits, offline and in
 the replicas, so what is left is the cost of scheduling and of serving. ``--cpu`` runs the CPU
@@ -147,13 +148,15 @@ async def _http_one(session, url: str, index: int, prompt, max_tokens: int, time
 
 
 async def _grpc_one(stub, pb, index: int, prompt, max_tokens: int, timeout: float,
-                    sampling: dict | None = None) -> Record:
+                    timed: bool = True, sampling: dict | None = None) -> Record:
     req = pb.GenerateRequest(prompt_token_ids=prompt, max_tokens=max_tokens,
-                             **(sampling or GREEDY), ignore_eos=True)
+                             **(sampling or GREEDY), ignore_eos=True, include_timing=timed)
     rec = Record(index, time.time(), len(prompt))
     try:
         async for msg in stub.GenerateStream(req, timeout=timeout):
             now = time.time()
+            if msg.timing_json:  # asked: one more message after the last
+                rec.timing = json.loads(msg.timing_json)
             if msg.token_ids:
                 rec.first = rec.first or now
                 rec.tokens += list(msg.token_ids)
@@ -171,7 +174,7 @@ async def _client(protocol: str, address: str, jobs, start_at: float, max_tokens
                   ) -> list[Record]:
     """All ``jobs`` at once at ``start_at`` (or one after another over one warm connection,
     after a first request that is not recorded)."""
-    if protocol.startswith("http"):  # "http-untimed": without the timings (no hops)
+    if protocol.startswith("http"):  # "...-untimed": without the timings (no hops)
         import aiohttp
 
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
@@ -196,7 +199,8 @@ async def _client(protocol: str, address: str, jobs, start_at: float, max_tokens
         stub = baton_pb2_grpc.BatonStub(channel)
         await channel.channel_ready()
         return await _run_jobs(lambda i, p: _grpc_one(stub, baton_pb2, i, p, max_tokens, timeout,
-                                                      sampling), jobs, start_at, sequential)
+                                                      protocol == "grpc", sampling),
+                               jobs, start_at, sequential)
 
 
 async def _run_jobs(one, jobs, start_at: float, sequential: bool) -> list[Record]:
@@ -337,7 +341,7 @@ def summarize(records: list[dict], offline_tokens: list[list[int]], wall: float)
 
 
 def breakdown(records: list[dict]) -> dict[str, float]:
-    """Median milliseconds of each hop to the first token (HTTP records with timings)."""
+    """Median milliseconds of each hop to the first token (records with timings: HTTP and gRPC)."""
     hops: dict[str, list[float]] = {}
 
     def add(name, a, b):
@@ -604,7 +608,8 @@ def serve_layout(layout, config, args, pool, prompts, offline_tokens, fresh_prom
     check_fits(layout, config)
     with served(config, args.timeout) as app:
         print(f"{layout}: ready in {app.ready_s:.0f}s", flush=True)
-        addresses = {"http": app.url, "grpc": app.grpc, "http-untimed": app.url}
+        addresses = {"http": app.url, "grpc": app.grpc, "http-untimed": app.url,
+                     "grpc-untimed": app.grpc}
         for protocol in args.protocols:
             serve_protocol(layout, protocol, addresses[protocol], args, pool, prompts,
                            offline_tokens, fresh_prompts, out)
@@ -749,7 +754,8 @@ def main(argv=None) -> None:
     p.add_argument("--streams", default="1,16,64,256")
     p.add_argument("--layouts", default="colo,1p1d")
     p.add_argument("--protocols", default="http,grpc",
-                   help="http, grpc, http-untimed (HTTP without asking for the timings)")
+                   help="http, grpc, http-untimed, grpc-untimed (without asking for the "
+                        "timings)")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="of the requests, the warm-up's too (the zero-load ones stay greedy); "
                         "above 0 the 'same' column is nan")

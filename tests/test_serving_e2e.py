@@ -997,6 +997,36 @@ def test_grpc_unary_and_stream_match_offline(stub, offline):
     assert stub.Health(baton_pb2.HealthRequest(), timeout=10).status == "ok"
 
 
+def test_grpc_timing_when_asked(server, stub):
+    """``include_timing`` over gRPC: the unary answer carries the request's timeline, and a
+    stream ends with one more message, without tokens, that carries it; the timeline is HTTP's
+    (the ingress's and the replicas' milestones in causal order) less HTTP's own ``arrived``."""
+    from proto import baton_pb2
+    mode = server[0]
+    req = baton_pb2.GenerateRequest(prompt=PROMPTS[0], max_tokens=4, temperature=0,
+                                    ignore_eos=True, include_timing=True, request_id="t")
+    t0 = time.time()
+    msgs = list(stub.GenerateStream(req, timeout=60))
+    unary = stub.Generate(req, timeout=60)
+    *tokens, last = msgs
+    assert sum(len(m.token_ids) for m in tokens) == 4 and tokens[-1].finish_reason == "length"
+    assert not last.token_ids and last.request_id == "t" and not tokens[-1].timing_json
+    for answer in (last, unary):
+        timing = json.loads(answer.timing_json)
+        router, decode = timing["router"], timing["decode"]
+        assert "arrived" not in [name for name, _ in timing["phases"]]
+        assert t0 <= router["received"] <= router["submitted"] <= decode["received"]
+        assert decode["first_token"] <= router["first_token"] <= router["finished"] <= time.time()
+        assert (decode["prefill_called"] > 0) == (mode == "disaggregated")
+        assert timing["replicas"]["decode"]
+    assert len(unary.token_ids) == 4
+    plain = list(stub.GenerateStream(baton_pb2.GenerateRequest(
+        prompt=PROMPTS[0], max_tokens=4, temperature=0, ignore_eos=True), timeout=60))
+    assert all(m.token_ids for m in plain) and not any(m.timing_json for m in plain)
+    assert not stub.Generate(baton_pb2.GenerateRequest(prompt=PROMPTS[0], max_tokens=2),
+                             timeout=60).timing_json
+
+
 def test_grpc_client_request_ids_need_not_be_unique(stub, offline):
     """A client's request_id is echoed, not used as a key: two at once with one id both
     complete with their own tokens."""

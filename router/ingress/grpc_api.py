@@ -9,6 +9,7 @@ translates.
 
 from __future__ import annotations
 
+import json
 import os
 import uuid
 
@@ -21,7 +22,7 @@ from engine.errors import BadRequest
 from router.ingress.door import authorized
 from router.ingress.errors import describe, log_failure
 from router.ingress.protocol import CompletionRequest
-from router.ingress.service import RequestService
+from router.ingress.service import RequestService, timing_of
 from router.ingress.streams import Chunk, RequestStream
 
 
@@ -154,11 +155,12 @@ class GrpcAdapter:
             return False
         return True
 
-    async def _chunks(self, req, grpc_context):
+    async def _chunks(self, req, grpc_context, timed: dict | None = None):
         """(index, chunk, stream) of one gRPC request's ``n`` sequences, as they come. A failure
         sets the call's status (a bad request: INVALID_ARGUMENT; overload: RESOURCE_EXHAUSTED,
         the retry hint in the details, as Serve's gRPC path drops trailing metadata) and ends
-        the iteration. Every call is counted by its status."""
+        the iteration. Every call is counted by its status. Given ``timed``, a request of one
+        sequence that ended puts its timeline there (``"timing"``, as HTTP's ``usage.timing``)."""
         code = grpc.StatusCode.CANCELLED  # unless it ends here: the client went away
         try:
             if not self._authorized(grpc_context):
@@ -173,6 +175,10 @@ class GrpcAdapter:
                         yield index, chunk, feed.streams[index]
                 finally:
                     await feed.aclose()
+                if timed is not None and len(feed.streams) == 1:
+                    timed["timing"] = timing_of(feed.streams[0], feed.results[0],
+                                                self.service.replica)
+                    timed["request_id"] = req.request_id or feed.streams[0].request_id
                 code = grpc.StatusCode.OK
             except Exception as exc:  # noqa: BLE001 - every failure becomes a status
                 failure = describe(exc, rid)
@@ -186,7 +192,8 @@ class GrpcAdapter:
         """The whole answer; with ``n`` > 1 every sequence in ``choices`` (and sequence 0 in the
         top-level fields)."""
         answers: dict[int, baton_pb2.GenerateResponse] = {}
-        async for index, chunk, stream in self._chunks(request, grpc_context):
+        timed = {} if request.include_timing else None
+        async for index, chunk, stream in self._chunks(request, grpc_context, timed):
             part = chunk_message(request, index, chunk, stream, index not in answers)
             if index not in answers:
                 answers[index] = baton_pb2.GenerateResponse(index=index)
@@ -202,14 +209,20 @@ class GrpcAdapter:
         if len(choices) > 1:  # sequence i ran as "<id>-<i>": the request's own id on top
             first.choices.extend(choices)
             first.request_id = request.request_id or choices[0].request_id.rsplit("-", 1)[0]
+        if timed:
+            first.timing_json = json.dumps(timed["timing"])
         return first
 
     async def generate_stream(self, request, grpc_context: RayServegRPCContext):
         sent, started = False, set()
-        async for index, chunk, stream in self._chunks(request, grpc_context):
+        timed = {} if request.include_timing else None
+        async for index, chunk, stream in self._chunks(request, grpc_context, timed):
             yield chunk_message(request, index, chunk, stream, index not in started)
             started.add(index)
             sent = True
+        if timed:  # after the last message, as HTTP's usage event: the replicas' results are in
+            yield baton_pb2.GenerateResponse(request_id=timed["request_id"],
+                                             timing_json=json.dumps(timed["timing"]))
         if not sent and grpc_context.code() not in (None, grpc.StatusCode.OK) \
                 and os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") != "1":
             # Serve's Python proxy (no HAProxy in front) carries a stream's status only with a

@@ -127,6 +127,12 @@ def _append(whole: baton_pb2.GenerateResponse, part: baton_pb2.GenerateResponse)
         whole.usage.CopyFrom(part.usage)
 
 
+def _timing_asked(request) -> dict | None:
+    """Where a request that asked for its timeline gets it (``None``: not asked, or a message
+    that did not parse, whose failure :meth:`GrpcAdapter._chunks` reports)."""
+    return {} if not isinstance(request, Unparsed) and request.include_timing else None
+
+
 class GrpcAdapter:
     """The gRPC methods of the ingress, over its request service (the deployment class declares
     them by RPC name, :mod:`.app`, and calls these)."""
@@ -192,7 +198,7 @@ class GrpcAdapter:
         """The whole answer; with ``n`` > 1 every sequence in ``choices`` (and sequence 0 in the
         top-level fields)."""
         answers: dict[int, baton_pb2.GenerateResponse] = {}
-        timed = {} if request.include_timing else None
+        timed = _timing_asked(request)
         async for index, chunk, stream in self._chunks(request, grpc_context, timed):
             part = chunk_message(request, index, chunk, stream, index not in answers)
             if index not in answers:
@@ -215,7 +221,7 @@ class GrpcAdapter:
 
     async def generate_stream(self, request, grpc_context: RayServegRPCContext):
         sent, started = False, set()
-        timed = {} if request.include_timing else None
+        timed = _timing_asked(request)
         async for index, chunk, stream in self._chunks(request, grpc_context, timed):
             yield chunk_message(request, index, chunk, stream, index not in started)
             started.add(index)

@@ -174,7 +174,8 @@ async def _client(protocol: str, address: str, jobs, start_at: float, max_tokens
                   ) -> list[Record]:
     """All ``jobs`` at once at ``start_at`` (or one after another over one warm connection,
     after a first request that is not recorded)."""
-    if protocol.startswith("http"):  # "...-untimed": without the timings (no hops)
+    timed = not protocol.endswith("-untimed")  # untimed: no timings asked, so no hops
+    if protocol.startswith("http"):
         import aiohttp
 
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
@@ -189,7 +190,7 @@ async def _client(protocol: str, address: str, jobs, start_at: float, max_tokens
 
             def one(i, p):
                 return _http_one(s, f"{address}/v1/completions", i, p, max_tokens, timeout,
-                                 protocol == "http", sampling)
+                                 timed, sampling)
             return await _run_jobs(one, jobs, start_at, sequential)
     import grpc
 
@@ -199,7 +200,7 @@ async def _client(protocol: str, address: str, jobs, start_at: float, max_tokens
         stub = baton_pb2_grpc.BatonStub(channel)
         await channel.channel_ready()
         return await _run_jobs(lambda i, p: _grpc_one(stub, baton_pb2, i, p, max_tokens, timeout,
-                                                      protocol == "grpc", sampling),
+                                                      timed, sampling),
                                jobs, start_at, sequential)
 
 

@@ -6,7 +6,8 @@ KV heads of 128): ``dummy:`` weights are drawn per rank, so a split dummy model 
 
 - A model split over 2 GPUs gives the greedy tokens and logprobs of one GPU (float32, the torch
   attention backend: the split only reorders sums), with prefix-cache hits.
-- bf16 on FlashInfer: the split engine's CUDA-graph decode gives its eager tokens.
+- bf16 on FlashInfer: the split engine's CUDA-graph decode gives its eager tokens; so does
+  the split engine with FP8 weights and head (each rank quantizes its own shards).
 - The hand-over between replicas of 1 and 2 ranks spread over both GPUs, over CUDA IPC
   (same-GPU copies, and pack / peer copy / unpack across them; a worker rank's cache offered by
   its own handle) and NIXL: the tokens of one rank colocated, every rank's heads of every block
@@ -67,9 +68,12 @@ def test_split_over_two_gpus_gives_the_tokens_of_one(model):
         llm.engine.shutdown()
 
 
-def test_split_cuda_graphs_give_the_eager_tokens(model):
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+def test_split_cuda_graphs_give_the_eager_tokens(model, quantization):
     bf16 = dict(device="cuda:0", dtype="bfloat16", num_blocks=1024, max_num_seqs=16,
                 show_progress=False, seed=0, tensor_parallel_size=2)
+    if quantization:  # each rank's shards of the projections and of the head in e4m3
+        bf16.update(quantization=quantization, fp8_lm_head=True)
     prompts = random_prompts([5, 17, 33, 64, 100, 130], vocab=VOCAB, seed=12)
     alone = random_prompts([9, 128, 300], vocab=VOCAB, seed=13)  # a lone prompt's graph each
     params = GREEDY.model_copy(update={"max_tokens": 32})
@@ -83,6 +87,9 @@ def test_split_cuda_graphs_give_the_eager_tokens(model):
     graphed = LLM(model, **bf16)
     try:
         assert graphed.engine.runner.graphs is not None
+        if quantization:  # (rank 0's model; the worker ranks load theirs by the same config)
+            assert graphed.engine.weights_name.startswith("fp8")
+            assert graphed.engine.model.lm_head_fp8 is not None
         assert _tokens(graphed, prompts, params) == want
         mixed, replayed = graphed.engine.runner.mixed, []
         run_prompt = mixed.run_prompt

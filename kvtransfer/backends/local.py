@@ -1,5 +1,5 @@
 """In-process transport: endpoints that share a :class:`LocalFabric` copy straight into each
-other's caches. Used for colocated mode and unit tests."""
+other's caches: for tests and in-process tools (``auto`` never picks it)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """A prefill server in a child process pushes KV into a decode server in this process (the role
-servers as they ship), over NIXL (host memory over UCX) and gloo (the CPU stand-in for NCCL)."""
+servers as they ship), over NIXL (host memory over UCX) and gloo (the CPU stand-in for NCCL); and
+the README's hand-over example, run as written in a process of its own."""
 
 import asyncio
 import os

@@ -34,7 +34,7 @@ from contracts.messages import (TIMELINE, DecodeTiming, GenerateRequest, Generat
                                 PrefillResult, TransferSummary, serve_logger, timeline)
 from contracts.metrics import EarlyStartMetrics
 from contracts.token_channel import TokenPublisher
-from engine.errors import BadRequest
+from engine.errors import BadRequest, RequestIdInUse
 from engine.outputs import RequestOutput
 
 log = serve_logger(__name__)
@@ -192,7 +192,8 @@ class StreamedRequests:
             last = await route.done
         except BaseException as exc:
             self.publisher.unroute(rid)
-            self.abort(rid)
+            if not isinstance(exc, RequestIdInUse):  # (the id is another run's: left alone)
+                self.abort(rid)
             timing.first_token, timing.finished = route.first_at, time.time()
             if isinstance(exc, BadRequest):  # the client's error: one line, answered in-band
                 log.info("request %s refused: %s", rid, exc)

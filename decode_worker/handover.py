@@ -39,6 +39,7 @@ import enum
 from collections.abc import Callable
 
 from contracts.messages import PrefillResult
+from engine.errors import RequestIdInUse
 from engine.outputs import RequestOutput
 from kvtransfer import KVDestination, Transfer, TransferState
 
@@ -95,7 +96,7 @@ class HandOvers:
         in one command: blocks are never reserved without their lease. None when blocks or
         sequence slots are short right now (nothing is taken)."""
         if request_id in self._live:
-            raise ValueError(f"request_id: {request_id!r} is already in use")
+            raise RequestIdInUse(f"request_id: {request_id!r} is already in use")
         reserved = engine.reserve(prompt, params, request_id)
         if reserved is None:
             return None
@@ -183,7 +184,14 @@ class HandOvers:
 
     def _admit(self, engine, h: HandOver) -> None:
         r = h.answer
-        out = engine.admit(h.request_id, r.first_token, r.first_logprob, r.first_top_logprobs)
+        try:
+            out = engine.admit(h.request_id, r.first_token, r.first_logprob,
+                               r.first_top_logprobs)
+        except Exception as exc:  # noqa: BLE001 - a peer's bad answer (a token outside the
+            # vocabulary): released like a push that failed (the request is prefilled here),
+            # never left leased nor raised into a transport's callback or the engine's ticker
+            self._release(engine, h, f"the prefill replica's answer was refused: {exc}")
+            return
         del self._live[h.request_id]
         self._firsts.pop(h.request_id, None)
         h._end(State.ADMITTED)

@@ -38,6 +38,7 @@ from contracts.token_channel import TokenPublisher, TokenSink, early_router
 from contracts.metrics import EngineMetrics, PlacementMetrics, TransferMetrics, replica_id
 from contracts.role import SharedAnswer, any_replica_answers, load_report, role_gone
 from engine.async_engine import AsyncEngine
+from engine.errors import RequestIdInUse
 from engine.sampling_params import SamplingParams
 from decode_worker.handover import HandOvers, State
 from decode_worker.placement import DisaggregationConfig, Placer
@@ -116,6 +117,9 @@ class DecodeServer(StreamedRequests):
         self.endpoint = self.handovers = None
         self._calls: dict[str, tuple] = {}  # request id -> (its hand-over, its prefill call)
         self._early: dict[str, asyncio.Future] = {}  # request id -> its first-token call (no room)
+        # request id -> the end of an aborted run's hand-over whose blocks stay fenced while its
+        # prefill call runs: a later run of the id waits for it (the blocks are that run's)
+        self._fenced: dict[str, asyncio.Future] = {}
         self.sink = TokenSink(channel_host, early_start) if prefill is not None else None
         if prefill is not None:
             self.endpoint = endpoint_for(self.aengine.engine.kv_cache_spec(), backend, polled=True,
@@ -156,6 +160,11 @@ class DecodeServer(StreamedRequests):
 
     async def _prefill_elsewhere(self, req: GenerateRequest, prompt: list[int],
                                  timing: DecodeTiming) -> tuple[PrefillResult | None, Placement]:
+        if (fenced := self._fenced.get(req.request_id)) is not None:
+            # An earlier run of this id (an early start dropped before its call came) still
+            # holds its hand-over's blocks, fenced until its prefill call ends (bounded by its
+            # lease): this run starts once they are released, instead of being refused.
+            await asyncio.wait_for(asyncio.shield(fenced), self.timeout_s)
         if self.prefill is None:
             return None, self.placement
         if req.params.prompt_logprobs is not None:  # made where the prompt is computed: here
@@ -219,8 +228,9 @@ class DecodeServer(StreamedRequests):
         if h is None:
             self._withdraw_early(router, rid, sent)
             if placement is NO_ROOM and self.placer.config.first_token_while_queued:
-                self._early[rid] = asyncio.ensure_future(
+                early = self._early[rid] = asyncio.ensure_future(
                     self._first_token_by_prefill(req, prompt, uncached, timing))
+                early.add_done_callback(lambda done: self._forget(self._early, rid, done))
             return None, placement
         timing.prefill_called = sent_at if sent else time.time()  # its hand-over's first send
         reply_to = reply_to or await self.sink.start()
@@ -329,9 +339,17 @@ class DecodeServer(StreamedRequests):
     async def _aborting(self, rid: str, result: asyncio.Future):
         try:
             return await result
+        except RequestIdInUse:  # the id is another run's: that one is left alone
+            raise
         except BaseException:
             self.abort(rid)
             raise
+
+    @staticmethod
+    def _forget(entries: dict, rid: str, entry) -> None:
+        """Drop ``entries[rid]`` if it is still ``entry`` (not a later run's)."""
+        if entries.get(rid) is entry:
+            del entries[rid]
 
     async def _handed_over(self, rid: str, h, call: asyncio.Future, answer: asyncio.Future,
                            timing: DecodeTiming) -> PrefillResult | None:
@@ -457,6 +475,10 @@ class DecodeServer(StreamedRequests):
         running = call is not None and not call.done()
         self.aengine.submit(lambda e: self.handovers.abandon(e, request_id, running))
         if running:
+            if not h.outcome.done():
+                self._fenced[request_id] = h.outcome
+                h.outcome.add_done_callback(
+                    lambda done: self._forget(self._fenced, request_id, done))
             asyncio.ensure_future(self._end_when_answered(h, call))
 
     async def _end_when_answered(self, h, call: asyncio.Future) -> None:

@@ -26,7 +26,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from engine.config import EngineConfig
-from engine.errors import EngineDeadError
+from engine.errors import EngineDeadError, RequestIdInUse
 from engine.llm_engine import LLMEngine, Prompt
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -68,6 +68,8 @@ class AsyncEngine:
         fut: Future = Future()
         self._commands.put((fn, fut))
         self._wake.set()
+        if self.error is not None:  # died meanwhile: no thread will take it
+            self._fail_commands()
         return fut
 
     async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
@@ -103,6 +105,8 @@ class AsyncEngine:
         The event loop is woken only by the request's end (or the add's failure), not by the
         add itself: a wake-up there would run this coroutine's Python on the loop while the
         engine thread launches the request's first step, both under the process's one GIL."""
+        if request_id in self._waiters:  # refused before anything is touched: that id's run
+            raise RequestIdInUse(f"request_id: {request_id!r} is already in use")  # goes on
         loop = asyncio.get_running_loop()
         done = loop.create_future()
         self._waiters[request_id] = (loop, done, then)
@@ -120,6 +124,8 @@ class AsyncEngine:
             await self.compile_grammar(params)
             self.submit(add)
             return await done
+        except RequestIdInUse:  # the engine holds the id for another request: left alone
+            raise
         except BaseException:
             # Always: a cancel also cancels ``done``, so "done" cannot tell whether the request
             # ended; aborting a finished request is a no-op.
@@ -175,6 +181,19 @@ class AsyncEngine:
                 self._on_error(EngineDeadError(repr(exc)))
             for loop, fut, _ in list(self._waiters.values()):
                 loop.call_soon_threadsafe(_set_exception, fut, EngineDeadError(repr(exc)))
+            self._fail_commands()
+
+    def _fail_commands(self) -> None:
+        """Fail the commands no thread will run (the engine thread died or stopped)."""
+        while True:
+            try:
+                _, fut = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(EngineDeadError(
+                    f"engine thread died: {self.error!r}" if self.error is not None
+                    else "engine shut down"))
 
     def _drain(self) -> bool:
         """Run the commands posted so far; whether there were any."""
@@ -213,6 +232,8 @@ class AsyncEngine:
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout=5)
+        if not self._thread.is_alive():  # commands posted after its last turn: failed, not lost
+            self._fail_commands()
         self.engine.shutdown()
 
 

@@ -10,3 +10,8 @@ class BadRequest(ValueError):
     error, answered 400 / ``INVALID_ARGUMENT`` with this message by a server. A ``ValueError``,
     so offline callers that catch those keep working; a server answers 400 for this type (and
     for its request models' validation errors) only, never for any ``ValueError``."""
+
+
+class RequestIdInUse(BadRequest):
+    """A request id that another request on this engine (or replica) still holds. Refusing it
+    must leave that other request alone: nothing is aborted by the id."""

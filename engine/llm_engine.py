@@ -37,7 +37,7 @@ from engine.config import EngineConfig
 from engine.cuda_graph import ARGMAX_MAX_ROWS, graphs_draw
 from engine import draft_model
 from engine.draft_model import DraftProposer
-from engine.errors import BadRequest
+from engine.errors import BadRequest, RequestIdInUse
 from engine.executor import Executor
 from engine.input_processor import InputProcessor, Prompt
 from engine.kv_cache_manager import KVCacheManager
@@ -207,7 +207,7 @@ class LLMEngine:
     def _new_sequence(self, prompt: Prompt, params: SamplingParams | None,
                       request_id: str | None) -> Sequence:
         if request_id is not None and self.scheduler.find(request_id) is not None:
-            raise BadRequest(f"request_id: {request_id!r} is already in use")
+            raise RequestIdInUse(f"request_id: {request_id!r} is already in use")
         seq = self.processor.sequence(prompt, params, request_id or uuid.uuid4().hex,
                                       self.pool.num_usable_blocks)
         self.stats.prompt_tokens += seq.num_prompt_tokens

@@ -13,6 +13,7 @@ import pytest
 from contracts.role import RoleDeployment
 from engine import LLM, EngineConfig, SamplingParams
 from engine.async_engine import AsyncEngine, EngineDeadError
+from engine.errors import RequestIdInUse
 from tests.models import random_prompts
 
 CONFIG = dict(model="tiny", num_blocks=64, max_num_seqs=8, show_progress=False)
@@ -91,6 +92,8 @@ def test_a_request_the_engine_refuses_fails_its_run_and_added_runs_once_taken(ae
         with pytest.raises(ValueError, match="already in use"):
             await aengine.call(lambda e: e.add_request(PROMPTS[0], GREEDY, "taken"))
             await asyncio.wait_for(aengine.run(PROMPTS[1], GREEDY, "taken"), 10)
+        # the refusal left the request that holds the id alone
+        assert await aengine.call(lambda e: e.scheduler.find("taken")) is not None
         await aengine.call(lambda e: e.abort_request("taken"))
         threads = []
         out = await aengine.run(PROMPTS[0], GREEDY, "next",
@@ -100,6 +103,45 @@ def test_a_request_the_engine_refuses_fails_its_run_and_added_runs_once_taken(ae
     out, threads = asyncio.run(main())
     assert out.finish_reason == "length" and threads == ["baton-engine"]
     assert _idle(aengine)
+
+
+def test_a_second_run_under_a_running_id_is_refused_and_leaves_the_first(aengine, offline):
+    async def main():
+        first = asyncio.ensure_future(aengine.run(PROMPTS[0], GREEDY, "one"))
+        await asyncio.sleep(0)
+        with pytest.raises(RequestIdInUse):
+            await asyncio.wait_for(aengine.run(PROMPTS[1], GREEDY, "one"), 10)
+        return await asyncio.wait_for(first, 30)
+
+    assert _last(asyncio.run(main())) == (offline[0][-1], 12, "length")
+    assert _idle(aengine)
+
+
+def test_commands_queued_when_the_engine_thread_dies_fail_too():
+    """A command posted while the thread is in its last turn is failed with the rest, not left
+    to wait for a thread that is gone."""
+    aengine = AsyncEngine(EngineConfig(**CONFIG))
+    entered, release = threading.Event(), threading.Event()
+
+    def dying_ticker():
+        entered.set()
+        release.wait(10)
+        raise RuntimeError("device lost")
+
+    try:
+        async def main():
+            aengine.add_ticker(dying_ticker)
+            assert await asyncio.to_thread(entered.wait, 10)
+            queued = aengine.call(lambda e: "ran")  # posted during that turn
+            task = asyncio.ensure_future(queued)
+            await asyncio.sleep(0.05)
+            release.set()
+            with pytest.raises(EngineDeadError, match="device lost"):
+                await asyncio.wait_for(task, 10)
+
+        asyncio.run(main())
+    finally:
+        aengine.shutdown()
 
 
 def test_a_dying_engine_thread_fails_every_waiter_and_later_calls():

@@ -353,6 +353,32 @@ def test_a_request_abandoned_during_the_push_keeps_its_blocks_until_the_prefill_
     asyncio.run(main())
 
 
+def test_a_later_run_of_an_id_waits_for_the_blocks_its_earlier_run_left_fenced(roles, offline):
+    """An aborted run (an early start dropped because its call came late) whose prefill call
+    still writes into its blocks, then the late call under the same id: that run starts once the
+    fenced blocks are released (the prefill call has answered), gives the offline tokens, and
+    the fenced blocks are never handed back while the push may still write them."""
+    prefill, handle, decode = roles({"delay": 0.5})
+
+    async def main():
+        sink = TokenSink()
+        task = await _until_prefill_called(decode, handle, sink)
+        fenced = decode.held_blocks
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        late = asyncio.ensure_future(generate(decode, sink, PROMPTS[1], "r", GREEDY))
+        await asyncio.sleep(0.2)
+        assert fenced > 0 and decode.held_blocks == fenced  # still the first run's, fenced
+        assert handle.calls == 1 and not late.done()  # the late run waits for them
+        tokens, result = await asyncio.wait_for(late, 30)
+        assert tokens == offline[1] and result.transfer is not None
+        assert handle.calls == 2
+        await until_idle(prefill, decode)
+        await sink.close()
+
+    asyncio.run(main())
+
+
 def test_abort_anywhere_is_harmless_twice_and_ids_stay_apart(roles, offline):
     """``abort`` of a reserved hand-over, of an unknown id, and twice; a reservation under an id
     still in use is refused rather than mixed up with the first."""
@@ -363,6 +389,8 @@ def test_abort_anywhere_is_harmless_twice_and_ids_stay_apart(roles, offline):
         assert decode.held_blocks == len(dest.block_ids) > 0
         with pytest.raises(ValueError, match="already in use"):
             await decode.reserve(PROMPTS[1], GREEDY, "x")
+        await decode.aengine.call(lambda e: None)  # (any abort it queued has run)
+        assert decode.held_blocks == len(dest.block_ids)  # the refusal left the first alone
         decode.abort("x")
         decode.abort("x")
         decode.abort("never-seen")

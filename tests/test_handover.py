@@ -10,6 +10,7 @@ import pytest
 
 from contracts.messages import PrefillResult
 from decode_worker.handover import HandOvers, State
+from engine.errors import BadRequest
 from engine.outputs import RequestOutput
 from kvtransfer import TransferState, TransferStats
 from kvtransfer.endpoint import Transfer
@@ -22,11 +23,14 @@ class Engine:
         self.room = room
         self.admitted: list[tuple[str, int]] = []
         self.aborted: list[str] = []
+        self.vocab_size = 1000
 
     def reserve(self, prompt, params, rid):
         return (rid, [5, 6, 7], 16) if self.room else None
 
     def admit(self, rid, token, logprob=None, top=None):
+        if not 0 <= token < self.vocab_size:  # as the engine checks a peer's token
+            raise BadRequest(f"token id {token} is outside the vocabulary")
         self.admitted.append((rid, token))
         return RequestOutput(rid, [token])
 
@@ -115,6 +119,26 @@ def test_landed_and_answered_in_either_order_admit_once(order):
     _, engine, _, published = run(scenario)
     assert engine.admitted == [("r", 42)] and not engine.aborted
     assert [o.new_token_ids for o in published] == [[42]]  # the first token, published once
+
+
+@pytest.mark.parametrize("receiver_writes", [False, True], ids=["one-sided", "receiver-writes"])
+@pytest.mark.parametrize("order", ["landed-then-answered", "answered-then-landed"])
+def test_an_answer_the_engine_refuses_releases_the_blocks(order, receiver_writes):
+    """A prefill replica's answer whose first token the engine refuses (outside the vocabulary):
+    released like a failed push (the request is then prefilled here), never left leased, and
+    nothing raised into the transport's callback or the engine's ticker."""
+    def scenario(machine, engine, endpoint, h):
+        steps = [lambda: endpoint.land(h.dest.transfer_id),
+                 lambda: machine.answered(engine, "r", answer("r", token=10**6))]
+        if order == "answered-then-landed":
+            steps.reverse()
+        for step in steps:
+            if not h.state.is_terminal:
+                step()
+        assert h.state is State.RELEASED and "refused" in h.reason
+
+    _, engine, _, published = run(scenario, receiver_writes=receiver_writes)
+    assert engine.aborted == ["r"] and not engine.admitted and not published
 
 
 def test_a_transport_without_notifications_lands_on_the_answer():  # (CUDA IPC's case)

@@ -121,3 +121,25 @@ def test_streamed_arguments_are_strict_json_even_with_raw_control_characters():
         deltas += s.take_calls()
         joined = "".join(d["function"].get("arguments", "") for d in deltas)
         assert json.loads(joined) == {"a": 'x\x18y"\t', "b": [1, 2]}
+
+
+def test_a_raw_control_character_in_a_streamed_name_parses_as_in_a_whole_answer():
+    text = '<tool_call>\n{"name": "get\tweather", "arguments": {}}\n</tool_call>'
+    s = StreamSplitter(reasoning=False, tools=True)
+    s.feed(text)
+    deltas = s.take_calls()
+    s.finish()
+    deltas += s.take_calls()
+    _, whole = parse_tool_calls(text)
+    assert deltas[0]["function"]["name"] == whole[0]["function"]["name"] == "get\tweather"
+
+
+def test_tool_call_arguments_nested_past_the_parsers_depth_are_rendered_as_sent():
+    """An assistant message's arguments that are not JSON, or nested deeper than the parser
+    goes (a 200 KB body of brackets), go to the template as the text sent: never a 500."""
+    from router.ingress.protocol import ChatMessage
+
+    deep = "[" * 100_000
+    m = ChatMessage(role="assistant", content=None, tool_calls=[
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": deep}}])
+    assert m.for_template()["tool_calls"][0]["function"]["arguments"] == deep

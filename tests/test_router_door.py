@@ -10,6 +10,7 @@ from importlib import resources
 
 import pytest
 
+from engine.errors import BadRequest
 from engine.model_source import load_tokenizer, resolve_model
 from router.ingress.door import APIKeyMiddleware, BodyLimitMiddleware, OpenRequestsMiddleware
 from router.ingress.errors import RequestTimeout, describe, log_failure
@@ -100,6 +101,26 @@ def test_chat_ids_equal_the_templates_own_tokenizing(tokenizer, corpus, size):
     want = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     want = want["input_ids"] if isinstance(want, dict) or hasattr(want, "input_ids") else want
     assert asyncio.run(enc.render_chat(messages)) == list(want)
+    enc.close()
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"chat_template": "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}"
+                      "{% endfor %}"},  # the client's own template: unbounded work on the loop
+    {"tokenize": True}, {"tools": []}, {"add_generation_prompt": False}, {"messages": 1},
+    {"self": 1}])
+def test_chat_template_kwargs_name_template_variables_only(tokenizer, kwargs):
+    """A request's ``chat_template_kwargs`` are the template's variables: one naming the
+    renderer's own arguments (a template of its own among them) is a 400 naming it, before
+    anything is rendered, never a TypeError's 500; a template variable still goes through."""
+    enc = PromptEncoder(tokenizer, max_model_len=10**6)
+    hi = [{"role": "user", "content": "hi"}]
+    with pytest.raises(BadRequest, match=f"chat_template_kwargs: '{next(iter(kwargs))}'"):
+        asyncio.run(enc.render_chat(hi, template_kwargs=kwargs))
+    want = tokenizer.apply_chat_template(hi, add_generation_prompt=True, tokenize=False,
+                                         enable_thinking=False)
+    got = asyncio.run(enc.render_chat(hi, template_kwargs={"enable_thinking": False}))
+    assert got == tokenizer.encode(want, add_special_tokens=False)
     enc.close()
 
 

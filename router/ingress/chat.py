@@ -161,7 +161,7 @@ class StreamSplitter:
                 self._open, self._args_at = at, -1
             head = _HEAD.match(text, self._open) if self._args_at < 0 else None
             if head is not None and head.end() < len(text):  # (all the whitespace is in)
-                name = json.loads(f'"{head.group(1)}"')
+                name = json.loads(f'"{head.group(1)}"', strict=False)  # as a whole answer's
                 call = {"id": _call_id(), "type": "function",
                         "function": {"name": name, "arguments": ""}}
                 self.tool_calls.append(call)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import inspect
 import re
 from concurrent.futures import ThreadPoolExecutor
 
@@ -48,6 +49,15 @@ class PromptEncoder:
         self.max_model_len = max_model_len
         self.max_token_bytes = max((len(t.encode()) for t in tokenizer.get_vocab()), default=1)
         self.pool = ThreadPoolExecutor(workers, thread_name_prefix="tokenize")
+        # What a request's chat_template_kwargs may not name: apply_chat_template's own
+        # parameters (a template of the client's own, `chat_template`, would run unbounded work
+        # on the loop; `tokenize`, `tools`, ... collide with the server's), as vLLM refuses them,
+        # and the variables the renderer sets itself (the messages, the special tokens)
+        params = inspect.signature(tokenizer.apply_chat_template).parameters.items()
+        self.reserved = frozenset(
+            name for name, p in params if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)) | {
+            "chat_template", "self", "messages",
+            *(getattr(tokenizer, "special_tokens_map", None) or {})}
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
@@ -58,12 +68,19 @@ class PromptEncoder:
         return await asyncio.get_running_loop().run_in_executor(self.pool, self.bounded, text)
 
     async def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                          tools: list[dict] | None = None, **template_kwargs) -> list[int]:
-        """Token ids of the messages through the chat template (``tools`` and the keyword
-        arguments, e.g. ``enable_thinking``, go to the template)."""
+                          tools: list[dict] | None = None,
+                          template_kwargs: dict | None = None) -> list[int]:
+        """Token ids of the messages through the chat template (``tools`` and
+        ``template_kwargs``, the request's ``chat_template_kwargs``, e.g. ``enable_thinking``,
+        go to the template as its variables)."""
         for i, m in enumerate(messages):
             valid_text(str(m.get("content") or ""), f"messages.{i}.content")
-        size = sum(len(str(m.get("content") or "")) for m in messages) + len(str(tools or ""))
+        for key in template_kwargs or ():
+            if key in self.reserved:
+                raise BadRequest(f"chat_template_kwargs: {key!r} is not a template variable "
+                                 "(the server's chat template renders the messages as it is)")
+        size = sum(len(str(m.get("content") or "")) for m in messages) + \
+            len(str(tools or "")) + len(str(template_kwargs or ""))
         render = functools.partial(self._render, messages, add_generation_prompt, tools,
                                    template_kwargs)
         if size <= INLINE_CHARS:

@@ -286,8 +286,8 @@ class ChatMessage(BaseModel):
         for call in m.get("tool_calls", ()):
             try:
                 call["function"]["arguments"] = json.loads(call["function"]["arguments"])
-            except ValueError:
-                pass  # not JSON: rendered as sent
+            except (ValueError, RecursionError):
+                pass  # not JSON (or nested past the parser's depth): rendered as sent
         return m
 
 

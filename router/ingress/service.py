@@ -275,7 +275,7 @@ class RequestService:
             if body.tool_mode != "none" else None
         return self.checks.prompt(await self.prompts.render_chat(
             [m.for_template() for m in body.messages], tools=tools,
-            **(body.chat_template_kwargs or {})))
+            template_kwargs=body.chat_template_kwargs))
 
     @asynccontextmanager
     async def request(self, ids: list[int], params: SamplingParams, request_id: str,

@@ -212,6 +212,8 @@ class TokenSink:
                     if handler is not None:
                         seen.add(delta.request_id)
                         handler(delta, produced_at)
+                if len(seen) > 2 * len(self._handlers) + 64:  # requests that ended with no end
+                    seen.intersection_update(self._handlers)  # frame (cancelled): forgotten
                 for rid, result in ends:
                     seen.discard(rid)
                     on_end = self._on_end.get(rid)

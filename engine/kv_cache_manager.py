@@ -140,6 +140,10 @@ class KVCacheManager:
         self.wait_for(self._loading(block_id))  # an aborted prompt's copy in, still landing
         self.loading.pop(block_id, None)
         copy_id = self.copying_out.pop(block_id, None)
+        if copy_id is not None and block_hash not in self.host:  # written through, dropped
+            if not self.landed(copy_id):  # by the tier since: copied out again (after that
+                self.wait_for(copy_id)  # copy, if it still reads the block)
+            copy_id = None
         if copy_id is None:
             host_block = self.host.put(block_hash)
             if host_block is None:

@@ -204,6 +204,8 @@ class ModelRunner:
                         self._copy_runs(pairs, out)
                         end.record(self.copy_stream)
                         self.copy_events[copy_id] = (start, end, len(pairs) * block, out)
+                        if copy_id in copies.waits:  # the next step overwrites blocks this
+                            main.wait_event(end)  # batch's own copies read or write
 
     def _landed(self) -> None:
         """Count the copies that have landed and stop tracking them."""

@@ -270,7 +270,11 @@ class _Push:
 
     def _finished(self, transfer) -> None:  # engine thread, once
         self.server.aengine.engine.release_held_blocks(self.req.dest.request_id)
-        self.loop.call_soon_threadsafe(self.done.set_result, transfer)
+        self.loop.call_soon_threadsafe(self._settle, transfer)
+
+    def _settle(self, transfer) -> None:  # a caller that went away cancelled ``done`` already
+        if not self.done.done():
+            self.done.set_result(transfer)
 
     async def result(self):
         """The transfer once it has ended. Shielded: once asked for, the push runs even if this

@@ -125,6 +125,24 @@ def test_blocks_are_written_through_and_a_step_overwriting_them_waits_for_the_co
     assert len(copies.to_host) == 10  # b's blocks, written through (a's are not copied again)
 
 
+def test_a_block_the_tier_dropped_after_its_write_through_is_copied_out_when_evicted():
+    """A prompt's blocks written through, then pushed out of a small tier by later prompts: when
+    its device blocks are handed out, they are copied out again (the tier is told what leaves
+    the device), not taken for held by their old, landed copy."""
+    from engine.block_pool import BlockPool
+    from engine.kv_cache_manager import KVCacheManager
+    from engine.scheduler import Scheduler
+    kv = KVCacheManager(BlockPool(11), 4, HostTier(2), copies_done=lambda _id: True)
+    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=128)
+    _prefilled(sched, _seq("a", range(8)))
+    a_blocks = [d for d, _ in kv.drain_copies().to_host]
+    _prefilled(sched, _seq("b", range(50, 58)))  # the tier's two blocks now hold b's
+    kv.drain_copies()
+    _prefilled(sched, _seq("c", range(100, 140)))  # ten blocks: a's and b's leave the device
+    copies = kv.drain_copies()  # a's copied out first, as they are handed over
+    assert sorted(d for d, _ in copies.to_host[:2]) == sorted(a_blocks)
+
+
 def test_a_prompt_waits_in_loading_for_its_copies_in_while_others_step():
     from engine.sequence import FinishReason
     landed: set[int] = set()

@@ -224,6 +224,36 @@ def test_the_answer_comes_back_on_the_channel_only(tok, decode_server):
     asyncio.run(main())
 
 
+def test_a_request_moved_while_its_lost_channel_waits_to_move_it_moves_once(tok, decode_server):
+    """Its call returned, then its channel dropped: the move waits a back-off, during which the
+    request is moved by another path (its decode pool found down). It is then moved no more
+    (one new call, the offline tokens once), and the new call can be cancelled (its
+    ``call_done`` is that call's, not the returned one's)."""
+    from engine import LLM
+    from router.ingress.streams import DecodeClient
+
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    prompt = tok.encode("Moved once", add_special_tokens=False)
+    want = LLM("tiny").generate([prompt], params)[0].token_ids
+
+    async def main():
+        handle = _Handle(decode_server, silent_first=True)
+        client = DecodeClient(handle, tok)
+        stream = await client.start(prompt, params, "m")
+        stream.deadline = time.monotonic() + 30
+        await stream.call_done.wait()
+        lost = asyncio.ensure_future(client._channel_lost(stream, "m"))
+        await asyncio.sleep(0)  # in its back-off now
+        client._move(stream, "decode pool down")
+        assert not stream.call_done.is_set()  # the new call runs: cancel() would reach it
+        await lost
+        got = [t for c in [c async for c in stream.chunks(stream.deadline)] for t in c.token_ids]
+        assert got == want and len(handle.calls) == 2 and stream.migrations == 1
+        await client.sink.close()
+
+    asyncio.run(main())
+
+
 class _QueuedCall:
     """A Serve call waiting in the handle's queue: no replica has taken it (yet)."""
 

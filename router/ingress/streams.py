@@ -280,6 +280,7 @@ class DecodeClient:
             "num_resumed_tokens": len(have),  # they count as output for the penalties
             "prompt_logprobs": None})  # the first call's first delta brought them
         stream.call_id, stream.accepted = rid, False
+        stream.call_done.clear()  # (the last call's: this one runs)
         self.sink.register(rid, stream.feed, stream.end,
                            lambda: asyncio.ensure_future(self._channel_lost(stream, rid)))
         req = GenerateRequest(stream.prompt_token_ids + tuple(have), params, rid,
@@ -385,7 +386,8 @@ class DecodeClient:
         if stream.finished:
             stream.ended.set()
         elif await self._may_migrate(stream):
-            self._move(stream, "token channel lost after its call ended")
+            if stream.call_id == rid:  # not moved meanwhile (the decode pool found down)
+                self._move(stream, "token channel lost after its call ended")
         else:
             stream.fail(TokenChannelLost(f"request {stream.request_id}: its token channel "
                                          "closed before its last tokens"))

@@ -215,6 +215,39 @@ def test_a_stream_runs_in_the_request_s_own_task_and_stops_with_it():
     asyncio.run(main())
 
 
+def test_a_stream_cancelled_while_its_client_reads_slowly_closes_its_body_at_once():
+    """Cancelled while it waits in ``send`` (a slow client), not inside the body: the body is
+    closed then (its ``finally`` cancels the Serve call and frees what the request holds), not
+    whenever the garbage collector gets to it."""
+    closed = []
+
+    async def events():
+        try:
+            yield "data: 1\n\n"
+            yield "data: 2\n\n"
+        finally:
+            closed.append(True)
+
+    async def main():
+        body = events()  # (held here: the collector cannot be what closes it)
+        scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}}
+        sending = asyncio.Event()
+
+        async def send(message):
+            if message["type"] == "http.response.body":
+                sending.set()
+                await asyncio.sleep(30)  # the client reads slowly
+
+        task = asyncio.ensure_future(http.DeferredStreamingResponse(
+            body, media_type="text/event-stream")(scope, None, send))
+        await asyncio.wait_for(sending.wait(), 10)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert closed == [True]
+    asyncio.run(main())
+
+
 def test_a_stream_s_error_is_raised_as_itself():
     async def events():
         yield "data: 1\n\n"

@@ -159,20 +159,25 @@ class DeferredStreamingResponse(StreamingResponse):
 
     async def stream_response(self, send) -> None:
         try:
-            first = await self.body_iterator.__anext__()
-        except Refused as refused:
-            await _send_whole(refused.response, send)
-            return
-        except StopAsyncIteration:
-            first = None
-        await send({"type": "http.response.start", "status": self.status_code,
-                    "headers": self.raw_headers})
-        for chunk in ([first] if first is not None else []):
-            await send({"type": "http.response.body", "body": chunk.encode(),
-                        "more_body": True})
-        async for chunk in self.body_iterator:
-            await send({"type": "http.response.body", "body": chunk.encode(), "more_body": True})
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+            try:
+                first = await self.body_iterator.__anext__()
+            except Refused as refused:
+                await _send_whole(refused.response, send)
+                return
+            except StopAsyncIteration:
+                first = None
+            await send({"type": "http.response.start", "status": self.status_code,
+                        "headers": self.raw_headers})
+            for chunk in ([first] if first is not None else []):
+                await send({"type": "http.response.body", "body": chunk.encode(),
+                            "more_body": True})
+            async for chunk in self.body_iterator:
+                await send({"type": "http.response.body", "body": chunk.encode(),
+                            "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:  # cancelled in a send (a slow client): the body's own finally runs now
+            if (aclose := getattr(self.body_iterator, "aclose", None)) is not None:
+                await aclose()
 
 
 async def _send_whole(response: Response, send) -> None:

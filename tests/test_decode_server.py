@@ -331,6 +331,16 @@ def test_closing_a_replica_releases_its_pending_leases(roles):
     asyncio.run(main())
 
 
+async def _abandoned_during_the_push(decode, handle, sink) -> int:
+    """A request of PROMPTS[1] ("r") cancelled once it has called its prefill replica; the
+    blocks its hand-over holds then."""
+    task = await _until_prefill_called(decode, handle, sink)
+    fenced = decode.held_blocks
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    return fenced
+
+
 def test_a_request_abandoned_during_the_push_keeps_its_blocks_until_the_prefill_answers(roles):
     """The client goes away while a prefill replica may still write into the request's blocks
     (a one-sided transport): the blocks stay fenced until that replica has answered (its push is
@@ -339,10 +349,7 @@ def test_a_request_abandoned_during_the_push_keeps_its_blocks_until_the_prefill_
 
     async def main():
         sink = TokenSink()
-        task = await _until_prefill_called(decode, handle, sink)
-        fenced = decode.held_blocks
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+        fenced = await _abandoned_during_the_push(decode, handle, sink)
         await asyncio.sleep(0.1)
         assert fenced > 0 and decode.held_blocks == fenced  # still fenced: the push may come
         assert decode.aengine.engine.pool.num_used_blocks >= fenced
@@ -362,10 +369,7 @@ def test_a_later_run_of_an_id_waits_for_the_blocks_its_earlier_run_left_fenced(r
 
     async def main():
         sink = TokenSink()
-        task = await _until_prefill_called(decode, handle, sink)
-        fenced = decode.held_blocks
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+        fenced = await _abandoned_during_the_push(decode, handle, sink)
         late = asyncio.ensure_future(generate(decode, sink, PROMPTS[1], "r", GREEDY))
         await asyncio.sleep(0.2)
         assert fenced > 0 and decode.held_blocks == fenced  # still the first run's, fenced

@@ -49,11 +49,11 @@ def build_app(args: dict[str, Any] | BatonConfig | None = None) -> Application:
     prefill = None
     if cfg.mode == "disaggregated":
         prefill = PrefillDeployment.options(**_options(
-            cfg, "prefill", ROUTER, block_size=cfg.engine.block_size)).bind(
+            cfg, "prefill", ROUTER, block_size=cfg.engine_for("prefill").block_size)).bind(
             cfg.engine_for("prefill").model_dump(), backend, cfg.transfer.warm_links,
             cfg.transfer.push_at_step_end)
     decode = DecodeDeployment.options(**_options(
-        cfg, "decode", ROUTER, block_size=cfg.engine.block_size)).bind(
+        cfg, "decode", ROUTER, block_size=cfg.engine_for("decode").block_size)).bind(
         cfg.engine_for("decode").model_dump(), backend, prefill, cfg.transfer.timeout_s,
         cfg.transfer.warm_links, cfg.disaggregation.model_dump(), cfg.router.early_start)
     router = Ingress.options(num_replicas=cfg.router.num_replicas,
@@ -65,7 +65,8 @@ def build_app(args: dict[str, Any] | BatonConfig | None = None) -> Application:
     router_cfg = {**cfg.router.model_dump(), "retry_after_s": cfg.admission.retry_after_s,
                   "decode_max_ongoing": cfg.max_ongoing("decode"),
                   "decode_max_queued": cfg.max_queued("decode")}
-    return router.bind(decode, cfg.engine.model, cfg.served_model_name, cfg.engine.max_model_len,
+    # the decode replicas' engine (a role's own overrides included): its tokenizer, its context
+    return router.bind(decode, engine.model, cfg.served_model_name, engine.max_model_len,
                        router_cfg, {"quantization": engine.quantization,
                                     "kv_cache_dtype": engine.kv_cache_dtype,
                                     "generation_config": engine.generation_config,

@@ -28,8 +28,13 @@ PREFILL_POLICY = "deploy.autoscaling:PrefillPolicy"
 DECODE_POLICY = "deploy.autoscaling:DecodePolicy"
 
 
+def _finite(values) -> list[float]:
+    """The reports that are numbers (a NaN or an infinity is no measurement)."""
+    return [v for v in values if v is not None and math.isfinite(v)]
+
+
 def _mean(values) -> float | None:
-    values = [v for v in values if v is not None]
+    values = _finite(values)
     return sum(values) / len(values) if values else None
 
 
@@ -47,7 +52,7 @@ class PrefillPolicy:
 
     def __call__(self, ctx) -> tuple[int, dict]:
         state = dict(ctx.policy_state or {})
-        queued = sum(_metric(ctx, "queued_prompt_tokens").values())
+        queued = sum(_finite(_metric(ctx, "queued_prompt_tokens").values()))
         rate = _mean(r for r in _metric(ctx, "tokens_per_step_second").values() if r > 0)
         if rate is not None:
             state["prefill_rate"] = rate  # remembered: an idle replica measures nothing
@@ -72,7 +77,8 @@ class DecodePolicy:
         state = dict(ctx.policy_state or {})
         kv = _mean(_metric(ctx, "kv_cache_usage").values())
         step = _mean(_metric(ctx, "step_ms").values())
-        running = sum(_metric(ctx, "running").values()) + sum(_metric(ctx, "waiting").values())
+        running = sum(_finite(_metric(ctx, "running").values())) + \
+            sum(_finite(_metric(ctx, "waiting").values()))
         if kv is None:  # no report yet
             return ctx.current_num_replicas, state
         if not running:

@@ -280,18 +280,22 @@ def serve_config_from_flags(args) -> dict:
     if 0 < per_replica < 1:  # replicas sharing a GPU: each sizes its KV cache to its share
         engine["gpu_memory_utilization"] = round(0.9 * per_replica, 3)
     role = {"num_gpus": per_replica, "num_cpus": 0.5}
-    def scaled(replicas: int, autoscaling: str | None) -> dict:
+    def scaled(replicas: int, autoscaling: str | None, flag: str) -> dict:
         if autoscaling is None:
             return {**role, "num_replicas": replicas}
-        return {**role, "autoscaling_config": json.loads(autoscaling)}
+        try:
+            return {**role, "autoscaling_config": json.loads(autoscaling)}
+        except json.JSONDecodeError as exc:
+            raise SystemExit(f"{flag} is not JSON ({exc}): {autoscaling!r}") from None
 
     router = {"num_replicas": args.api_server_count}
     if args.served_model_name:
         router["model_name"] = args.served_model_name
     app = {"mode": "disaggregated" if args.prefill else "colocated", "engine": engine,
-           "decode": scaled(args.decode, args.decode_autoscaling), "router": router}
+           "decode": scaled(args.decode, args.decode_autoscaling, "--decode-autoscaling"),
+           "router": router}
     if args.prefill:
-        app["prefill"] = scaled(args.prefill, args.prefill_autoscaling)
+        app["prefill"] = scaled(args.prefill, args.prefill_autoscaling, "--prefill-autoscaling")
         app["disaggregation"] = {"mode": args.disaggregation}
         if args.max_local_prefill_length is not None:
             app["disaggregation"]["max_local_prefill_length"] = args.max_local_prefill_length

@@ -65,6 +65,11 @@ class RoleConfig(_Strict):
         if value is not None:
             from ray.serve.config import AutoscalingConfig
 
+            # Serve ignores keys it does not know: a misspelt one would pass unseen
+            unknown = sorted(set(value) - set(AutoscalingConfig.model_fields))
+            if unknown:
+                raise ValueError(f"unknown autoscaling_config field(s) {unknown}; Ray Serve's "
+                                 f"are {sorted(AutoscalingConfig.model_fields)}")
             AutoscalingConfig(**value)  # Serve's own check, now rather than at deploy time
         return value
 
@@ -81,7 +86,9 @@ class RoleConfig(_Strict):
         if self.autoscaling_config is None:
             return None
         config = dict(self.autoscaling_config)
-        config.setdefault("policy", {"policy_function": default_policy})
+        policy = dict(config.get("policy") or {})  # its targets alone: still Baton's policy
+        policy.setdefault("policy_function", default_policy)
+        config["policy"] = policy
         return config
 
     def actor_options(self, ranks: int = 1) -> dict:
@@ -174,4 +181,4 @@ class BatonConfig(_Strict):
 
     @property
     def served_model_name(self) -> str:
-        return self.router.model_name or self.engine.model
+        return self.router.model_name or self.engine_for("decode").model

@@ -206,7 +206,8 @@ class LLMEngine:
 
     def _new_sequence(self, prompt: Prompt, params: SamplingParams | None,
                       request_id: str | None) -> Sequence:
-        if request_id is not None and self.scheduler.find(request_id) is not None:
+        if request_id is not None and (self.scheduler.find(request_id) is not None
+                                       or request_id in self.scheduler.held):
             raise RequestIdInUse(f"request_id: {request_id!r} is already in use")
         seq = self.processor.sequence(prompt, params, request_id or uuid.uuid4().hex,
                                       self.pool.num_usable_blocks)

@@ -231,9 +231,16 @@ class Scheduler:
         return (seq.num_output_tokens >= seq.params.max_tokens
                 or (self.max_model_len is not None and seq.num_tokens >= self.max_model_len))
 
+    def _last_pending(self, seq: Sequence) -> bool:
+        """Its pending token is its last: it ends as that token arrives, with its blocks (a
+        prefill replica's are then pushed), so it is never the one preempted."""
+        return bool(seq.num_pending) and self._length_done(seq)
+
     def _reserve_running(self, seq: Sequence, n: int, batch: ScheduledBatch) -> bool:
         while not self.kv.grow(seq, seq.num_computed_tokens + n):
-            victim = self.running.pop()
+            victim = next((s for s in reversed(self.running)
+                           if s is seq or not self._last_pending(s)), self.running[-1])
+            self.running.remove(victim)
             self._preempt(victim)
             batch.preempted.append(victim)
             if victim is seq:
@@ -259,6 +266,10 @@ class Scheduler:
             seq = self.waiting[0]
             if seq.num_pending:
                 break  # preempted while its last token was on the way
+            if not self.kv.fits_at_all(seq.num_tokens):  # preempted, then grown past what this
+                self.finish(self.waiting[0], FinishReason.LENGTH)  # cache can ever hold
+                batch.finished.append(seq)
+                continue
             if self.num_slots_taken >= self.max_num_seqs:
                 freed = self._make_room(seq, batch, computing)  # a slot from a running one
                 if freed is None:
@@ -321,9 +332,9 @@ class Scheduler:
         """Preempt the newest running sequence of the worst priority if it is worse than
         ``seq``'s (vLLM's priority policy), taking it out of this step if it was in it; returns
         the step budget it gave back, or None when no running sequence ranks below ``seq``."""
-        if not self.running or self.running[-1].params.priority <= seq.params.priority:
+        victim = next((s for s in reversed(self.running) if not self._last_pending(s)), None)
+        if victim is None or victim.params.priority <= seq.params.priority:
             return None
-        victim = self.running[-1]
         freed = self._unschedule(victim, batch)
         self._preempt(victim)
         return freed
@@ -367,7 +378,7 @@ class Scheduler:
         recomputing: one token to compute) and its pending token, if any, is not its last."""
         return (seq.admitted_time is not None and now - seq.admitted_time >= bound
                 and seq.num_tokens - seq.num_computed_tokens == 1
-                and not (seq.num_pending and self._length_done(seq)))
+                and not self._last_pending(seq))
 
     def _unschedule(self, victim: Sequence, batch: ScheduledBatch) -> int:
         """Take ``victim`` out of ``running`` and, if it was in it, out of this step's batch;

@@ -79,6 +79,21 @@ def test_a_roles_autoscaling_config_is_serves_with_batons_policy_by_default():
     assert decode["autoscaling_config"]["policy"]["policy_kwargs"] == {"target_kv_usage": 0.5}
     assert _options(BatonConfig(), "decode",
                     "router.replica_choice:KVAwareRouter")["num_replicas"] == 1
+    # the targets alone (no policy_function): still Baton's policy, with them
+    cfg = BatonConfig(decode={"autoscaling_config": {
+        "min_replicas": 1, "max_replicas": 4,
+        "policy": {"policy_kwargs": {"target_kv_usage": 0.5}}}})
+    decode = _options(cfg, "decode", "router.replica_choice:KVAwareRouter")
+    assert decode["autoscaling_config"]["policy"] == {
+        "policy_function": DECODE_POLICY, "policy_kwargs": {"target_kv_usage": 0.5}}
+
+
+def test_the_policies_skip_reports_that_are_not_numbers():
+    nan, inf = float("nan"), float("inf")
+    assert DecodePolicy()(_ctx(2, kv_cache_usage=[nan, 0.35], step_ms=[inf, 10.0],
+                               running=[nan, 4.0]))[0] == 1
+    assert PrefillPolicy()(_ctx(1, queued_prompt_tokens=[8000, nan, inf],
+                                tokens_per_step_second=[2000, nan]))[0] == 4
 
 
 def test_serve_takes_the_policies_with_their_targets():
@@ -98,6 +113,7 @@ def test_serve_takes_the_policies_with_their_targets():
 @pytest.mark.parametrize("role, message", [
     ({"num_replicas": 2, "autoscaling_config": {"max_replicas": 3}}, "exclude each other"),
     ({"autoscaling_config": {"min_replicas": 3, "max_replicas": 2}}, "min_replicas"),
+    ({"autoscaling_config": {"min_replicas": 1, "max_replica": 4}}, "max_replica"),  # a typo
 ])
 def test_a_wrong_autoscaling_config_is_refused_when_the_config_is_read(role, message):
     with pytest.raises(ValidationError, match=message):

@@ -128,3 +128,16 @@ def test_offline_generate_without_params_uses_the_models_file(tmp_path):
     want = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)
     assert [c.token_ids for c in got] == [c.token_ids for c in want]
     assert all(len(c.token_ids) <= 5 for c in got)
+
+
+def test_the_ingress_and_the_routers_follow_the_decode_roles_own_engine():
+    """A decode role's own engine overrides (its model, context, block size) are what the
+    ingress serves (tokenizer, served name, context checks) and what its router hashes."""
+    from deploy.app import build_app
+
+    app = build_app({"mode": "colocated", "engine": {"model": "tiny"}, "decode": {"engine": {
+        "model": "dummy:Qwen3-0.6B", "max_model_len": 2048, "block_size": 32}}})
+    decode, model, served, max_model_len = app._bound_deployment.init_args[:4]
+    assert (model, served, max_model_len) == ("dummy:Qwen3-0.6B", "dummy:Qwen3-0.6B", 2048)
+    router_kwargs = decode._bound_deployment._deployment_config.request_router_config
+    assert router_kwargs.request_router_kwargs["block_size"] == 32

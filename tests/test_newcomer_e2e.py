@@ -89,6 +89,9 @@ def test_one_line_configs_and_the_open_port_warning():
     args.override_generation_config = '{"temperature": 0.5'
     with pytest.raises(SystemExit, match="--override-generation-config is not JSON"):
         serve_config_from_flags(args)
+    args.override_generation_config, args.decode_autoscaling = None, '{"min_replicas": 1'
+    with pytest.raises(SystemExit, match="--decode-autoscaling is not JSON"):
+        serve_config_from_flags(args)
 
 
 def _listening(proc) -> set[tuple[str, int]]:

@@ -208,3 +208,56 @@ def test_a_steps_slots_are_its_tokens_places_in_their_blocks():
             want += [-1 if p < present else table[p // bs] * bs + p % bs
                      for p in range(start, start + n)]
         assert ModelRunner.prepare(host, ScheduledBatch(views, news)).slots == want
+
+
+def test_a_sequence_whose_last_token_is_pending_is_not_the_one_preempted():
+    """A prefill-role request whose one token is on its way ends with its blocks held for the
+    push: the preemption for a growing sequence takes another (here that sequence itself)."""
+    llm = LLM("tiny", num_blocks=4, block_size=4, show_progress=False)
+    e = llm.engine
+    e.add_request([11, 12, 13, 14], SamplingParams(temperature=0, max_tokens=100,
+                                                   ignore_eos=True), "b")
+    e.add_request(list(range(21, 29)), SamplingParams(temperature=0, max_tokens=1,
+                                                      ignore_eos=True), "a", hold_blocks=True)
+    ended = {}
+    for _ in range(6):
+        ended.update({o.request_id: o.finish_reason for o in e.step() if o.finished})
+    assert ended.get("a") == "length" and len(e.held_blocks("a")) == 2
+    assert e.scheduler.num_preemptions >= 1
+    e.release_held_blocks("a")
+
+
+def test_a_preempted_sequence_grown_past_the_cache_ends_instead_of_blocking_the_queue():
+    """Preempted with a pending token that takes it past what the cache can ever hold: at the
+    head of the queue it ends with ``length`` (as it would have running), and the requests
+    behind it run."""
+    from engine.sequence import Sequence
+
+    llm = LLM("tiny", num_blocks=5, block_size=4, show_progress=False)  # 16 tokens at most
+    sched = llm.engine.scheduler
+    stuck = Sequence("stuck", list(range(30, 47)), SamplingParams(max_tokens=100))  # 17 tokens
+    sched.add(stuck)  # (as a preempted sequence is queued: nothing computed, at the front)
+    llm.engine.add_request([5, 6, 7], SamplingParams(temperature=0, max_tokens=2), "next")
+    ended = {}
+    for _ in range(8):
+        ended.update({o.request_id: o.finish_reason for o in llm.engine.step() if o.finished})
+    assert ended == {"stuck": "length", "next": "length"}
+    _assert_no_leak(llm)
+
+
+def test_an_id_whose_blocks_are_still_held_is_refused():
+    """A prefill-role request ends with its blocks held for the push: its id is in use until
+    they are released (a second run under it would take over, then free, the first's)."""
+    from engine.errors import RequestIdInUse
+
+    llm = LLM("tiny", show_progress=False)
+    e = llm.engine
+    e.add_request([1, 2, 3, 4, 5], SamplingParams(max_tokens=1), "p", hold_blocks=True)
+    while not any(o.finished for o in e.step()):
+        pass
+    held = e.held_blocks("p")
+    with pytest.raises(RequestIdInUse):
+        e.add_request([1, 2, 3, 4, 5], SamplingParams(max_tokens=1), "p", hold_blocks=True)
+    assert e.held_blocks("p") == held
+    e.release_held_blocks("p")
+    e.add_request([1, 2, 3, 4, 5], SamplingParams(max_tokens=1), "p", hold_blocks=True)

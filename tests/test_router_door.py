@@ -279,7 +279,7 @@ def test_the_door_bound_is_this_replicas_share_of_the_decode_pool():
     hold; the door's is this ingress replica's share of it."""
     from types import SimpleNamespace
 
-    from router.ingress.service import RequestService
+    from router.ingress.service import RequestService, per_decode_replica
     svc = SimpleNamespace(_decode_replicas=SimpleNamespace(value=3), _per_decode_replica=320,
                           _ingress_replicas=2)
     svc.pool_bound = lambda: RequestService.pool_bound(svc)
@@ -289,6 +289,11 @@ def test_the_door_bound_is_this_replicas_share_of_the_decode_pool():
     assert RequestService.open_limit(svc) is None and RequestService.pool_bound(svc) is None
     svc._decode_replicas = None  # early refusal off
     assert RequestService.open_limit(svc) is None and RequestService.pool_bound(svc) is None
+    # a decode queue of -1 is Serve's unbounded one: the app sets no bound either
+    assert per_decode_replica(256, 64) == 320 and per_decode_replica(256, None) == 256
+    assert per_decode_replica(256, -1) is None
+    svc._decode_replicas, svc._per_decode_replica = SimpleNamespace(value=3), None
+    assert RequestService.pool_bound(svc) is None and RequestService.open_limit(svc) is None
 
 
 # -- what a failure says ----------------------------------------------------------------------

@@ -190,6 +190,14 @@ def warn_if_open_without_key(api_key: str | None) -> None:
             "who reaches it can use the model. Set BATON_API_KEY or router.api_key.", host)
 
 
+def per_decode_replica(max_ongoing: int | None, max_queued: int | None) -> int | None:
+    """What one decode replica holds: its ongoing and queued bounds (None: no bound, for a
+    queue of ``-1``, which Serve leaves unbounded)."""
+    if max_queued == -1:
+        return None
+    return (max_ongoing or 0) + max(0, max_queued or 0)
+
+
 class RequestService:
     """One ingress replica's requests, whichever protocol they came in by. The protocol adapters
     hold one (:class:`~router.ingress.http.HttpAdapter`, :class:`~router.ingress.grpc_api.
@@ -242,15 +250,16 @@ class RequestService:
         self.retry_after_s = cfg.retry_after_s
         self._decode_replicas = ReplicaCount(decode) if cfg.early_refusal \
             and cfg.decode_max_ongoing else None
-        self._per_decode_replica = (cfg.decode_max_ongoing or 0) + max(0, cfg.decode_max_queued
-                                                                        or 0)
+        self._per_decode_replica = per_decode_replica(cfg.decode_max_ongoing,
+                                                      cfg.decode_max_queued)
         self._ingress_replicas = cfg.num_replicas
 
     def pool_bound(self) -> int | None:
         """What the decode pool holds (its live replicas' ongoing and queued bounds): the app's
         bound on open generation requests, which HAProxy refuses beyond (.haproxy); None while
         no decode replica is listed (or early refusal is off): every request goes in."""
-        if self._decode_replicas is None or not (n := self._decode_replicas.value):
+        if self._decode_replicas is None or self._per_decode_replica is None \
+                or not (n := self._decode_replicas.value):
             return None
         return n * self._per_decode_replica
 

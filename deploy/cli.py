@@ -409,11 +409,21 @@ def _demo_parser(sub) -> None:
     _engine_flags(demo)
 
 
+def _count(least: int):
+    """An argparse type: an integer of at least ``least``."""
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < least:
+            raise argparse.ArgumentTypeError(f"at least {least}, not {value}")
+        return value
+    return parse
+
+
 def _pool_flags(serve_cmd) -> None:
     """The roles' pools: replicas (fixed or autoscaled) and where prompts are prefilled."""
-    serve_cmd.add_argument("--prefill", type=int, default=1,
+    serve_cmd.add_argument("--prefill", type=_count(0), default=1,
                            help="prefill replicas (0: colocated, decode replicas prefill)")
-    serve_cmd.add_argument("--decode", type=int, default=1, help="decode replicas")
+    serve_cmd.add_argument("--decode", type=_count(1), default=1, help="decode replicas")
     for role in ("prefill", "decode"):
         serve_cmd.add_argument(
             f"--{role}-autoscaling", default=None, metavar="JSON",
@@ -445,7 +455,7 @@ def _serve_parser(sub) -> None:
     serve_cmd.add_argument("--gpus-per-replica", type=float, default=None,
                            help="GPUs of each replica's rank (default: a GPU each, or equal "
                                 "shares of the GPUs there are; 0 on a machine without one)")
-    serve_cmd.add_argument("--tensor-parallel-size", "--tensor-parallel", type=int, default=1,
+    serve_cmd.add_argument("--tensor-parallel-size", "--tensor-parallel", type=_count(1), default=1,
                            help="ranks each replica's model is split over, both roles (one "
                                 "GPU each; a config sets it per role)")
     serve_cmd.add_argument("--host", default="127.0.0.1",

@@ -139,6 +139,26 @@ class BatonConfig(_Strict):
     disaggregation: DisaggregationConfig = Field(default_factory=DisaggregationConfig)
 
     @model_validator(mode="after")
+    def _check_policies(self) -> "BatonConfig":
+        """A role's Baton policy is made with its ``policy_kwargs`` now (a target out of range,
+        a misspelt one), not first in Serve's controller at deploy time."""
+        import importlib
+
+        from deploy.autoscaling import DECODE_POLICY, PREFILL_POLICY
+
+        for role, default in (("prefill", PREFILL_POLICY), ("decode", DECODE_POLICY)):
+            policy = (getattr(self, role).autoscaling(default) or {}).get("policy", {})
+            if policy.get("policy_function") in (PREFILL_POLICY, DECODE_POLICY):
+                module, name = policy["policy_function"].split(":")
+                try:
+                    getattr(importlib.import_module(module), name)(
+                        **(policy.get("policy_kwargs") or {}))
+                except (TypeError, ValueError) as exc:
+                    raise ValueError(
+                        f"{role}.autoscaling_config.policy.policy_kwargs: {exc}") from None
+        return self
+
+    @model_validator(mode="after")
     def _check_roles(self) -> "BatonConfig":
         for role in ("prefill", "decode") if self.mode == "disaggregated" else ("decode",):
             ranks = self.engine_for(role).tensor_parallel_size

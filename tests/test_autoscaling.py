@@ -120,6 +120,15 @@ def test_a_wrong_autoscaling_config_is_refused_when_the_config_is_read(role, mes
         RoleConfig(**role)
 
 
+@pytest.mark.parametrize("kwargs, message", [({"target_kv_usage": 5}, "target_kv_usage"),
+                                             ({"target_kv": 0.5}, "target_kv")])
+def test_a_baton_policys_wrong_targets_are_refused_when_the_config_is_read(kwargs, message):
+    with pytest.raises(ValidationError, match=f"decode.autoscaling_config.policy.policy_kwargs"
+                                              f".*{message}"):
+        BatonConfig(decode={"autoscaling_config": {
+            "min_replicas": 1, "max_replicas": 2, "policy": {"policy_kwargs": kwargs}}})
+
+
 def _replicas(deployment: str) -> int:
     """A pool as Serve's autoscaler set it: replicas starting or running."""
     from ray import serve

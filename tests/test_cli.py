@@ -11,7 +11,7 @@ from types import SimpleNamespace as NS
 
 import pytest
 
-from deploy.cli import startup_summary
+from deploy.cli import main, startup_summary
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -64,3 +64,11 @@ def test_generate_runs_fp8_weights_and_cache_from_the_command_line(capsys):
     out = capsys.readouterr().out
     assert "weights fp8 (on-the-fly, channel), KV cache float8_e4m3fn" in out
     assert "4 tokens" in out
+
+
+@pytest.mark.parametrize("flags", [["--decode", "0"], ["--prefill", "-1"],
+                                   ["--tensor-parallel-size", "0"]])
+def test_pool_sizes_below_their_least_are_refused_by_the_parser(flags, capsys):
+    with pytest.raises(SystemExit):
+        main(["serve", "tiny", *flags])
+    assert "at least" in capsys.readouterr().err

@@ -16,7 +16,10 @@ next prompt block a running sequence is computing right now is held back until t
 the cache (so n sequences of one prompt, or a burst of requests with a shared prefix, compute
 it once). When a running sequence
 needs a block and none is free, the last-admitted sequence is preempted: its blocks are freed
-(and stay prefix-cache hits) and it is recomputed later.
+(and stay prefix-cache hits) and it is recomputed later. A sequence whose pending token is its
+last is passed over (it ends as that token arrives, with its blocks: a prefill replica pushes
+them), and a preempted one that has grown past what the cache can ever hold ends with
+``length`` when it reaches the head of the queue.
 
 Pending tokens (the engine runs one step ahead, :mod:`engine.sequence`): a running sequence whose
 pending token is its last (``max_tokens``, the model's context) or would not fit the cache waits

@@ -39,6 +39,7 @@ import enum
 from collections.abc import Callable
 
 from contracts.messages import PrefillResult
+from engine.async_engine import set_result_once
 from engine.errors import RequestIdInUse
 from engine.outputs import RequestOutput
 from kvtransfer import KVDestination, Transfer, TransferState
@@ -73,7 +74,7 @@ class HandOver:
 
     def _end(self, state: State, reason: str | None = None) -> None:
         self.state, self.reason = state, reason
-        self._loop.call_soon_threadsafe(_resolve, self.outcome, self)
+        self._loop.call_soon_threadsafe(set_result_once, self.outcome, self)
 
 
 class HandOvers:
@@ -202,8 +203,3 @@ class HandOvers:
         engine.abort_request(h.request_id)  # its reserved blocks go back to the pool
         self._live.pop(h.request_id, None)
         h._end(State.RELEASED, reason)
-
-
-def _resolve(fut: asyncio.Future, value) -> None:
-    if not fut.done():
-        fut.set_result(value)

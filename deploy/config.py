@@ -142,17 +142,17 @@ class BatonConfig(_Strict):
     def _check_policies(self) -> "BatonConfig":
         """A role's Baton policy is made with its ``policy_kwargs`` now (a target out of range,
         a misspelt one), not first in Serve's controller at deploy time."""
-        import importlib
+        from ray.serve.config import AutoscalingConfig
 
         from deploy.autoscaling import DECODE_POLICY, PREFILL_POLICY
 
         for role, default in (("prefill", PREFILL_POLICY), ("decode", DECODE_POLICY)):
-            policy = (getattr(self, role).autoscaling(default) or {}).get("policy", {})
-            if policy.get("policy_function") in (PREFILL_POLICY, DECODE_POLICY):
-                module, name = policy["policy_function"].split(":")
+            if (config := getattr(self, role).autoscaling(default)) is None:
+                continue
+            policy = AutoscalingConfig(**config).policy  # resolved as Serve's controller does
+            if policy.policy_function in (PREFILL_POLICY, DECODE_POLICY):
                 try:
-                    getattr(importlib.import_module(module), name)(
-                        **(policy.get("policy_kwargs") or {}))
+                    policy.get_policy()(**policy.policy_kwargs)
                 except (TypeError, ValueError) as exc:
                     raise ValueError(
                         f"{role}.autoscaling_config.policy.policy_kwargs: {exc}") from None

@@ -146,7 +146,7 @@ class AsyncEngine:
                 except Exception as exc:  # noqa: BLE001 - the caller gets it
                     loop.call_soon_threadsafe(_set_exception, fut, exc)
                     continue
-                loop.call_soon_threadsafe(_set_result, fut, out)
+                loop.call_soon_threadsafe(set_result_once, fut, out)
 
     # -- the thread -------------------------------------------------------------------------
     def _run(self) -> None:
@@ -254,7 +254,9 @@ def freeze_startup_heap() -> None:
         gc.freeze()
 
 
-def _set_result(fut: asyncio.Future, value) -> None:
+def set_result_once(fut: asyncio.Future, value) -> None:
+    """``fut``'s result, unless it is done already (its waiter went away and cancelled it); on
+    the future's loop, as ``loop.call_soon_threadsafe(set_result_once, fut, value)``."""
     if not fut.done():
         fut.set_result(value)
 

@@ -36,7 +36,7 @@ from contracts.metrics import EngineMetrics, PlacementMetrics, TransferMetrics, 
 from contracts.role import load_report
 from contracts.streamed import LOCAL, Placement, StreamedRequests, retrieved
 from contracts.token_channel import TokenPublisher
-from engine.async_engine import AsyncEngine
+from engine.async_engine import AsyncEngine, set_result_once
 from kvtransfer import (EndpointInfo, PushNotStarted, TransferError, TransferState,
                         endpoint_for)
 from kvtransfer.directory import LinkWarmer, PeerDirectory
@@ -270,11 +270,7 @@ class _Push:
 
     def _finished(self, transfer) -> None:  # engine thread, once
         self.server.aengine.engine.release_held_blocks(self.req.dest.request_id)
-        self.loop.call_soon_threadsafe(self._settle, transfer)
-
-    def _settle(self, transfer) -> None:  # a caller that went away cancelled ``done`` already
-        if not self.done.done():
-            self.done.set_result(transfer)
+        self.loop.call_soon_threadsafe(set_result_once, self.done, transfer)
 
     async def result(self):
         """The transfer once it has ended. Shielded: once asked for, the push runs even if this

@@ -9,7 +9,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.kv_offload import HostTier
-from tests.models import random_prompts
+from tests.models import VOCAB, random_prompts
 
 BLOCK_BYTES = 16384  # tiny, float32, block size 16
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -58,6 +58,43 @@ def test_a_returning_prompt_is_served_from_the_host_tier_with_the_same_tokens(kv
     assert runs[0][0] == runs[1][0]
     assert runs[1][1] == 0 and runs[0][1] == 64  # its four blocks, from the host
     assert tier.hit_blocks >= 3 and tier.loaded_blocks >= 3 and tier.stored_blocks >= 4
+
+
+def returning_after_evictions(make_llm, k: int, block_bytes: int, vocab: int):
+    """Eight prompts of ``k`` full blocks (and five tokens) one at a time, then the last two
+    again, a new one, and the sixth again, on an engine whose device pool holds three such
+    prompts and whose host tier holds two; and on an engine without the tier and with room for
+    all (``make_llm(**config)`` makes each). By the new prompt, the tier has dropped the sixth's
+    written-through copies, so its device blocks are copied out again as the new prompt takes
+    them, in the step that overwrites them. The sixth then returns from the host tier, and
+    every answer must equal the reference's: bit for bit, since both run the same computations
+    on the same KV, one request at a time. Returns the tiered engine."""
+    prompts = random_prompts([16 * k + 5] * 9, vocab=vocab, seed=3)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    tiered = make_llm(num_blocks=3 * (k + 2),
+                      kv_offloading_size=(2 * k + 0.5) * block_bytes / 2**30)
+    tier = tiered.engine.host_tier
+    assert tier.num_blocks == 2 * k
+    got = [tiered.generate([prompts[i]], params)[0] for i in [*range(8), 7, 6]]
+    stored = tier.stored_blocks
+    got.append(tiered.generate([prompts[8]], params)[0])
+    assert tier.stored_blocks - stored > k + 4  # its own blocks, and most of the sixth's again
+    loaded = tier.loaded_blocks
+    got.append(tiered.generate([prompts[5]], params)[0])
+    assert got[-1].num_cached_tokens == 16 * k and tier.loaded_blocks - loaded > k - 2
+    reference = make_llm(num_blocks=16 * (k + 2))
+    want = [reference.generate([prompts[i]], params)[0].token_ids
+            for i in [*range(8), 7, 6, 8, 5]]
+    assert [c.token_ids for c in got] == want
+    assert tiered.engine.pool.num_used_blocks == 0
+    return tiered.engine
+
+
+def test_blocks_the_tier_dropped_are_copied_out_in_the_step_that_overwrites_them():
+    """The sequence :func:`returning_after_evictions` runs: on the CPU every copy is done
+    when it is queued; on a GPU (tests/test_gpu_kv_offload.py) the copy out runs on a side
+    stream while the step that takes the blocks is queued on the main one."""
+    returning_after_evictions(_llm, 8, BLOCK_BYTES, VOCAB)
 
 
 def test_the_tier_bound_holds_and_a_prompt_beyond_it_is_computed():

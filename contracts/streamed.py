@@ -70,11 +70,15 @@ class EarlyStarts:
     def __init__(self, publisher: TokenPublisher, replica: str | None = None):
         self.publisher = publisher
         self.runners: dict[type, tuple[Callable, bool]] = {}
-        self.unclaimed: dict[str, tuple[asyncio.Task, asyncio.TimerHandle, object]] = {}
+        # by request id: (its task, its timer, its runner's state, its sink's id)
+        self.unclaimed: dict[str, tuple[asyncio.Task, asyncio.TimerHandle, object, str]] = {}
+        self.running: dict[str, tuple[asyncio.Task, str]] = {}  # calls: (task, its sink's id)
         self._recent: OrderedDict[str, None] = OrderedDict()
+        self._cancelled: OrderedDict[str, None] = OrderedDict()  # before their calls came
         self.counts = {"claimed": 0, "dropped": 0}
         self._metrics = EarlyStartMetrics() if replica else None
         publisher.on_submit, publisher.on_withdraw = self._start, self.withdraw
+        publisher.on_cancel = self.cancel
 
     def _start(self, conn, req) -> None:
         """A request sent ahead of its Serve call over ``conn`` (event loop)."""
@@ -96,7 +100,7 @@ class EarlyStarts:
         task = loop.create_task(coro, context=contextvars.Context())
         task.add_done_callback(retrieved)  # a dropped one's outcome is nobody's
         timer = loop.call_later(EARLY_CLAIM_S, self.withdraw, rid)
-        self.unclaimed[rid] = (task, timer, state)
+        self.unclaimed[rid] = (task, timer, state, conn.address.sink_id)
 
     def claim(self, rid: str) -> tuple[asyncio.Task, object] | None:
         """The Serve call of ``rid`` has come: its early start's task and state (None if it
@@ -104,7 +108,7 @@ class EarlyStarts:
         early = self.unclaimed.pop(rid, None)
         if early is None:
             return None
-        task, timer, state = early
+        task, timer, state, _ = early
         timer.cancel()
         self._count("claimed")
         self.publisher.claim(rid)
@@ -115,7 +119,7 @@ class EarlyStarts:
         early = self.unclaimed.pop(rid, None)
         if early is None:
             return
-        task, timer, _ = early
+        task, timer, *_ = early
         timer.cancel()
         self._count("dropped")
         self.publisher.drop(rid)
@@ -123,9 +127,39 @@ class EarlyStarts:
 
     def remember(self, rid: str) -> None:
         """``rid``'s call has come (or its early start): it never starts again here."""
-        self._recent[rid] = None
-        if len(self._recent) > RECENT_IDS:
-            self._recent.popitem(last=False)
+        _bounded_add(self._recent, rid)
+
+    def cancel(self, conn, rid: str) -> None:
+        """The sender no longer wants ``rid`` (its client went, or a stop string ended it), said
+        over the channel beside its Serve call's cancel, which is best effort: Serve drops it
+        when it comes while the call is being handed to this replica (the call then runs to
+        its end, though nobody reads it). The request stops, started early or by its call;
+        one not here yet never starts (its early start is ignored, its call ends at once).
+        Only the connection of the request's own sink may cancel it."""
+        sink_id = conn.address.sink_id
+        running, early = self.running.get(rid), self.unclaimed.get(rid)
+        if running is not None or early is not None:
+            if running is not None and running[1] == sink_id:
+                running[0].cancel()
+            elif early is not None and early[3] == sink_id:
+                self.withdraw(rid)
+                _bounded_add(self._cancelled, rid)
+            return
+        self.remember(rid)  # an early start that comes after this is not started
+        _bounded_add(self._cancelled, rid)
+
+    def was_cancelled(self, rid: str) -> bool:
+        """Whether ``rid`` was cancelled over the channel before its call came here."""
+        return self._cancelled.pop(rid, False) is None
+
+    def follow(self, rid: str, sink_id: str, task: asyncio.Task) -> None:
+        """``task`` runs ``rid``'s call (or the early start it claimed) until it ends."""
+        self.running[rid] = (task, sink_id)
+
+        def ended(_task):
+            if self.running.get(rid, (None,))[0] is task:
+                del self.running[rid]
+        task.add_done_callback(ended)
 
     def _count(self, outcome: str) -> None:
         self.counts[outcome] += 1
@@ -156,13 +190,18 @@ class StreamedRequests:
         does not compile, a prompt the KV cache cannot hold) gets its refusal there too; any
         other failure raises. A request started early is claimed and followed instead."""
         rid = req.request_id
+        sink_id = req.reply_to.sink_id if req.reply_to is not None else ""
         early = self.early.claim(rid)
         if early is not None:
             task, timing = early
             if not task.done():  # an ended one's result went out (held) without it
                 timing.claimed = time.time()
+                self.early.follow(rid, sink_id, task)
             return await task  # cancelling this call cancels the request, as below
+        if self.early.was_cancelled(rid):  # its sender's cancel came first (over the channel)
+            raise asyncio.CancelledError(f"request {rid} was cancelled before its call came")
         self.early.remember(rid)
+        self.early.follow(rid, sink_id, asyncio.current_task())
         timing = DecodeTiming(received=time.time(), replica=self.replica)
         route = self.publisher.route(rid, await self.publisher.connect(req.reply_to))
         return await self._run(req, route, timing)
@@ -238,6 +277,13 @@ class StreamedRequests:
     def abort(self, request_id: str) -> None:
         """Stop the request wherever it is; harmless twice."""
         self.aengine.abort(request_id)
+
+
+def _bounded_add(ids: OrderedDict, rid: str) -> None:
+    ids[rid] = None
+    ids.move_to_end(rid)
+    if len(ids) > RECENT_IDS:
+        ids.popitem(last=False)
 
 
 def retrieved(task: asyncio.Task) -> None:

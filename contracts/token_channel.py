@@ -25,17 +25,21 @@ prompt_logprobs], ...]]`` (``top_logprobs``: per token, ``[[id, logprob], ...]``
 being the ``time.time()`` at which the engine step's tokens were known; an end frame is
 ``[produced_at, [], [[request_id, result], ...]]``.
 
-Early starts (the other way, sink to publisher): ``["submit", pickled GenerateRequest]`` and
-``["withdraw", request_id]``. Just before the ingress calls a decode replica, its replica
-choice (``router.replica_choice``) sends the request over the connection of the replica it ranks
-first, where the call then goes (:meth:`TokenSink.submit`), so the engine starts on it while the
-call travels; the publisher holds everything such a request publishes
-(:meth:`TokenPublisher.route` with ``held``) until the Serve call for it arrives and claims it
-(:meth:`TokenPublisher.claim`), or drops it (:meth:`TokenPublisher.drop`: the call went to
-another replica, or never came). The
-Serve call stays the request's one authority (its replica, its failure, its cancellation, the
-counts autoscaling reads); the early start only moves the engine's work ahead of it. A
-publisher's id is its Serve replica's id, which the replica choice knows the replica by.
+Early starts and cancels (the other way, sink to publisher): ``["submit", pickled
+GenerateRequest]``, ``["withdraw", request_id]`` and ``["cancel", request_id]``. Just before
+the ingress calls a decode replica, its replica choice (``router.replica_choice``) sends the
+request over the connection of the replica it ranks first, where the call then goes
+(:meth:`TokenSink.submit`), so the engine starts on it while the call travels; the publisher
+holds everything such a request publishes (:meth:`TokenPublisher.route` with ``held``) until the
+Serve call for it arrives and claims it (:meth:`TokenPublisher.claim`), or drops it
+(:meth:`TokenPublisher.drop`: the call went to another replica, or never came). The Serve call
+stays the request's one authority (its replica, its failure, the counts autoscaling reads); the
+early start only moves the engine's work ahead of it. Its cancellation goes both ways: Serve's
+cancel of the call is best effort (dropped when it comes while the call is being handed to a
+replica, the moment an early start's claim sends its held tokens), so the ingress also says
+``cancel`` on the channel (:meth:`TokenSink.cancel`), and the replica stops the request however
+it started. A publisher's id is its Serve replica's id, which the replica choice knows the
+replica by.
 """
 
 from __future__ import annotations
@@ -138,6 +142,7 @@ class TokenSink:
         self._on_lost: dict[str, LostHandler] = {}
         self._server: asyncio.Server | None = None
         self._writers: set[asyncio.StreamWriter] = set()
+        self._seen: dict[asyncio.StreamWriter, set[str]] = {}  # by connection
         self._tasks: set[asyncio.Task] = set()
         self._lock = asyncio.Lock()
         self.num_frames = 0
@@ -162,6 +167,17 @@ class TokenSink:
     def withdraw(self, publisher_id: str, request_id: str) -> None:
         """Take back an early start whose Serve call went elsewhere (any thread)."""
         self._send(publisher_id, ["withdraw", request_id])
+
+    def cancel(self, request_id: str) -> None:
+        """Stop ``request_id`` on its publisher, beside its Serve call's cancel (which Serve
+        drops when it comes while the call is being handed to a replica): sent on the
+        connection that carried its frames, or on every connection if none has yet (its
+        early start, or its call, may be on the way to any of them). Event loop."""
+        carriers = [w for w, seen in self._seen.items() if request_id in seen]
+        data = _frame(["cancel", request_id])
+        for writer in carriers or list(self._publishers.values()):
+            if not writer.is_closing():
+                writer.write(data)
 
     def _send(self, publisher_id: str, message: list) -> bool:
         writer = self._publishers.get(publisher_id)
@@ -196,6 +212,7 @@ class TokenSink:
         self._writers.add(writer)
         self._tasks.add(asyncio.current_task())
         seen: set[str] = set()  # requests with frames on this connection
+        self._seen[writer] = seen
         try:
             hello = msgpack.unpackb(await asyncio.wait_for(_read_frame(reader), HELLO_TIMEOUT_S))
             if not (isinstance(hello, list) and len(hello) == 3 and hello[0] == PROTOCOL
@@ -225,6 +242,7 @@ class TokenSink:
             log.exception("token sink: dropped the connection from %s", peer)
         finally:
             self._writers.discard(writer)
+            self._seen.pop(writer, None)
             self._publishers = {k: w for k, w in self._publishers.items() if w is not writer}
             self._tasks.discard(asyncio.current_task())
             writer.close()
@@ -297,6 +315,7 @@ class TokenPublisher:
         # Called on the event loop with (connection, GenerateRequest) / (request id).
         self.on_submit: Callable[[_Connection, object], None] | None = None
         self.on_withdraw: Callable[[str], None] | None = None
+        self.on_cancel: Callable[[_Connection, str], None] | None = None
 
     @property
     def num_routes(self) -> int:
@@ -343,12 +362,17 @@ class TokenPublisher:
         try:
             while True:
                 kind, body = msgpack.unpackb(await _read_frame(reader), raw=False)
-                handler = self.on_submit if kind == "submit" else \
-                    self.on_withdraw if kind == "withdraw" else None
+                handler = {"submit": self.on_submit, "withdraw": self.on_withdraw,
+                           "cancel": self.on_cancel}.get(kind)
                 if handler is None:
                     continue
                 try:
-                    handler(conn, pickle.loads(body)) if kind == "submit" else handler(body)
+                    if kind == "submit":
+                        handler(conn, pickle.loads(body))
+                    elif kind == "cancel":
+                        handler(conn, body)
+                    else:
+                        handler(body)
                 except Exception:  # noqa: BLE001 - its Serve call will start it as usual
                     log.exception("token channel: an early %s failed", kind)
         except (asyncio.IncompleteReadError, ConnectionError):

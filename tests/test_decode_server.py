@@ -753,6 +753,82 @@ def test_a_claimed_early_start_whose_call_is_cancelled_stops(roles):
     asyncio.run(main())
 
 
+@pytest.mark.parametrize("started", ["early", "by its call"])
+def test_a_cancel_on_the_channel_stops_a_call_whose_serve_cancel_was_lost(roles, started):
+    """Serve drops a call's cancel that comes while the call is being handed to its replica,
+    the moment a claimed early start sends the tokens it held (a stop string in them ended the
+    request at the ingress): the ingress's ``cancel`` on the token channel stops the request
+    all the same, however it started, and frees its blocks; a cancel from another sink's
+    connection does not."""
+    prefill, _, decode = roles()
+    params = SamplingParams(temperature=0, max_tokens=2000, ignore_eos=True)
+
+    async def main():
+        if started == "early":
+            sink, req = await _early(decode, PROMPTS[0], "r", params)
+        else:
+            sink = TokenSink(early_start=True)
+            req = GenerateRequest(tuple(PROMPTS[0]), params, "r", await sink.start())
+        got = []
+        sink.register("r", lambda d, _at: got.extend(d.token_ids))
+        call = asyncio.ensure_future(decode.generate(req))  # its Serve cancel never comes
+        while len(got) < 3:
+            await asyncio.sleep(0.01)
+        other = TokenSink(early_start=True)
+        await decode.publisher.connect(await other.start())
+        while len(other._publishers) < 1:
+            await asyncio.sleep(0.01)
+        other.cancel("r")  # not its request: ignored
+        await asyncio.sleep(0.1)
+        assert not call.done()
+        sink.cancel("r")
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(call, 10)
+        await until_idle(prefill, decode)
+        made = decode.aengine.engine.stats.output_tokens
+        assert made < 2000 and not decode.early.running
+        await sink.close()
+        await other.close()
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("before", ["its early start", "its call"])
+def test_a_request_cancelled_on_the_channel_before_it_came_never_runs(roles, before):
+    """The ingress's cancel reached the replica before the request did (on every connection,
+    as no frame of it had come yet): an early start that comes after it is not started, and
+    an early start it withdrew, or the call that comes after it, ends at once without a
+    token."""
+    prefill, _, decode = roles()
+    params = SamplingParams(temperature=0, max_tokens=2000, ignore_eos=True)
+
+    async def main():
+        sink = TokenSink(early_start=True)
+        address = await sink.start()
+        await decode.publisher.connect(address)
+        while decode.publisher.publisher_id not in sink._publishers:
+            await asyncio.sleep(0.01)
+        req = GenerateRequest(tuple(PROMPTS[0]), params, "r", address)
+        if before == "its early start":
+            sink.cancel("r")
+            await asyncio.sleep(0.05)
+            assert sink.submit(decode.publisher.publisher_id, req)
+            await asyncio.sleep(0.1)
+            assert not decode.early.unclaimed
+        else:
+            await _early(decode, PROMPTS[0], "r", params, sink)
+            sink.cancel("r")
+            while decode.early.unclaimed:
+                await asyncio.sleep(0.01)
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(decode.generate(req), 10)
+        await until_idle(prefill, decode)
+        assert sink.num_frames == 0 and not decode.aengine.engine.has_unfinished_requests()
+        await sink.close()
+
+    asyncio.run(main())
+
+
 def test_an_early_start_that_comes_after_its_call_is_ignored(roles, offline):
     """The call came first (the two travel apart): the request runs once, from its call."""
     _, _, decode = roles(disaggregated=False)

@@ -254,6 +254,46 @@ def test_a_request_moved_while_its_lost_channel_waits_to_move_it_moves_once(tok,
     asyncio.run(main())
 
 
+class _LostCancel(_Handle):
+    """A decode handle whose calls' cancel Serve drops (it came while the call was being handed
+    to its replica)."""
+
+    def remote(self, req):
+        call = super().remote(req)
+        call.cancel = lambda: None
+        return call
+
+
+def test_a_stop_string_stops_the_engine_when_serve_drops_the_calls_cancel(tok, decode_server):
+    """The stop string ends the stream at the ingress, which cancels its call; Serve drops that
+    cancel (best effort), but the same word on the token channel stops the request on the
+    decode replica: it makes a few tokens, not ``max_tokens``, and holds no block after."""
+    from engine import LLM
+    from router.ingress.streams import DecodeClient
+
+    prompt = tok.encode("A stop string stops it", add_special_tokens=False)
+    params = dict(temperature=0, max_tokens=1500, ignore_eos=True)
+    text = LLM("tiny").generate([prompt], SamplingParams(**{**params, "max_tokens": 20}))[0].text
+    engine = decode_server.aengine.engine
+
+    async def main():
+        client = DecodeClient(_LostCancel(decode_server), tok)
+        before = engine.stats.output_tokens
+        stop = text[5:8]
+        stream = await client.start(prompt, SamplingParams(**params, stop=[stop]), "s")
+        chunks = await _collect(stream, deadline_s=30)
+        assert "".join(c.text for c in chunks) == text[:text.find(stop)]
+        assert stream.finish_reason == "stop"
+        client.close(stream)
+        end = time.monotonic() + 10
+        while engine.has_unfinished_requests() and time.monotonic() < end:
+            await asyncio.sleep(0.02)
+        assert engine.stats.output_tokens - before < 100 and engine.pool.num_used_blocks == 0
+        await client.sink.close()
+
+    asyncio.run(main())
+
+
 class _QueuedCall:
     """A Serve call waiting in the handle's queue: no replica has taken it (yet)."""
 

@@ -10,8 +10,8 @@ fewer, larger chunks instead of falling behind → the request's ``GenerateResul
 transfer stats, timings, or a refusal: ``BadRequest``) arrives on the same channel behind its
 last tokens: the answer has one path back, in order. The Serve call returns nothing; its
 exception says the replica (or the server) failed. A stop string, a client that leaves or a
-deadline cancels the call, which aborts the request on the decode replica and frees its
-blocks.
+deadline cancels the call (Serve's cancel and a ``cancel`` on the token channel,
+:func:`cancel_call`), which aborts the request on the decode replica and frees its blocks.
 
 Migration: when the call fails because its decode replica (or its token channel, or its engine)
 is gone, the request is submitted again, under a new internal id, with the prompt plus every
@@ -62,6 +62,15 @@ DECODE_PROBE_TIMEOUT_S = 1.0  # a decode replica that has not answered by then: 
 DECODE_PROBE_INTERVAL_S = 0.5  # while the decode pool is down: how often to ask again
 
 
+def cancel_call(call, sink: TokenSink | None, call_id: str) -> None:
+    """Cancel a decode call: Serve's cancel, and the same word on the token channel (Serve
+    drops its cancel when it comes while the call is being handed to a replica: the call then
+    ran to its end unread, as a stop string found in the first tokens an early start held)."""
+    call.cancel()
+    if sink is not None and call_id:
+        sink.cancel(call_id)
+
+
 @dataclass
 class Chunk:
     """What the client gets next: the tokens (and their text) since the previous chunk.
@@ -108,6 +117,7 @@ class RequestStream:
     result: GenerateResult | None = None
     timing: RouterTiming = field(default_factory=RouterTiming)
     call: object = None  # the current Serve call's DeploymentResponse
+    sink: object = None  # the TokenSink its tokens come to
     pool: object = None  # the deployment handle of the current call (decode, or the fallback)
     call_id: str = ""  # the current call's internal request id (another after each migration)
     prompt_token_ids: tuple[int, ...] = ()
@@ -185,7 +195,7 @@ class RequestStream:
     def cancel(self) -> None:
         if self.call is not None and not self.call_done.is_set():
             self.cancelled = True
-            self.call.cancel()
+            cancel_call(self.call, self.sink, self.call_id)
 
     # -- read by one writer ------------------------------------------------------------------
     async def chunks(self, deadline: float) -> AsyncIterator[Chunk]:
@@ -279,7 +289,7 @@ class DecodeClient:
             "max_tokens": p.max_tokens - len(have), "min_tokens": max(p.min_tokens - len(have), 0),
             "num_resumed_tokens": len(have),  # they count as output for the penalties
             "prompt_logprobs": None})  # the first call's first delta brought them
-        stream.call_id, stream.accepted = rid, False
+        stream.call_id, stream.accepted, stream.sink = rid, False, self.sink
         stream.call_done.clear()  # (the last call's: this one runs)
         self.sink.register(rid, stream.feed, stream.end,
                            lambda: asyncio.ensure_future(self._channel_lost(stream, rid)))
@@ -329,7 +339,7 @@ class DecodeClient:
             return
         stream.call_id = ""  # its call's end (cancelled) is not a failure to act on
         self.sink.unregister(rid)
-        stream.call.cancel()
+        cancel_call(stream.call, self.sink, rid)
         stream.fail(AtCapacity(f"request {stream.request_id}: no decode replica took it within "
                                f"{self.queue_timeout_s:g} s", self.retry_after_s))
         stream.ended.set()
@@ -408,10 +418,10 @@ class DecodeClient:
         for stream in list(self._streams.values()):
             if stream.pool is self.decode and not (stream.finished or stream.cancelled
                                                    or stream.ended.is_set()):
-                old = stream.call
-                self.sink.unregister(stream.call_id)
+                old, old_id = stream.call, stream.call_id
+                self.sink.unregister(old_id)
                 self._move(stream, "no decode replica answers", own_id=True)  # from this task
-                old.cancel()
+                cancel_call(old, self.sink, old_id)
 
     async def _decode_answers(self) -> bool:
         return await any_replica_answers(self.decode, DECODE_PROBE_TIMEOUT_S)

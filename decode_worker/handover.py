@@ -24,9 +24,11 @@ replaced, NIXL's notifications from the new one never arrived and every hand-ove
 deadline), the end of a call that delivered nothing (:meth:`HandOvers.call_ended`: nothing can
 still write), and abandonment (:meth:`HandOvers.abandon`). The first token, when it comes ahead
 of the KV (:meth:`HandOvers.first_token`), moves no state. A hand-over abandoned while a
-one-sided push may still write into its blocks keeps them fenced until its call has ended or its
-lease's deadline has passed, so a late write never lands in blocks another request has been
-given.
+one-sided push may still write into its blocks keeps them fenced until its call has ended. A
+lease that ends (its deadline) while its call may still write is released, the request free to
+be prefilled here, but its blocks are set aside until the call ends, at the latest once the
+longest a sender keeps a write past its deadline has passed (``kvtransfer.endpoint.DRAIN_MAX_S``).
+So a late write never lands in blocks another request has been given.
 
 The event loop holds one future per hand-over (``HandOver.outcome``), resolved once, with the
 hand-over itself, when it reaches a terminal state.
@@ -36,6 +38,8 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import itertools
+import time
 from collections.abc import Callable
 
 from contracts.messages import PrefillResult
@@ -43,6 +47,7 @@ from engine.async_engine import set_result_once
 from engine.errors import RequestIdInUse
 from engine.outputs import RequestOutput
 from kvtransfer import KVDestination, Transfer, TransferState
+from kvtransfer import endpoint as kv_endpoint
 
 
 class State(enum.IntEnum):
@@ -60,7 +65,7 @@ class HandOver:
     """One request's hand-over. Every field but ``outcome`` is the engine thread's."""
 
     __slots__ = ("request_id", "dest", "state", "transfer", "answer", "abandoned", "reason",
-                 "outcome", "_loop")
+                 "call_over", "fence", "outcome", "_loop")
 
     def __init__(self, request_id: str, dest: KVDestination, loop: asyncio.AbstractEventLoop):
         self.request_id, self.dest = request_id, dest
@@ -69,6 +74,10 @@ class HandOver:
         self.answer: PrefillResult | None = None  # the prefill replica's, once it came
         self.abandoned = False
         self.reason: str | None = None  # why it was released
+        self.call_over = False  # its prefill call has answered or ended: nothing writes now
+        # Released while its call may still write (one-sided): the key its blocks are held
+        # under, out of use, until that call ends (:meth:`HandOvers.unfence`).
+        self.fence: str | None = None
         self.outcome: asyncio.Future = loop.create_future()
         self._loop = loop
 
@@ -87,6 +96,9 @@ class HandOvers:
         # First tokens published ahead of their KV, by request id, until admitted (or, where
         # the hand-over was released, taken by the local prefill: :meth:`published_first`).
         self._firsts: dict[str, tuple] = {}
+        self._fences = itertools.count()
+        self._fenced: dict[str, tuple[float, HandOver]] = {}  # by fence key: (until, hand-over)
+        self.closing = False  # the replica stops: nothing is fenced, its cache goes with it
 
     def get(self, request_id: str) -> HandOver | None:
         return self._live.get(request_id)
@@ -132,7 +144,7 @@ class HandOvers:
         h = self._live.get(request_id)
         if h is None or h.state.is_terminal:
             return
-        h.answer = result
+        h.answer, h.call_over = result, True
         if h.abandoned:  # its push is over: nothing can write any more
             self._end_lease(engine, h, "request aborted; its prefill has answered")
         elif h.state is State.LANDED:
@@ -149,6 +161,7 @@ class HandOvers:
         h = self._live.get(request_id)
         if h is None or h.state.is_terminal:
             return
+        h.call_over = True
         self._end_lease(engine, h, reason)
 
     def abandon(self, engine, request_id: str, call_running: bool) -> None:
@@ -161,7 +174,7 @@ class HandOvers:
         if h is None:
             engine.abort_request(request_id)
             return
-        h.abandoned = True
+        h.abandoned, h.call_over = True, h.call_over or not call_running
         if h.state is State.LEASED and call_running and not self.endpoint.receiver_writes:
             return
         self._end_lease(engine, h, "request aborted")
@@ -176,7 +189,10 @@ class HandOvers:
             self._release(engine, h, reason)
 
     def _lease_ended(self, engine, h: HandOver, t: Transfer) -> None:  # once per lease
-        if t.state is not TransferState.DONE or h.abandoned:
+        if t.state is not TransferState.DONE and not h.call_over \
+                and not self.endpoint.receiver_writes and not self.closing:
+            self._fence(engine, h, t.error or "request aborted")
+        elif t.state is not TransferState.DONE or h.abandoned:
             self._release(engine, h, t.error or "request aborted")
         elif h.answer is not None:
             self._admit(engine, h)
@@ -203,3 +219,34 @@ class HandOvers:
         engine.abort_request(h.request_id)  # its reserved blocks go back to the pool
         self._live.pop(h.request_id, None)
         h._end(State.RELEASED, reason)
+
+    def _fence(self, engine, h: HandOver, reason: str) -> None:
+        """The lease ended (its deadline) while the prefill call may still write into its
+        blocks (a one-sided write in flight at the sender's deadline runs to its end): the
+        request is released, its id free for a local prefill at once, but its blocks stay
+        out of use until that call ends (:meth:`unfence`)."""
+        h.fence = f"fenced/{h.request_id}/{next(self._fences)}"
+        engine.set_aside(h.request_id, h.fence)
+        # At the latest once the longest a sender keeps a write past its deadline has passed
+        # (a frozen prefill replica never answers; its copies ended long before).
+        self._fenced[h.fence] = (time.time() + kv_endpoint.DRAIN_MAX_S
+                                 + kv_endpoint.RECV_GRACE_S, h)
+        self._live.pop(h.request_id, None)
+        h._end(State.RELEASED, reason)
+
+    def unfence(self, engine, h: HandOver) -> None:
+        """A fenced hand-over's call has ended (its write with it): its blocks go back to the
+        pool. Harmless twice."""
+        if self._fenced.pop(h.fence, None) is not None:
+            engine.release_held_blocks(h.fence)
+
+    def expire_fences(self, engine) -> None:
+        """Release the fences whose longest wait has passed (an engine ticker)."""
+        if self._fenced:
+            now = time.time()
+            for _, h in [f for f in self._fenced.values() if f[0] <= now]:
+                self.unfence(engine, h)
+
+    @property
+    def num_fenced_blocks(self) -> int:
+        return sum(len(h.dest.block_ids) for _, h in list(self._fenced.values()))  # any thread

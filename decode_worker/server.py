@@ -22,8 +22,10 @@ Each hand-over is one state machine, :class:`~decode_worker.handover.HandOver`, 
 engine thread (:mod:`decode_worker.handover`); this side keeps, per request, that machine's
 future and the prefill call it is waiting for. :meth:`DecodeServer.abort` works wherever the
 request is and is harmless twice. A request abandoned while a prefill replica may still be
-writing into its blocks (one-sided transports) keeps them fenced until that replica answers or
-the lease ends, so a late write can never land in blocks another request has been given.
+writing into its blocks (one-sided transports) keeps them fenced until that replica answers (or,
+at the latest, the longest a sender keeps a write past its deadline has passed); so does a
+lease that reaches its deadline while the call runs, whose request is prefilled here at once
+meanwhile. A late write can never land in blocks another request has been given.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from decode_worker.placement import DisaggregationConfig, Placer
 from kvtransfer import (KVDestination, LayoutMismatchError, Transfer, TransferError,
                         TransportUnavailableError, endpoint_for)
 from kvtransfer.directory import PeerDirectory, Publisher
+from kvtransfer import endpoint as kv_endpoint
 
 log = serve_logger(__name__)
 COLOCATED = Placement(LOCAL, "colocated")
@@ -126,6 +129,7 @@ class DecodeServer(StreamedRequests):
                                          **endpoint_kwargs)
             self.handovers = HandOvers(self.endpoint, self.publisher.publish)
             self.aengine.add_ticker(self.endpoint.poll)
+            self.aengine.add_ticker(lambda: self.handovers.expire_fences(self.aengine.engine))
         self.listing = (Publisher(directory, self.endpoint.info()).start()
                         if directory is not None and self.endpoint is not None else None)
         self.metrics = self.transfers = None
@@ -146,6 +150,8 @@ class DecodeServer(StreamedRequests):
         if self._probe is not None:
             self._probe.cancel()
         self.aengine.shutdown()
+        if self.handovers is not None:
+            self.handovers.closing = True
         if self.endpoint is not None:
             self.endpoint.close()
         if self.sink is not None:
@@ -153,7 +159,10 @@ class DecodeServer(StreamedRequests):
 
     @property
     def held_blocks(self) -> int:
-        return self.endpoint.held_blocks if self.endpoint is not None else 0
+        """Blocks leased to hand-overs, and those fenced after one (a late write's)."""
+        if self.endpoint is None:
+            return 0
+        return self.endpoint.held_blocks + self.handovers.num_fenced_blocks
 
     def kv_load(self) -> dict:
         return load_report(self.aengine, self.endpoint)
@@ -162,9 +171,12 @@ class DecodeServer(StreamedRequests):
                                  timing: DecodeTiming) -> tuple[PrefillResult | None, Placement]:
         if (fenced := self._fenced.get(req.request_id)) is not None:
             # An earlier run of this id (an early start dropped before its call came) still
-            # holds its hand-over's blocks, fenced until its prefill call ends (bounded by its
-            # lease): this run starts once they are released, instead of being refused.
-            await asyncio.wait_for(asyncio.shield(fenced), self.timeout_s)
+            # waits for its prefill call, its hand-over's blocks fenced: this run starts once
+            # that call has ended (its answer, which this run would take for its own, has come)
+            # and the blocks are released, instead of being refused (bounded: the lease, then
+            # the longest a sender keeps a write past its deadline).
+            await asyncio.wait({fenced}, timeout=self.timeout_s + kv_endpoint.DRAIN_MAX_S
+                               + kv_endpoint.RECV_GRACE_S)
         if self.prefill is None:
             return None, self.placement
         if req.params.prompt_logprobs is not None:  # made where the prompt is computed: here
@@ -369,8 +381,8 @@ class DecodeServer(StreamedRequests):
             self._calls.pop(rid, None)
             result = PrefillResult.from_wire(answer.result())
             return await self._answered(rid, h, result, timing)
-        if not call.done():  # released (its deadline) while the call runs: the writer has
-            call.cancel()  # stopped, it gives up at the deadline, before us
+        if not call.done():  # released (its deadline) while the call runs: its blocks stay
+            asyncio.ensure_future(self._unfence_when_over(h, call))  # fenced until it ends
             self._calls.pop(rid, None)
             self._count_failure("deadline")
             log.warning("request %s: no KV from the prefill replica by the deadline (%s); "
@@ -418,6 +430,21 @@ class DecodeServer(StreamedRequests):
                       "cache dtype and block size): %s", rid, exc)
         raise exc
 
+    async def _unfence_when_over(self, h, call: asyncio.Future) -> None:
+        """A hand-over released while its prefill call runs. On a one-sided transport its
+        blocks were fenced (``HandOvers._fence``: a write in flight at the sender's deadline
+        runs to its end, and the sender answers only once it has): they come back when the
+        call ends, or at the latest once the longest a sender keeps such a write has passed
+        (a frozen prefill replica never answers; its copies have ended long before). The call
+        is then dropped."""
+        if h.fence is not None:
+            await asyncio.wait({call}, timeout=kv_endpoint.DRAIN_MAX_S
+                               + kv_endpoint.RECV_GRACE_S)  # (HandOvers ends it then anyway)
+        call.cancel()
+        call.add_done_callback(retrieved)
+        if h.fence is not None and self.aengine.error is None:
+            self.aengine.submit(lambda e: self.handovers.unfence(e, h))
+
     def _prefill_down(self) -> None:
         """A prefill replica is gone: until one answers again, prompts are prefilled here (Serve
         keeps routing calls to a dead replica until its controller notices, seconds later).
@@ -462,8 +489,8 @@ class DecodeServer(StreamedRequests):
     def abort(self, request_id: str) -> None:
         """Stop the request wherever it is (reserving, leased, landing, decoding); harmless
         twice. A hand-over whose prefill call is still running on a one-sided transport keeps
-        its blocks fenced until the prefill replica answers (its push is then over) or the
-        lease ends; everything else is released at once."""
+        its blocks fenced until the prefill replica answers (its push is then over);
+        everything else is released at once."""
         if self.handovers is None:
             self.aengine.abort(request_id)
             return
@@ -474,21 +501,21 @@ class DecodeServer(StreamedRequests):
             return
         running = call is not None and not call.done()
         self.aengine.submit(lambda e: self.handovers.abandon(e, request_id, running))
-        if running:
-            if not h.outcome.done():
-                self._fenced[request_id] = h.outcome
-                h.outcome.add_done_callback(
-                    lambda done: self._forget(self._fenced, request_id, done))
-            asyncio.ensure_future(self._end_when_answered(h, call))
+        if running:  # a later run of the id waits for it (its answer, its blocks)
+            ended = self._fenced[request_id] = asyncio.ensure_future(
+                self._end_when_answered(h, call))
+            ended.add_done_callback(lambda done: self._forget(self._fenced, request_id, done))
 
     async def _end_when_answered(self, h, call: asyncio.Future) -> None:
         """An abandoned hand-over's call, still running: once it has answered (its push is
         over, landed or failed) the fenced lease ends; if the lease ends first (its deadline),
-        the call is dropped."""
+        its blocks stay fenced until the call ends (:meth:`_unfence_when_over`). Returns once
+        both have."""
         await asyncio.wait({call, h.outcome}, return_when=asyncio.FIRST_COMPLETED)
         if h.outcome.done():
-            call.cancel()
+            await self._unfence_when_over(h, call)
         elif self.aengine.error is None:
             self.aengine.submit(lambda e: self.handovers.call_ended(
                 e, h.request_id, "request aborted; its prefill has answered"))
+            await asyncio.wait({h.outcome}, timeout=self.timeout_s)
 

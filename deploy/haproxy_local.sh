@@ -40,7 +40,7 @@ if [ -n "$config" ] && [ -w "$config" ]; then
               /^(frontend|backend|listen) / { inside = 0 }
               inside && $1 == "bind" { sub(/:[0-9]+$/, "", $2); print $2; exit }' "$config")
   case "$host" in
-    127.*|localhost)
+    127.*|localhost|::1|\[::1\])
       sed -i -E -e "s/^([[:space:]]*bind )\*?:([0-9]+)[[:space:]]*$/\1$host:\2/" \
         -e "s/^([[:space:]]*timeout connect )[0-9]+s[[:space:]]*$/\1250ms/" "$config" ;;
   esac

@@ -21,6 +21,7 @@ import logging
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
@@ -35,6 +36,10 @@ from engine.snapshot import StatsFeed
 log = logging.getLogger(__name__)
 BUSY_POLL_S = 0.0005  # idle engine, a ticker's work in flight (a KV transfer)
 IDLE_WAIT_S = 0.05  # idle engine, nothing in flight: commands wake it at once anyway
+# An engine thread that has not come round its loop for this long is wedged (a step or command
+# that never returns: a hung device, a deadlock): the health check fails, so Serve replaces it.
+# Far above any step's time (seconds for a long prompt on the largest model).
+WEDGED_S = 60.0
 
 OutputsHook = Callable[[list[RequestOutput]], None]
 FinishedHook = Callable[[LLMEngine, RequestOutput], None]
@@ -56,6 +61,7 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self.error: BaseException | None = None
+        self.turned_at = time.monotonic()  # the engine thread's last turn of its loop
         self._thread = threading.Thread(target=self._run, daemon=True, name="baton-engine")
         self._thread.start()
         freeze_startup_heap()
@@ -157,6 +163,7 @@ class AsyncEngine:
                 torch.cuda.set_device(self.engine.device)
             was_busy = False
             while not self._stop.is_set():
+                self.turned_at = time.monotonic()
                 ran = self._drain()
                 busy = False
                 for tick in self._tickers:
@@ -222,10 +229,14 @@ class AsyncEngine:
         return self._stop.is_set()
 
     def check(self) -> None:
-        """Raise if the engine cannot serve: its thread died, or a rank of a split model did
-        (a Serve health check: the replica is then replaced and its streams move)."""
+        """Raise if the engine cannot serve: its thread died or is wedged (``WEDGED_S``), or a
+        rank of a split model died (a Serve health check: the replica is then replaced and its
+        streams move)."""
         if self.error is not None:
             raise RuntimeError(f"engine thread died: {self.error!r}")
+        stuck = time.monotonic() - self.turned_at
+        if stuck > WEDGED_S and not self._stop.is_set():
+            raise RuntimeError(f"engine thread wedged: no turn of its loop for {stuck:.0f} s")
         self.engine.check_ranks()
 
     def shutdown(self) -> None:

@@ -237,6 +237,7 @@ class LLMEngine:
         seq = self._new_sequence(prompt, params, request_id)
         self._fence_released_blocks()
         if not self.scheduler.reserve(seq):
+            self.stats.prompt_tokens -= seq.num_prompt_tokens  # counted when it comes back
             return None
         # Another engine writes these blocks: what the host tier keeps of their old KV is
         # copied out (on every rank) before they are handed over.
@@ -339,6 +340,19 @@ class LLMEngine:
         if seq is None:
             return False
         self.scheduler.finish(seq, FinishReason.ABORT)
+        return True
+
+    def set_aside(self, request_id: str, key: str) -> bool:
+        """Abort ``request_id`` but keep its blocks out of use under ``key`` until
+        :meth:`release_held_blocks` (decode role: a hand-over's blocks a late write may still
+        land in), so its id is free for another run at once."""
+        seq = self.scheduler.find(request_id)
+        if seq is None:
+            return False
+        blocks, seq.block_ids = seq.block_ids, []
+        self.scheduler.finish(seq, FinishReason.ABORT)
+        if blocks:
+            self.scheduler.held[key] = blocks
         return True
 
     def has_unfinished_requests(self) -> bool:

@@ -7,9 +7,9 @@ transport's set-up plus a one-block write). So links are open when a replica sta
 new replicas as they appear; no user request pays a link's first-push cost (CUDA IPC maps the
 peer's cache, NCCL builds a communicator, NIXL loads a remote agent and wires UCX up).
 
-The store is Ray's internal key-value store in a cluster (:class:`RayKVStore`, kept by the GCS)
-and a dict in tests. An entry not refreshed within ``ttl_s`` is stale (its replica died without
-withdrawing it) and is skipped.
+The store is Ray's internal key-value store in a cluster (:class:`RayKVStore`, kept by the GCS;
+each call bounded by ``STORE_TIMEOUT_S``) and a dict in tests. An entry not refreshed within
+``ttl_s`` is stale (its replica died without withdrawing it) and is skipped.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 TTL_S = 30.0
 SCAN_INTERVAL_S = 1.0
 RETRY_S = 10.0  # a warming that failed is tried again this much later, while the peer is listed
+STORE_TIMEOUT_S = 5.0  # a call to the cluster's key-value store (the GCS)
 
 
 class Store(Protocol):
@@ -64,26 +65,36 @@ class DictStore:
 
 
 class RayKVStore:
-    """Ray's internal key-value store (in the GCS), reachable from every worker of a cluster."""
+    """Ray's internal key-value store (in the GCS), reachable from every worker of a cluster.
+    Every call is bounded by ``timeout_s`` (a GCS that does not answer fails the directory's
+    turn, tried again at the next, instead of hanging it, or a replica's shutdown)."""
 
-    NAMESPACE = "baton"
+    NAMESPACE = b"baton"
+
+    def __init__(self, timeout_s: float = STORE_TIMEOUT_S):
+        self.timeout_s = timeout_s
+
+    @staticmethod
+    def _gcs():
+        from ray.experimental.internal_kv import internal_kv_get_gcs_client
+        gcs = internal_kv_get_gcs_client()
+        if gcs is None:
+            raise RuntimeError("Ray is not initialized in this process")
+        return gcs
 
     def put(self, key, value):
-        from ray.experimental.internal_kv import _internal_kv_put
-        _internal_kv_put(key, value, overwrite=True, namespace=self.NAMESPACE)
+        self._gcs().internal_kv_put(key.encode(), value, True, self.NAMESPACE,
+                                    timeout=self.timeout_s)
 
     def get(self, key):
-        from ray.experimental.internal_kv import _internal_kv_get
-        return _internal_kv_get(key, namespace=self.NAMESPACE)
+        return self._gcs().internal_kv_get(key.encode(), self.NAMESPACE, timeout=self.timeout_s)
 
     def keys(self, prefix):
-        from ray.experimental.internal_kv import _internal_kv_list
-        return [k.decode() if isinstance(k, bytes) else k
-                for k in _internal_kv_list(prefix, namespace=self.NAMESPACE)]
+        return [k.decode() for k in self._gcs().internal_kv_keys(
+            prefix.encode(), self.NAMESPACE, timeout=self.timeout_s)]
 
     def delete(self, key):
-        from ray.experimental.internal_kv import _internal_kv_del
-        _internal_kv_del(key, namespace=self.NAMESPACE)
+        self._gcs().internal_kv_del(key.encode(), False, self.NAMESPACE, timeout=self.timeout_s)
 
 
 class PeerDirectory:

@@ -37,9 +37,16 @@ from kvtransfer.types import (PROTOCOL_VERSION, WARM_PREFIX, EndpointInfo, HeadS
 log = logging.getLogger(__name__)
 POLL_INTERVAL_S = 0.0005
 SPIN_S = 0.005
-# A receiver gives up a little after the deadline, so that the sender (which stops writing at
-# the deadline) has given up first: a one-sided write can then never land in released blocks.
+# A receiver gives up a little after the deadline, so that the sender (which starts no write
+# after the deadline) has given up first.
 RECV_GRACE_S = 0.25
+# A write still in flight at its deadline cannot be taken back (a CUDA copy runs to its end;
+# NIXL may refuse to release an active transfer): the sender keeps it, and its source blocks,
+# until the transport says it has ended, for at most this long past the deadline, and fails the
+# push only then. So a push's end, and the prefill replica's answer, mean that nothing writes
+# any more; a receiver that gave up meanwhile keeps its blocks out of use until that answer
+# (``decode_worker.handover``: fenced), for at most as long.
+DRAIN_MAX_S = 5.0
 WARM_TIMEOUT_S = 60.0
 LANDED_EARLY_MAX = 4096  # unclaimed landings kept (a landing's transfer comes within ms)
 
@@ -262,8 +269,8 @@ class KVEndpoint:
         return self.busy
 
     def wait(self, t: Transfer, timeout: float | None = None) -> TransferState:
-        """Poll until ``t`` is terminal (at the latest just after its deadline) or ``timeout``
-        seconds elapse."""
+        """Poll until ``t`` is terminal (at the latest just after its deadline, or for a write
+        still in flight then, ``DRAIN_MAX_S`` after it) or ``timeout`` seconds elapse."""
         start = time.time()
         end = None if timeout is None else start + timeout
         while True:
@@ -282,7 +289,12 @@ class KVEndpoint:
         except Exception as exc:  # noqa: BLE001
             state, t.error = TransferState.FAILED, f"{type(exc).__name__}: {exc}"
         transport_failed = state is TransferState.FAILED  # not a deadline: that follows
-        if state is TransferState.IN_FLIGHT and (now or time.time()) >= t.deadline:
+        now = now or time.time()
+        if state is TransferState.IN_FLIGHT and now >= t.deadline:
+            if now < t.deadline + DRAIN_MAX_S:
+                return  # it may still write: kept (and its source blocks) until it ends
+            log.error("push %s: the write did not end within %.0f s of its deadline; its "
+                      "source blocks are released anyway", t.transfer_id, DRAIN_MAX_S)
             state, t.error = TransferState.FAILED, "deadline passed before the write completed"
         if state.is_terminal:
             self._finish(t, state, t.error, peer_gone=transport_failed)

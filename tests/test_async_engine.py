@@ -144,6 +144,28 @@ def test_commands_queued_when_the_engine_thread_dies_fail_too():
         aengine.shutdown()
 
 
+def test_a_wedged_engine_thread_fails_the_health_check_until_it_turns_again(aengine,
+                                                                           monkeypatch):
+    """A command that never returns (a hung device, a deadlock) leaves the thread alive but
+    stuck: past ``WEDGED_S`` without a turn of its loop, the health check fails (Serve then
+    replaces the replica); once it turns again, the check passes."""
+    import time
+
+    import engine.async_engine as async_engine
+
+    monkeypatch.setattr(async_engine, "WEDGED_S", 0.3)
+    release = threading.Event()
+    aengine.check()
+    stuck = aengine.submit(lambda e: release.wait(10))
+    time.sleep(0.5)
+    with pytest.raises(RuntimeError, match="wedged"):
+        aengine.check()
+    release.set()
+    stuck.result(timeout=10)
+    time.sleep(0.1)
+    aengine.check()
+
+
 def test_a_dying_engine_thread_fails_every_waiter_and_later_calls():
     told = []
     aengine = AsyncEngine(EngineConfig(**CONFIG), on_error=told.append)

@@ -18,7 +18,8 @@ from contracts.messages import TIMELINE
 from decode_worker.placement import ALWAYS, DisaggregationConfig
 from decode_worker.server import DecodeServer
 from engine import LLM, EngineConfig, SamplingParams
-from kvtransfer import LayoutMismatchError, PushNotStarted, TransportUnavailableError
+from kvtransfer import (LayoutMismatchError, PushNotStarted, TransferState,
+                        TransportUnavailableError)
 from kvtransfer.backends.local import LocalFabric
 from prefill_worker.server import PrefillServer
 from tests.models import random_prompts
@@ -313,6 +314,51 @@ def test_cancellation_at_random_points_leaves_nothing_behind(roles):
     asyncio.run(main())
 
 
+def _slow_writes(endpoint, seconds: float) -> None:
+    """The local transport as a one-sided one whose writes run ``seconds`` after they start:
+    in flight until then, then copied and landed (a CUDA copy queued behind other work)."""
+    backend = endpoint.backends["local"]
+    start_write, pending = backend.start_write, {}
+
+    def slow_start(peer, transfer_id, src, dst, heads=None):
+        pending[transfer_id] = (time.time() + seconds, (peer, transfer_id, src, dst, heads))
+        return transfer_id
+
+    def check(transfer_id):
+        ends_at, args = pending[transfer_id]
+        if time.time() < ends_at:
+            return TransferState.IN_FLIGHT
+        return start_write(*args)
+
+    backend.start_write, backend.check_write = slow_start, check
+
+
+def test_a_write_in_flight_at_the_deadline_never_lands_in_blocks_in_use(roles, offline):
+    """The sender's write is still in flight at the hand-over's deadline (1 s here; it runs to
+    1.6 s): the sender keeps it, and its source blocks, until it has ended; the decode replica
+    gives the lease up at its deadline and prefills the request itself (the offline tokens, no
+    later than before), but keeps the leased blocks out of use (fenced) until the prefill call
+    ends, so the late write lands in blocks nobody was given. Then both roles are idle."""
+    prefill, _, decode = roles(timeout_s=1.0)
+    _slow_writes(prefill.endpoint, 1.6)
+
+    async def main():
+        sink = TokenSink()
+        t0 = time.monotonic()
+        tokens, result = await generate(decode, sink, PROMPTS[1], "r", GREEDY)
+        assert tokens == offline[1] and result.transfer is None
+        assert time.monotonic() - t0 < 1.6  # prefilled here at the deadline, not after
+        engine = decode.aengine.engine
+        fenced = [k for k in engine.scheduler.held if k.startswith("fenced/r/")]
+        assert fenced and engine.pool.num_used_blocks == len(engine.scheduler.held[fenced[0]])
+        assert prefill.endpoint.held_blocks > 0  # the source blocks, read by the write
+        await until_idle(prefill, decode)
+        assert time.monotonic() - t0 >= 1.6  # not before the write ended
+        await sink.close()
+
+    asyncio.run(main())
+
+
 def test_closing_a_replica_releases_its_pending_leases(roles):
     """At shutdown a decode replica waiting for a prefill's KV fails that lease at once: its
     blocks come back without waiting for the deadline."""
@@ -377,6 +423,31 @@ def test_a_later_run_of_an_id_waits_for_the_blocks_its_earlier_run_left_fenced(r
         tokens, result = await asyncio.wait_for(late, 30)
         assert tokens == offline[1] and result.transfer is not None
         assert handle.calls == 2
+        await until_idle(prefill, decode)
+        await sink.close()
+
+    asyncio.run(main())
+
+
+def test_a_later_run_of_an_id_waits_for_its_earlier_runs_call_past_the_lease(roles, offline):
+    """As above, but the earlier run's lease reaches its deadline (1 s) while its write is still
+    in flight (to 1.6 s): its blocks are set aside, and the later run still waits for that
+    call's end (its answer, under the same id, must not be taken for the later run's), then
+    runs with the offline tokens; the set-aside blocks come back once the write has ended."""
+    prefill, handle, decode = roles(timeout_s=1.0)
+    _slow_writes(prefill.endpoint, 1.6)
+
+    async def main():
+        sink = TokenSink()
+        t0 = time.monotonic()
+        await _abandoned_during_the_push(decode, handle, sink)
+        late = asyncio.ensure_future(generate(decode, sink, PROMPTS[1], "r", GREEDY))
+        while time.monotonic() < t0 + 1.4:  # past the first lease's end, not its write's
+            await asyncio.sleep(0.05)
+        assert any(k.startswith("fenced/r/") for k in decode.aengine.engine.scheduler.held)
+        assert handle.calls == 1 and not late.done()
+        tokens, _ = await asyncio.wait_for(late, 30)
+        assert tokens == offline[1] and handle.calls == 2
         await until_idle(prefill, decode)
         await sink.close()
 

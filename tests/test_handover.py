@@ -5,6 +5,7 @@ abort in every state, on one-sided and receiver-writes transports. Each path end
 with the engine's blocks either admitted or released, and the event loop's future resolved."""
 
 import asyncio
+import time
 
 import pytest
 
@@ -23,6 +24,8 @@ class Engine:
         self.room = room
         self.admitted: list[tuple[str, int]] = []
         self.aborted: list[str] = []
+        self.set_aside_as: list[tuple[str, str]] = []
+        self.released: list[str] = []
         self.vocab_size = 1000
 
     def reserve(self, prompt, params, rid):
@@ -36,6 +39,12 @@ class Engine:
 
     def abort_request(self, rid):
         self.aborted.append(rid)
+
+    def set_aside(self, rid, key):  # aborted, its blocks held under ``key``
+        self.set_aside_as.append((rid, key))
+
+    def release_held_blocks(self, key):
+        self.released.append(key)
 
 
 class Endpoint:
@@ -150,19 +159,54 @@ def test_a_transport_without_notifications_lands_on_the_answer():  # (CUDA IPC's
     assert engine.admitted == [("r", 42)]
 
 
-@pytest.mark.parametrize("how", ["deadline", "push failed", "replica gone"])
+@pytest.mark.parametrize("how", ["push failed", "replica gone"])
 def test_a_lease_that_ends_without_the_kv_releases_the_blocks(how):
     def scenario(machine, engine, endpoint, h):
-        if how == "deadline":
-            endpoint.expire(h.dest.transfer_id)
-        else:  # the call raised: a failed push, or a dead replica; nothing can write any more
-            machine.call_ended(engine, "r", how)
-        assert h.state is State.RELEASED
+        # the call raised: a failed push, or a dead replica; nothing can write any more
+        machine.call_ended(engine, "r", how)
+        assert h.state is State.RELEASED and h.fence is None
         machine.answered(engine, "r", answer("r"))  # a late answer changes nothing
         machine.call_ended(engine, "r", "again")
 
     _, engine, _, published = run(scenario)
     assert engine.aborted == ["r"] and not engine.admitted and not published
+
+
+@pytest.mark.parametrize("ends", ["call ends", "longest drain passes", "receiver writes"])
+def test_a_lease_past_its_deadline_while_its_call_runs_is_fenced(ends, monkeypatch):
+    """The deadline passed with the prefill call still running. One-sided, a write in flight at
+    the sender's deadline runs to its end (the sender answers only then): the request is let go
+    (its id free for a local prefill) but its blocks are set aside until the call ends
+    (``unfence``) or, at the latest, the longest a sender keeps a write past its deadline has
+    passed (``expire_fences``, an engine ticker). A receiver that copies the data itself has
+    stopped: released at once."""
+    import kvtransfer.endpoint as kv_endpoint
+
+    def scenario(machine, engine, endpoint, h):
+        if ends == "longest drain passes":
+            monkeypatch.setattr(kv_endpoint, "DRAIN_MAX_S", 0.0)
+            monkeypatch.setattr(kv_endpoint, "RECV_GRACE_S", 0.05)
+        endpoint.expire(h.dest.transfer_id)
+        assert h.state is State.RELEASED and machine.get("r") is None
+        machine.answered(engine, "r", answer("r"))  # a late answer changes nothing
+        if ends == "receiver writes":
+            return h
+        assert engine.set_aside_as == [("r", h.fence)] and machine.num_fenced_blocks == 3
+        machine.expire_fences(engine)
+        assert not engine.released  # not yet
+        if ends == "call ends":
+            machine.unfence(engine, h)
+        else:
+            time.sleep(0.06)
+            machine.expire_fences(engine)
+        machine.unfence(engine, h)  # harmless twice
+        assert engine.released == [h.fence] and machine.num_fenced_blocks == 0
+        return h
+
+    h, engine, _, published = run(scenario, receiver_writes=ends == "receiver writes")
+    assert not engine.admitted and not published
+    assert engine.aborted == (["r"] if ends == "receiver writes" else [])
+    assert (h.fence is None) == (ends == "receiver writes")
 
 
 def test_the_prefill_replica_gone_after_the_kv_landed_releases_too():
@@ -194,6 +238,8 @@ def test_abandoned_while_the_call_writes(receiver_writes):
 
 @pytest.mark.parametrize("end", ["answered", "call ended", "deadline"])
 def test_a_fenced_lease_ends_with_its_call_or_its_deadline(end):
+    """Abandoned while its call writes: released when the call answers or ends; at the
+    deadline with the call still running, its blocks are set aside until the call ends."""
     def scenario(machine, engine, endpoint, h):
         machine.abandon(engine, "r", call_running=True)
         if end == "answered":
@@ -205,7 +251,11 @@ def test_a_fenced_lease_ends_with_its_call_or_its_deadline(end):
         assert h.state is State.RELEASED
 
     _, engine, _, published = run(scenario)
-    assert engine.aborted == ["r"] and not engine.admitted and not published
+    assert not engine.admitted and not published
+    if end == "deadline":
+        assert not engine.aborted and [rid for rid, _ in engine.set_aside_as] == ["r"]
+    else:
+        assert engine.aborted == ["r"] and not engine.set_aside_as
 
 
 @pytest.mark.parametrize("state", ["leased, no call", "landed", "admitted"])

@@ -84,7 +84,12 @@ def test_abort_releases_the_receivers_lease(pair):
     asyncio.run(main())
 
 
-def test_expired_destination_fails_the_push_and_releases_both_sides(pair):
+def test_expired_destination_fails_the_push_and_releases_both_sides(pair, monkeypatch):
+    """(Nobody tells the decode side that the push failed here: its lease is fenced past the
+    deadline for the longest a sender keeps a write, shortened here.)"""
+    import kvtransfer.endpoint as kv_endpoint
+
+    monkeypatch.setattr(kv_endpoint, "DRAIN_MAX_S", 0.2)
     prefill, decode, _, _ = pair
     prompt = random_prompts([20], vocab=512, seed=24)[0]
 
@@ -154,7 +159,10 @@ def _fake_endpoint(polls):
 
 @pytest.mark.parametrize("polls, expected", [(3, TransferState.DONE),
                                              (None, TransferState.FAILED)])
-def test_send_lease_released_once_on_done_or_deadline(polls, expected):
+def test_send_lease_released_once_on_done_or_deadline(polls, expected, monkeypatch):
+    import kvtransfer.endpoint as endpoint
+
+    monkeypatch.setattr(endpoint, "DRAIN_MAX_S", 0.3)
     ep = _fake_endpoint(polls)
     peer = ep.info()
     released = []
@@ -165,6 +173,43 @@ def test_send_lease_released_once_on_done_or_deadline(polls, expected):
     assert released == [t] and ep.held_blocks == 0
     ep.abort(t.transfer_id)  # a late abort changes nothing and releases nothing twice
     assert released == [t]
+
+
+class TimedFake(SlowFake):
+    """A write that ends at ``ends_at`` (``time.time()``), polled or not."""
+
+    def __init__(self, ends_at: float):
+        super().__init__(None)
+        self.ends_at = ends_at
+
+    def check_write(self, handle):
+        return TransferState.DONE if time.time() >= self.ends_at else TransferState.IN_FLIGHT
+
+
+@pytest.mark.parametrize("ends_after_s, expected", [(0.3, TransferState.DONE),
+                                                    (None, TransferState.FAILED)])
+def test_a_write_in_flight_at_its_deadline_keeps_its_source_blocks_until_it_ends(
+        ends_after_s, expected, monkeypatch):
+    """A write cannot be taken back once started (a CUDA copy runs to its end): past its
+    deadline the push keeps it, and its source blocks, until the transport says it has ended
+    (then DONE: it landed), for at most DRAIN_MAX_S, and only then fails. So the push's end
+    means nothing reads those blocks or writes the receiver's any more."""
+    import kvtransfer.endpoint as endpoint
+
+    monkeypatch.setattr(endpoint, "DRAIN_MAX_S", 0.6)
+    ep = _fake_endpoint(None)
+    start = time.time()
+    ep.backends = {"local": TimedFake(start + (ends_after_s or 60))}
+    dest = KVDestination("r3", "peer", (1, 2), 0, start + 0.1)
+    t = ep.push(ep.info(), dest, [3, 4])
+    while time.time() < start + 0.2:  # past the deadline, the write not over
+        ep.poll()
+    assert t.state is TransferState.IN_FLIGHT and ep.held_blocks == 2
+    assert ep.wait(t, timeout=5) is expected and ep.held_blocks == 0
+    ended = time.time() - start
+    assert (0.3 <= ended < 0.5) if ends_after_s else (0.7 <= ended < 1.0), ended
+    if expected is TransferState.FAILED:
+        assert "deadline" in t.error
 
 
 class SettlingFake(SlowFake):

@@ -125,7 +125,12 @@ def test_layout_mismatch_is_refused_before_any_byte_moves(pair):
         other.close()
 
 
-def test_deadline_expiry_fails_and_releases(pair):
+def test_deadline_expiry_fails_and_releases(pair, monkeypatch):
+    """The lease fails at its deadline; no call runs here, so its blocks are fenced for the
+    longest a sender keeps a write past it (shortened here), then released."""
+    import kvtransfer.endpoint as kv_endpoint
+
+    monkeypatch.setattr(kv_endpoint, "DRAIN_MAX_S", 0.2)
     decode = pair[2]
     fresh = random_prompts([40], vocab=512, seed=13)[0]  # nothing of it is cached
 

@@ -47,6 +47,23 @@ def test_the_directory_lists_fresh_entries_of_its_scope_only():
     assert app.peers() == [] and [p.endpoint_id for p in other.peers()] == ["x"]
 
 
+@pytest.mark.e2e
+def test_the_cluster_store_lists_entries_and_bounds_every_call(ray_cluster):
+    """The directory over Ray's own key-value store (the GCS), as replicas use it: every call
+    carries a bound (a GCS that does not answer fails the turn instead of hanging it)."""
+    from kvtransfer.directory import RayKVStore
+
+    store = RayKVStore(timeout_s=5.0)
+    app = PeerDirectory("store-test", store, ttl_s=30)
+    app.publish(_info("a"))
+    app.publish(_info("b"))
+    assert sorted(p.endpoint_id for p in app.peers()) == ["a", "b"]
+    app.withdraw("a")
+    assert [p.endpoint_id for p in app.peers()] == ["b"]
+    app.withdraw("b")
+    assert store.get("kv-receivers/store-test/b") is None and app.peers() == []
+
+
 def _until(check, timeout_s=20.0):
     end = time.time() + timeout_s
     while not check():

@@ -221,7 +221,8 @@ def test_baton_serve_tiny_streams_to_the_openai_client_and_ctrl_c_stops_it(ray_c
         socket.create_connection(("127.0.0.1", http), timeout=2).close()
 
 
-@pytest.mark.parametrize("host, rebound", [("127.0.0.1", True), ("0.0.0.0", False)])
+@pytest.mark.parametrize("host, rebound", [("127.0.0.1", True), ("::1", True),
+                                           ("0.0.0.0", False)])
 def test_haproxy_wrapper_rebinds_stats_and_metrics_only_for_a_loopback_frontend(tmp_path, host,
                                                                                rebound):
     """``deploy/haproxy_local.sh`` on a config as Ray's template writes it: the two listeners
@@ -247,7 +248,7 @@ def test_haproxy_wrapper_rebinds_stats_and_metrics_only_for_a_loopback_frontend(
     assert seen.read_text().split() == ["-db", "-f", str(config), "-sf", "7"]
     binds = re.findall(r"bind (\S+)", config.read_text())
     if rebound:
-        assert binds == ["127.0.0.1:41001", "127.0.0.1:8000", "127.0.0.1:41002"]
+        assert binds == [f"{host}:41001", f"{host}:8000", f"{host}:41002"]
         assert re.findall(r"timeout connect (\S+)", config.read_text()) == ["250ms", "250ms"]
     else:  # only the buffering that lets HAProxy resend a request (deploy/haproxy_local.sh)
         assert config.read_text() == text.replace(

@@ -78,6 +78,17 @@ def test_max_num_seqs_limits_the_running_batch(reference):
     _assert_no_leak(llm)
 
 
+def test_a_reservation_that_finds_no_room_counts_no_prompt_tokens():
+    """Refused (no slot): nothing is taken, and its prompt is counted only when the request
+    comes back (prefilled here, or reserved again), not twice."""
+    engine = LLM("tiny", max_num_seqs=1).engine
+    assert engine.reserve(PROMPTS[0], GREEDY, "held") is not None
+    counted = engine.stats.prompt_tokens
+    assert engine.reserve(PROMPTS[1], GREEDY, "no-slot") is None
+    assert engine.stats.prompt_tokens == counted
+    engine.abort_request("held")
+
+
 def test_sequences_awaiting_kv_count_against_max_num_seqs():
     """Decode role: reserved (transferring) sequences hold batch slots, so local requests never
     push the running batch past max_num_seqs once the transfers are admitted."""

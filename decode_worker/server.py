@@ -120,9 +120,11 @@ class DecodeServer(StreamedRequests):
         self.endpoint = self.handovers = None
         self._calls: dict[str, tuple] = {}  # request id -> (its hand-over, its prefill call)
         self._early: dict[str, asyncio.Future] = {}  # request id -> its first-token call (no room)
-        # request id -> the end of an aborted run's hand-over whose blocks stay fenced while its
-        # prefill call runs: a later run of the id waits for it (the blocks are that run's)
+        # request id -> the end of a run's prefill call that still runs after its hand-over was
+        # aborted or released (its blocks fenced on a one-sided transport): a later run of the
+        # id waits for it (the blocks, the late answer and the transfer id are that run's)
         self._fenced: dict[str, asyncio.Future] = {}
+        self._waiting: set[str] = set()  # the later runs waiting for them
         self.sink = TokenSink(channel_host, early_start) if prefill is not None else None
         if prefill is not None:
             self.endpoint = endpoint_for(self.aengine.engine.kv_cache_spec(), backend, polled=True,
@@ -175,8 +177,10 @@ class DecodeServer(StreamedRequests):
             # that call has ended (its answer, which this run would take for its own, has come)
             # and the blocks are released, instead of being refused (bounded: the lease, then
             # the longest a sender keeps a write past its deadline).
+            self._waiting.add(req.request_id)  # (kept if cancelled: abort takes it)
             await asyncio.wait({fenced}, timeout=self.timeout_s + kv_endpoint.DRAIN_MAX_S
                                + kv_endpoint.RECV_GRACE_S)
+            self._waiting.discard(req.request_id)
         if self.prefill is None:
             return None, self.placement
         if req.params.prompt_logprobs is not None:  # made where the prompt is computed: here
@@ -376,18 +380,22 @@ class DecodeServer(StreamedRequests):
             if await self._prefill_gone.get():  # a dead writer writes no more
                 call.cancel()
                 return self._call_failed(rid, PrefillPoolGone("no prefill replica is alive"))
+        if h.outcome.done() and h.fence is not None or not (answer.done() or call.done()):
+            # Released (its deadline) while the call ran, even if its answer came meanwhile:
+            # prefilled here. On a one-sided transport its blocks stay fenced until the call
+            # ends, and a later run of the id (an early start's call) waits for that too: the
+            # late answer, or the transport's word, names this id's transfer.
+            self._calls.pop(rid, None)
+            self._fence_until_over(rid, h, call)
+            self._count_failure("deadline")
+            log.warning("request %s: no KV from the prefill replica by the deadline (%s); "
+                        "prefilling here", rid, h.reason)
+            return None
         if answer.done():  # its push has ended DONE; the call's return (the same) follows
             call.add_done_callback(retrieved)
             self._calls.pop(rid, None)
             result = PrefillResult.from_wire(answer.result())
             return await self._answered(rid, h, result, timing)
-        if not call.done():  # released (its deadline) while the call runs: its blocks stay
-            asyncio.ensure_future(self._unfence_when_over(h, call))  # fenced until it ends
-            self._calls.pop(rid, None)
-            self._count_failure("deadline")
-            log.warning("request %s: no KV from the prefill replica by the deadline (%s); "
-                        "prefilling here", rid, h.reason)
-            return None
         if (exc := call.exception()) is not None:
             return self._call_failed(rid, exc)
         self._calls.pop(rid, None)
@@ -499,12 +507,25 @@ class DecodeServer(StreamedRequests):
         h, call = self._calls.pop(request_id, (None, None))
         if self.aengine.error is not None:
             return
+        if h is None and request_id in self._waiting:  # a later run cancelled while it waited
+            self._waiting.discard(request_id)  # for an earlier run's call: it took nothing,
+            return  # and that run's hand-over (its blocks, fenced) is left alone
         running = call is not None and not call.done()
         self.aengine.submit(lambda e: self.handovers.abandon(e, request_id, running))
         if running:  # a later run of the id waits for it (its answer, its blocks)
-            ended = self._fenced[request_id] = asyncio.ensure_future(
-                self._end_when_answered(h, call))
-            ended.add_done_callback(lambda done: self._forget(self._fenced, request_id, done))
+            self._wait_for(request_id, self._end_when_answered(h, call))
+
+    def _fence_until_over(self, rid: str, h, call: asyncio.Future) -> None:
+        """The hand-over ended while its call runs: its blocks come back once the call has
+        ended (:meth:`_unfence_when_over`), and a later run of the id waits for that."""
+        if call.done() and h.fence is None:
+            return
+        self._wait_for(rid, self._unfence_when_over(h, call))
+
+    def _wait_for(self, rid: str, ending) -> None:
+        """A later run of ``rid`` waits for ``ending`` (an earlier run's call) to end."""
+        ended = self._fenced[rid] = asyncio.ensure_future(ending)
+        ended.add_done_callback(lambda done: self._forget(self._fenced, rid, done))
 
     async def _end_when_answered(self, h, call: asyncio.Future) -> None:
         """An abandoned hand-over's call, still running: once it has answered (its push is

@@ -147,6 +147,10 @@ class PrefillServer:
             except TransferError as exc:
                 self._count(None, type(exc).__name__)
                 raise
+            if req.dest.expired():  # (a call queued past its deadline: the receiver has moved
+                self._count(None, "not_started")  # on, so the prompt is not computed for it)
+                raise PushNotStarted(f"push of {rid} failed: deadline passed before the push "
+                                     "started")
             push = _Push(self, req)
             timing = PrefillTiming(received=received, replica=self.replica)
             first = await self._first_token(req, rid, received, push, timing,

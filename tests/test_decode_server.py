@@ -406,11 +406,15 @@ def test_a_request_abandoned_during_the_push_keeps_its_blocks_until_the_prefill_
     asyncio.run(main())
 
 
-def test_a_later_run_of_an_id_waits_for_the_blocks_its_earlier_run_left_fenced(roles, offline):
+@pytest.mark.parametrize("later", ["runs", "is cancelled"])
+def test_a_later_run_of_an_id_waits_for_the_blocks_its_earlier_run_left_fenced(roles, offline,
+                                                                                later):
     """An aborted run (an early start dropped because its call came late) whose prefill call
     still writes into its blocks, then the late call under the same id: that run starts once the
     fenced blocks are released (the prefill call has answered), gives the offline tokens, and
-    the fenced blocks are never handed back while the push may still write them."""
+    the fenced blocks are never handed back while the push may still write them. Cancelled
+    while it waits (its client went away), it took nothing, so its abort leaves the earlier
+    run's hand-over alone (before, that abort released its blocks under the push)."""
     prefill, handle, decode = roles({"delay": 0.5})
 
     async def main():
@@ -418,29 +422,42 @@ def test_a_later_run_of_an_id_waits_for_the_blocks_its_earlier_run_left_fenced(r
         fenced = await _abandoned_during_the_push(decode, handle, sink)
         late = asyncio.ensure_future(generate(decode, sink, PROMPTS[1], "r", GREEDY))
         await asyncio.sleep(0.2)
+        if later == "is cancelled":
+            late.cancel()
+            await asyncio.gather(late, return_exceptions=True)
+            await decode.aengine.call(lambda e: None)  # (any abort it queued has run)
         assert fenced > 0 and decode.held_blocks == fenced  # still the first run's, fenced
-        assert handle.calls == 1 and not late.done()  # the late run waits for them
-        tokens, result = await asyncio.wait_for(late, 30)
-        assert tokens == offline[1] and result.transfer is not None
-        assert handle.calls == 2
+        assert handle.calls == 1 and handle.answered == 0
+        if later == "runs":
+            assert not late.done()  # the late run waits for them
+            tokens, result = await asyncio.wait_for(late, 30)
+            assert tokens == offline[1] and result.transfer is not None
+            assert handle.calls == 2
         await until_idle(prefill, decode)
         await sink.close()
 
     asyncio.run(main())
 
 
-def test_a_later_run_of_an_id_waits_for_its_earlier_runs_call_past_the_lease(roles, offline):
-    """As above, but the earlier run's lease reaches its deadline (1 s) while its write is still
-    in flight (to 1.6 s): its blocks are set aside, and the later run still waits for that
-    call's end (its answer, under the same id, must not be taken for the later run's), then
-    runs with the offline tokens; the set-aside blocks come back once the write has ended."""
+@pytest.mark.parametrize("first", ["abandoned", "prefilled here"])
+def test_a_later_run_of_an_id_waits_for_a_call_that_outlived_its_lease(roles, offline, first):
+    """A run's lease reaches its deadline (1 s) while its write is still in flight (to 1.6 s):
+    its blocks are set aside, and a later run of the same id (an early start's call) waits for
+    that prefill call's end before its own hand-over (its late answer, and the transport's word,
+    name the same id's transfer), whether the first run was abandoned during the push or went
+    on to be prefilled here; then it runs with the offline tokens, and the set-aside blocks
+    come back once the write has ended."""
     prefill, handle, decode = roles(timeout_s=1.0)
     _slow_writes(prefill.endpoint, 1.6)
 
     async def main():
         sink = TokenSink()
         t0 = time.monotonic()
-        await _abandoned_during_the_push(decode, handle, sink)
+        if first == "abandoned":
+            await _abandoned_during_the_push(decode, handle, sink)
+        else:
+            tokens, result = await generate(decode, sink, PROMPTS[1], "r", GREEDY)
+            assert tokens == offline[1] and result.transfer is None
         late = asyncio.ensure_future(generate(decode, sink, PROMPTS[1], "r", GREEDY))
         while time.monotonic() < t0 + 1.4:  # past the first lease's end, not its write's
             await asyncio.sleep(0.05)
@@ -450,6 +467,33 @@ def test_a_later_run_of_an_id_waits_for_its_earlier_runs_call_past_the_lease(rol
         assert tokens == offline[1] and handle.calls == 2
         await until_idle(prefill, decode)
         await sink.close()
+
+    asyncio.run(main())
+
+
+def test_an_answer_that_comes_as_the_lease_is_fenced_prefills_here(roles, offline):
+    """The sender's write ended just past its deadline (DONE), and its answer came in the same
+    turn as the lease's end (fenced): the request is prefilled here, not failed, and the fence
+    ends with the call."""
+    from types import SimpleNamespace
+
+    from contracts.messages import DecodeTiming, PrefillResult
+    from kvtransfer import TransferStats
+
+    _, _, decode = roles()
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        outcome, call, answer = loop.create_future(), loop.create_future(), loop.create_future()
+        h = SimpleNamespace(outcome=outcome, fence="fenced/x/0", reason="deadline passed")
+        outcome.set_result(h)
+        result = PrefillResult(request_id="x", first_token=7, first_logprob=None,
+                               num_prompt_tokens=4, num_cached_tokens=0,
+                               stats=TransferStats(backend="local"), prefill_seconds=0.01)
+        call.set_result(result)
+        answer.set_result(result.to_wire())
+        assert await decode._handed_over("x", h, call, answer, DecodeTiming()) is None
+        await asyncio.sleep(0)  # the fence's end: at once, the call has ended
 
     asyncio.run(main())
 
@@ -481,8 +525,8 @@ def test_abort_anywhere_is_harmless_twice_and_ids_stay_apart(roles, offline):
 
 def test_a_push_whose_deadline_passed_before_it_started_says_so(roles):
     """A prefill call that reaches its replica after the hand-over's deadline (queued while the
-    replica restarted) prefills, writes nothing and raises ``PushNotStarted``, which the decode
-    replica answers with a local prefill (above), not an error."""
+    replica restarted) computes nothing, writes nothing and raises ``PushNotStarted``, which the
+    decode replica answers with a local prefill (above), not an error."""
     from contracts.messages import PrefillRequest
 
     prefill, _, decode = roles()
@@ -492,6 +536,7 @@ def test_a_push_whose_deadline_passed_before_it_started_says_so(roles):
         with pytest.raises(PushNotStarted, match="deadline passed before the push started"):
             await prefill.prefill(PrefillRequest(tuple(PROMPTS[1]), GREEDY, dest,
                                                  decode.endpoint.info()))
+        assert prefill.aengine.engine.stats.prompt_tokens == 0  # not computed for nobody
         decode.abort("late")
         await until_idle(decode, prefill)
 

@@ -392,6 +392,30 @@ def test_importing_nixl_keeps_the_process_log_handlers():
     assert out.strip().endswith("['before', 'after']")
 
 
+def test_an_nccl_push_to_a_peer_that_does_not_answer_never_blocks_its_caller():
+    """The sender's join is a rendezvous that waits for the peer (up to the timeout for one that
+    is gone); its caller, the engine thread, must not wait with it: ``push`` returns at once,
+    the transfer fails once the join has, and the link is forgotten (the next push joins
+    again)."""
+    import socket
+    from dataclasses import replace
+
+    sender = KVEndpoint(torch.zeros(2, 8, 2, 2, 4, 4), LAYOUT, "nccl", timeout_s=1.0)
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    gone = replace(sender.info(), endpoint_id="gone",
+                   connections=(("nccl", f"127.0.0.1:{port}".encode()),))
+    try:
+        start = time.monotonic()
+        t = sender.push(gone, KVDestination("r", "gone", (1,), 0, time.time() + 30), [2])
+        assert time.monotonic() - start < 0.5 and t.state is TransferState.IN_FLIGHT
+        assert sender.wait(t, timeout=20) is TransferState.FAILED
+        assert "gone" not in sender.backend._links
+    finally:
+        sender.close()
+
+
 def test_a_failed_write_forgets_the_peer_but_a_deadline_does_not():
     """A restarted replica is a new endpoint; a write to the old one fails in the transport and
     the sender drops what it kept of it (a NIXL remote agent, a mapped CUDA cache). A write that

@@ -35,9 +35,10 @@ POLL_S = 0.0005
 
 @dataclass
 class _Link:
-    group: object
-    store: object  # the pair's prefix of the receiver's store
-    executor: ThreadPoolExecutor
+    executor: ThreadPoolExecutor  # the link's one thread: its join, then its sends, in order
+    joined: Future | None = None
+    group: object = None
+    store: object = None  # the pair's prefix of the receiver's store
     next_seq: int = field(default=0)
 
 
@@ -72,16 +73,23 @@ class NcclBackend(TransportBackend):
 
     # -- sender -----------------------------------------------------------------------------
     def connect(self, peer: EndpointInfo) -> None:
+        """Start joining ``peer`` on the link's own thread and return at once: the join is a
+        rendezvous that waits for the peer (up to the timeout, for one that is gone), and the
+        caller is the engine thread. The link's sends queue behind it; a failed join fails
+        them, and the endpoint then forgets the link (the next push joins again)."""
         if peer.endpoint_id in self._links:
             return
+        link = _Link(ThreadPoolExecutor(1, "kv-nccl-send"))
+        link.joined = link.executor.submit(self._join, link, peer)
+        self._links[peer.endpoint_id] = link
+
+    def _join(self, link: _Link, peer: EndpointInfo) -> None:
         host, port = peer.connection.decode().rsplit(":", 1)
         client = dist.TCPStore(host, int(port), is_master=False, timeout=self.timeout)
         ticket = client.add("joins", 1) - 1
         client.set(f"join/{ticket}", self.endpoint_id)
-        pair_store = dist.PrefixStore(f"pair/{self.endpoint_id}/", client)
-        group = self._make_group(dist.PrefixStore("pg/", pair_store), rank=0)
-        self._links[peer.endpoint_id] = _Link(group, pair_store,
-                                              ThreadPoolExecutor(1, "kv-nccl-send"))
+        link.store = dist.PrefixStore(f"pair/{self.endpoint_id}/", client)
+        link.group = self._make_group(dist.PrefixStore("pg/", link.store), rank=0)
 
     def start_write(self, peer, transfer_id, src_blocks, dst_blocks, heads=None) -> Future:
         link = self._links[peer.endpoint_id]
@@ -90,6 +98,7 @@ class NcclBackend(TransportBackend):
 
     def _send(self, link: _Link, transfer_id: str, src: list[int], dst: list[int],
               heads: HeadSlice | None) -> None:
+        link.joined.result()  # (done: it ran first on this thread) its error, if it failed
         header = {"transfer_id": transfer_id, "dst": dst}
         if heads is not None:  # the receiver writes them at its first head heads.dst
             header["heads"] = [heads.dst, heads.count]
@@ -108,6 +117,9 @@ class NcclBackend(TransportBackend):
         receives)."""
         return torch.empty((cache.shape[0], n, *cache.shape[2:]), dtype=cache.dtype,
                            device=cache.device)
+
+    def release_write(self, handle: Future) -> None:
+        handle.cancel()  # a send still queued (behind a join that has not ended) never runs
 
     def check_write(self, handle: Future) -> TransferState:
         if not handle.done():

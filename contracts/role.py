@@ -18,6 +18,9 @@ log = logging.getLogger("baton.role")
 
 # How often a role replica looks at its engine (``RoleDeployment.watch_engine``).
 ENGINE_WATCH_S = 0.5
+# A listing of a role's replica actors (the cluster's registry) that has not answered by then
+# is taken as unknown, as one that failed.
+REGISTRY_TIMEOUT_S = 5.0
 
 
 def load_report(aengine, endpoint) -> dict:
@@ -147,7 +150,7 @@ async def any_replica_answers(handle, timeout_s: float) -> bool:
         tasks = [asyncio.ensure_future(ask())]
     else:
         try:
-            actors = await asyncio.to_thread(replica_actors, prefix)
+            actors = await listed_replica_actors(prefix)
         except Exception:  # noqa: BLE001 - the cluster's registry did not answer
             return True
         tasks = [asyncio.ensure_future(_ping(a)) for a in actors]
@@ -185,7 +188,7 @@ async def role_gone(handle, timeout_s: float) -> bool:
     if prefix is None:
         return False
     try:
-        actors = await asyncio.to_thread(replica_actors, prefix)
+        actors = await listed_replica_actors(prefix)
     except Exception:  # noqa: BLE001 - the cluster's registry did not answer
         return False
     if not actors:
@@ -207,7 +210,7 @@ async def role_full(handle, max_ongoing: int | None, timeout_s: float) -> bool:
     if prefix is None or max_ongoing is None:
         return await any_replica_answers(handle, timeout_s)
     try:
-        actors = await asyncio.to_thread(replica_actors, prefix)
+        actors = await listed_replica_actors(prefix)
     except Exception:  # noqa: BLE001 - the cluster's registry did not answer
         return False
     tasks = [asyncio.ensure_future(actor.get_num_ongoing_requests.remote()) for actor in actors]
@@ -281,6 +284,12 @@ def replica_actors(prefix: str) -> list:
         except ValueError:  # gone since it was listed
             continue
     return actors
+
+
+async def listed_replica_actors(prefix: str) -> list:
+    """:func:`replica_actors` off the event loop, bounded by ``REGISTRY_TIMEOUT_S`` (a registry
+    that does not answer raises ``TimeoutError``, which callers take as "not known")."""
+    return await asyncio.wait_for(asyncio.to_thread(replica_actors, prefix), REGISTRY_TIMEOUT_S)
 
 
 async def _ping(actor) -> None:

@@ -400,3 +400,114 @@ def test_a_role_is_full_only_while_every_live_replica_holds_its_bound(monkeypatc
         assert not await full(4, 0) and not await full()
 
     asyncio.run(main())
+
+
+def test_a_registry_that_does_not_answer_is_not_known_and_waits_no_longer(monkeypatch):
+    """The cluster's registry (the listing of a role's replica actors) hangs: each question
+    about the role gives its "not known" answer once ``REGISTRY_TIMEOUT_S`` has passed (alive,
+    not gone, not full), instead of waiting with it."""
+    import time
+
+    import contracts.role as role
+
+    def hung(prefix):
+        time.sleep(1.0)
+        return []
+
+    monkeypatch.setattr(role, "replica_actor_prefix", lambda handle: "SERVE_REPLICA::x#")
+    monkeypatch.setattr(role, "replica_actors", hung)
+    monkeypatch.setattr(role, "REGISTRY_TIMEOUT_S", 0.1)
+
+    async def main():
+        start = time.monotonic()
+        assert await role.any_replica_answers(object(), 0.2)
+        assert not await role.role_gone(object(), 0.2)
+        assert not await role.role_full(object(), 4, 0.2)
+        assert time.monotonic() - start < 0.6
+
+    asyncio.run(main())
+
+
+class _Pool2:
+    """A deployment handle whose calls fail at once (``fail``) or stay pending (recorded)."""
+
+    def __init__(self, fail: BaseException | None = None):
+        self.generate, self.fail, self.calls = self, fail, []
+
+    def remote(self, req):
+        fut = asyncio.get_running_loop().create_future()
+        if self.fail is not None:
+            fut.set_exception(self.fail)
+        self.calls.append((req, fut))
+        return fut
+
+
+def test_a_request_moved_while_its_lost_call_is_followed_is_not_failed_by_it(tok):
+    """Its decode call is lost with the replica; the check that follows finds the decode pool
+    down and moves every request on it, this one too, to the prefill replicas. The lost call's
+    follower must then leave it to its new call, even when it could not have moved it itself
+    (its deadline within the back-off): not failed with the old call's error, and its new call
+    cancelled when the client goes (before, the stream failed and its new call ran on, unread)."""
+    from ray.exceptions import ActorDiedError
+
+    from router.ingress.streams import DecodeClient
+
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+
+    async def main():
+        decode, prefill = _Pool2(ActorDiedError()), _Pool2()
+        client = DecodeClient(decode, tok, fallback=prefill)
+
+        async def down():
+            return False
+        client._decode_alive = down
+        stream = await client.start([5, 6, 7], params, "a")
+        stream.deadline = time.monotonic() + 0.03  # within the first back-off (0.05 s)
+        for _ in range(50):
+            await asyncio.sleep(0.01)
+            if prefill.calls:
+                break
+        await asyncio.sleep(0.1)
+        assert stream.call_id == "a~1" and len(prefill.calls) == 1 and stream.error is None
+        client.close(stream)
+        assert prefill.calls[0][1].cancelled()
+        await client.sink.close()
+
+    asyncio.run(main())
+
+
+def test_a_call_no_replica_takes_is_asked_about_until_the_pool_is_found_down(tok, monkeypatch):
+    """A decode call no replica has taken (Serve holds it: the pool's only replica is still
+    starting), for a request moved there with tokens already: the ingress asks whether any
+    decode replica is alive every ``DECODE_SILENT_S`` until one takes it, and moves the request
+    to the prefill replicas once none answers (before, it asked once, and never for a request
+    with tokens)."""
+    import router.ingress.streams as streams
+    from router.ingress.streams import DecodeClient
+
+    monkeypatch.setattr(streams, "DECODE_SILENT_S", 0.05)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+
+    async def main():
+        decode, prefill = _Pool2(), _Pool2()
+        client = DecodeClient(decode, tok, fallback=prefill)
+        asked = []
+
+        async def alive():
+            asked.append(time.monotonic())
+            return len(asked) < 3  # the replica that answered is gone by the third question
+        client._decode_alive = alive
+        stream = RequestStream("m", 3, params, None)
+        stream.prompt_token_ids, stream.token_ids = (5, 6, 7), [8, 9]  # moved, with 2 tokens
+        stream.deadline = time.monotonic() + 30
+        client._submit(stream)
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            if prefill.calls:
+                break
+        assert len(asked) >= 3 and len(prefill.calls) == 1
+        assert list(prefill.calls[0][0].prompt_token_ids) == [5, 6, 7, 8, 9]
+        client.close(stream)
+        await client.sink.close()
+
+    asyncio.run(main())

@@ -23,14 +23,15 @@ and position).
 The resumed request is prefilled anew (a prefix-cache hit where the replica holds the blocks).
 
 No decode replica: in a disaggregated app (``fallback``, the prefill deployment), a call lost
-with its replica, or a call without a first token after ``DECODE_SILENT_S`` (Serve holds calls
-while no replica of a deployment runs, without an error), asks the decode deployment whether any
-replica answers (``DECODE_PROBE_TIMEOUT_S``, one question at a time); if none does, the decode
-pool is down: every request on it moves (as above, with the tokens it has), and every request
-after them goes, to the prefill replicas whole (each holds a full engine: it prefills and
-decodes there, ``prefill_worker.server``); the decode pool is asked again every
-``DECODE_PROBE_INTERVAL_S``, and once a replica answers, new requests go to it again (those on
-the prefill replicas finish there).
+with its replica, or a call no replica has taken after ``DECODE_SILENT_S`` (Serve holds calls
+while no replica of a deployment runs, without an error; asked again every ``DECODE_SILENT_S``
+until one takes it), asks the decode deployment whether any replica answers
+(``DECODE_PROBE_TIMEOUT_S``, one question at a time); if none does, the decode pool is down:
+every request on it moves (as above, with the tokens it has), and every request after them goes,
+to the prefill replicas whole (each holds a full engine: it prefills and decodes there,
+``prefill_worker.server``); the decode pool is asked again every ``DECODE_PROBE_INTERVAL_S``,
+and once a replica answers, new requests go to it again (those on the prefill replicas finish
+there).
 A token that ends a request comes in the same delta as its finish reason, so a stream that has
 not finished always has tokens left to make.
 """
@@ -57,7 +58,7 @@ log = serve_logger(__name__)
 
 MAX_MIGRATIONS = 32  # moves of one request; the deadline bounds them too
 MIGRATION_BACKOFF_S = (0.05, 0.2, 0.5, 1.0)  # then 1 s: Serve learns of a death in about that
-DECODE_SILENT_S = 1.0  # a decode call without a first token by then: is any replica alive?
+DECODE_SILENT_S = 1.0  # a decode call no replica has taken by then: is any replica alive?
 DECODE_PROBE_TIMEOUT_S = 1.0  # a decode replica that has not answered by then: none alive
 DECODE_PROBE_INTERVAL_S = 0.5  # while the decode pool is down: how often to ask again
 
@@ -346,9 +347,14 @@ class DecodeClient:
         stream.call_done.set()
 
     def _if_silent(self, stream: RequestStream, rid: str) -> None:
-        if stream.call_id == rid and not stream.token_ids and not stream.ended.is_set() \
+        """A decode call no replica has taken yet (Serve holds calls while none of the
+        deployment's replicas runs): is any decode replica alive? Asked again every
+        ``DECODE_SILENT_S`` until one takes it, moved requests' calls too (they have tokens:
+        a request moved onto a pool whose only replica is still starting)."""
+        if stream.call_id == rid and not stream.accepted and not stream.ended.is_set() \
                 and not stream.cancelled:
             asyncio.ensure_future(self._check_decode())
+            asyncio.get_running_loop().call_later(DECODE_SILENT_S, self._if_silent, stream, rid)
 
     def _call_with_own_id(self, pool, req: GenerateRequest):
         from dataclasses import replace
@@ -372,10 +378,12 @@ class DecodeClient:
             self.sink.unregister(rid)
             if replica_lost(exc) and stream.pool is self.decode and self.fallback is not None:
                 await self._check_decode()
-            if replica_lost(exc) and await self._may_migrate(stream):
+            if replica_lost(exc) and stream.call_id == rid and await self._may_migrate(stream):
                 if stream.call_id == rid:
                     self._move(stream, f"replica lost ({type(exc).__name__}: {exc})")
                 return
+            if stream.call_id != rid:
+                return  # moved meanwhile (the decode pool found down): the new call decides
             stream.fail(exc)
             stream.ended.set()
             stream.call_done.set()
@@ -398,7 +406,7 @@ class DecodeClient:
         elif await self._may_migrate(stream):
             if stream.call_id == rid:  # not moved meanwhile (the decode pool found down)
                 self._move(stream, "token channel lost after its call ended")
-        else:
+        elif stream.call_id == rid:  # (moved during the pause: the new call decides)
             stream.fail(TokenChannelLost(f"request {stream.request_id}: its token channel "
                                          "closed before its last tokens"))
             stream.ended.set()

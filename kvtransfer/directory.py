@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 TTL_S = 30.0
 SCAN_INTERVAL_S = 1.0
 RETRY_S = 10.0  # a warming that failed is tried again this much later, while the peer is listed
+STALE_AFTER_TTLS = 10  # an entry this many TTLs old is deleted by the reader that finds it
 STORE_TIMEOUT_S = 5.0  # a call to the cluster's key-value store (the GCS)
 
 
@@ -114,7 +115,9 @@ class PeerDirectory:
         self.store.delete(self.prefix + endpoint_id)
 
     def peers(self) -> list[EndpointInfo]:
-        """Every receiver refreshed within ``ttl_s``."""
+        """Every receiver refreshed within ``ttl_s``. An entry not refreshed for
+        ``STALE_AFTER_TTLS`` times that long (its replica crashed, or exited without withdrawing
+        it) is deleted, so the store does not keep every receiver that ever ran."""
         now, found = self.clock(), []
         for key in self.store.keys(self.prefix):
             raw = self.store.get(key)
@@ -123,6 +126,8 @@ class PeerDirectory:
             stamp, info = pickle.loads(raw)
             if now - stamp <= self.ttl_s:
                 found.append(info)
+            elif now - stamp > STALE_AFTER_TTLS * self.ttl_s:
+                self.store.delete(key)
         return found
 
 

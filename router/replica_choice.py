@@ -215,8 +215,10 @@ class KVAwareRouter(RequestRouter):
         self._state()
         rid, blocks = self.sent.pop(internal_request_id, (None, 0))
         if rid is not None:
-            self.active[rid] = max(0, self.active.get(rid, 0) - blocks)
-            self.requests[rid] = max(0, self.requests.get(rid, 0) - 1)
+            if rid in self.active:  # (not a replica forgotten since: no record made again)
+                self.active[rid] = max(0, self.active[rid] - blocks)
+            if rid in self.requests:
+                self.requests[rid] = max(0, self.requests[rid] - 1)
         else:
             self.ended[internal_request_id] = True
             while len(self.ended) > 4096:  # ends of requests never routed with tokens
@@ -224,10 +226,23 @@ class KVAwareRouter(RequestRouter):
 
     def on_replica_actor_died(self, replica_id) -> None:
         self._state()
-        self.held.pop(replica_id.unique_id, None)
-        self.active.pop(replica_id.unique_id, None)
-        self.requests.pop(replica_id.unique_id, None)
+        self._forget_replicas({replica_id.unique_id})
         super().on_replica_actor_died(replica_id)
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        """Serve's new set of replicas (a scale-down, a redeploy, a replacement): the records of
+        those no longer in it go (each replica's held blocks are up to twice its cache)."""
+        self._state()
+        super().update_replicas(replicas)
+        live = {r.replica_id.unique_id for r in replicas}
+        self._forget_replicas({uid for d in (self.held, self.active, self.requests)
+                               for uid in d if uid not in live})
+
+    def _forget_replicas(self, uids: set[str]) -> None:
+        for uid in uids:
+            self.held.pop(uid, None)
+            self.active.pop(uid, None)
+            self.requests.pop(uid, None)
 
 
 def capacity(replica: RunningReplica) -> tuple[int, int]:

@@ -45,6 +45,9 @@ def test_the_directory_lists_fresh_entries_of_its_scope_only():
     assert [p.endpoint_id for p in app.peers()] == ["b"]
     app.withdraw("b")
     assert app.peers() == [] and [p.endpoint_id for p in other.peers()] == ["x"]
+    assert store.keys("kv-receivers/app/") == ["kv-receivers/app/a"]  # stale, kept a while
+    now[0] += 10 * 30  # ten TTLs without a refresh: its replica crashed; the reader deletes it
+    assert app.peers() == [] and store.keys("kv-receivers/app/") == []
 
 
 @pytest.mark.e2e

@@ -233,3 +233,25 @@ def test_no_early_start_where_it_cannot_be_claimed_or_would_add_to_a_busy_replic
     router.on_request_completed(None, "internal-before0")  # one ends: room by this count
     assert router.start_early(_call("d", reply_to=req.reply_to)[0]) == \
         (case == "busy by this router's count")
+
+
+def test_a_retired_replicas_records_go_with_it(monkeypatch):
+    """Serve's new set of replicas without one (a scale-down or a redeploy, not a death): the
+    router forgets what it kept of that replica (its held blocks, up to twice its cache; its
+    requests in flight), and a late completion of a request sent there does not bring the
+    record back."""
+    from ray.serve._private.request_router.request_router import RequestRouter
+
+    monkeypatch.setattr(RequestRouter, "update_replicas", lambda self, replicas: None)
+    a, b = _replica("a"), _replica("b")
+    routed = _Routed([a, b])
+    routed.send(list(range(100, 164)), to=a)
+    routed.send(list(range(200, 264)), to=b)
+    assert set(routed.router.held) == set(routed.router.active) == {"a", "b"}
+    routed.router.update_replicas([b])
+    assert set(routed.router.held) == set(routed.router.active) == {"b"}
+    assert set(routed.router.requests) == {"b"}
+    routed.done(0)  # the request sent to a ends after a was retired
+    assert set(routed.router.active) == set(routed.router.requests) == {"b"}
+    routed.done(1)
+    assert routed.router.active == {"b": 0} and routed.router.requests == {"b": 0}

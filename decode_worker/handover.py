@@ -229,8 +229,7 @@ class HandOvers:
         engine.set_aside(h.request_id, h.fence)
         # At the latest once the longest a sender keeps a write past its deadline has passed
         # (a frozen prefill replica never answers; its copies ended long before).
-        self._fenced[h.fence] = (time.time() + kv_endpoint.DRAIN_MAX_S
-                                 + kv_endpoint.RECV_GRACE_S, h)
+        self._fenced[h.fence] = (time.time() + kv_endpoint.late_write_bound_s(), h)
         self._live.pop(h.request_id, None)
         h._end(State.RELEASED, reason)
 

@@ -178,8 +178,8 @@ class DecodeServer(StreamedRequests):
             # and the blocks are released, instead of being refused (bounded: the lease, then
             # the longest a sender keeps a write past its deadline).
             self._waiting.add(req.request_id)  # (kept if cancelled: abort takes it)
-            await asyncio.wait({fenced}, timeout=self.timeout_s + kv_endpoint.DRAIN_MAX_S
-                               + kv_endpoint.RECV_GRACE_S)
+            await asyncio.wait({fenced},
+                               timeout=self.timeout_s + kv_endpoint.late_write_bound_s())
             self._waiting.discard(req.request_id)
         if self.prefill is None:
             return None, self.placement
@@ -380,7 +380,7 @@ class DecodeServer(StreamedRequests):
             if await self._prefill_gone.get():  # a dead writer writes no more
                 call.cancel()
                 return self._call_failed(rid, PrefillPoolGone("no prefill replica is alive"))
-        if h.outcome.done() and h.fence is not None or not (answer.done() or call.done()):
+        if (h.outcome.done() and h.fence is not None) or not (answer.done() or call.done()):
             # Released (its deadline) while the call ran, even if its answer came meanwhile:
             # prefilled here. On a one-sided transport its blocks stay fenced until the call
             # ends, and a later run of the id (an early start's call) waits for that too: the
@@ -446,8 +446,8 @@ class DecodeServer(StreamedRequests):
         (a frozen prefill replica never answers; its copies have ended long before). The call
         is then dropped."""
         if h.fence is not None:
-            await asyncio.wait({call}, timeout=kv_endpoint.DRAIN_MAX_S
-                               + kv_endpoint.RECV_GRACE_S)  # (HandOvers ends it then anyway)
+            # (HandOvers ends the fence then anyway)
+            await asyncio.wait({call}, timeout=kv_endpoint.late_write_bound_s())
         call.cancel()
         call.add_done_callback(retrieved)
         if h.fence is not None and self.aengine.error is None:

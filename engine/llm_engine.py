@@ -349,10 +349,7 @@ class LLMEngine:
         seq = self.scheduler.find(request_id)
         if seq is None:
             return False
-        blocks, seq.block_ids = seq.block_ids, []
-        self.scheduler.finish(seq, FinishReason.ABORT)
-        if blocks:
-            self.scheduler.held[key] = blocks
+        self.scheduler.finish(seq, FinishReason.ABORT, hold_as=key)
         return True
 
     def has_unfinished_requests(self) -> bool:

@@ -130,9 +130,10 @@ class Scheduler:
     def num_releases(self) -> int:
         return self.kv.num_releases
 
-    def finish(self, seq: Sequence, reason: FinishReason) -> None:
-        """End a sequence wherever it is and give its blocks back (or, for a prefill-role
-        sequence that finished normally, keep them in ``held`` until :meth:`release_held`)."""
+    def finish(self, seq: Sequence, reason: FinishReason, hold_as: str | None = None) -> None:
+        """End a sequence wherever it is and give its blocks back (or keep them in ``held``
+        until :meth:`release_held`: a prefill-role sequence that finished normally, under its
+        id; any, under ``hold_as``)."""
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
@@ -141,8 +142,10 @@ class Scheduler:
         self.loading.pop(seq.request_id, None)
         self.requests.pop(seq.request_id, None)
         seq.drop_pending()
-        if seq.hold_blocks and reason is not FinishReason.ABORT and seq.block_ids:
-            self.held[seq.request_id] = seq.block_ids
+        if hold_as is None and seq.hold_blocks and reason is not FinishReason.ABORT:
+            hold_as = seq.request_id
+        if hold_as is not None and seq.block_ids:
+            self.held[hold_as] = seq.block_ids
             seq.block_ids = []
         else:
             self.kv.free(seq)

@@ -47,8 +47,16 @@ RECV_GRACE_S = 0.25
 # any more; a receiver that gave up meanwhile keeps its blocks out of use until that answer
 # (``decode_worker.handover``: fenced), for at most as long.
 DRAIN_MAX_S = 5.0
+
 WARM_TIMEOUT_S = 60.0
 LANDED_EARLY_MAX = 4096  # unclaimed landings kept (a landing's transfer comes within ms)
+
+
+def late_write_bound_s() -> float:
+    """How long a receiver keeps a lease's blocks fenced after giving it up: the sender's
+    longest drain past the deadline plus the receiver's grace, which covers the last write's
+    landing with room to spare (read at call time, so a shorter ``DRAIN_MAX_S`` applies)."""
+    return DRAIN_MAX_S + RECV_GRACE_S
 
 
 @dataclass
